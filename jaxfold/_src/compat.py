@@ -1,0 +1,179 @@
+"""Every difference between the JAX versions we support lives here.
+
+jax 0.10 (CI, Python 3.11) and jax 0.11 (GPU machines, Python 3.12) differ in
+how closed jaxprs are represented (0.11 merged ``Jaxpr`` and ``ClosedJaxpr``),
+in the scan parameters (``num_consts``/``num_carry`` became ``ft_in``) and in
+where ``Var``/``Literal`` live. Primitives are discovered by tracing tiny
+programs, so we compare them by identity and never by name.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+try:  # jax >= 0.4.30
+  from jax.extend import core as _jcore
+except ImportError:  # pragma: no cover
+  from jax import core as _jcore  # type: ignore
+
+Var = _jcore.Var
+Literal = _jcore.Literal
+DropVar = getattr(_jcore, "DropVar", ())
+JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:2])
+
+
+def open_jaxpr(j: Any) -> tuple[Any, list[Any]]:
+  """Returns ``(jaxpr, consts)`` for a Jaxpr, ClosedJaxpr or merged 0.11 Jaxpr."""
+  inner = getattr(j, "jaxpr", j)
+  consts = list(getattr(j, "consts", ()) or ())
+  if inner is j:  # 0.11 merged form: consts live on the jaxpr itself.
+    return j, consts
+  return inner, consts
+
+
+def constvars(jaxpr: Any) -> list[Any]:
+  return list(getattr(jaxpr, "constvars", ()) or ())
+
+
+def is_var(a: Any) -> bool:
+  return isinstance(a, Var) and not isinstance(a, Literal)
+
+
+def is_literal(a: Any) -> bool:
+  return isinstance(a, Literal)
+
+
+def literal_value(a: Any) -> Any:
+  return a.val
+
+
+def aval(a: Any) -> Any:
+  return a.aval
+
+
+def source_summary(eqn: Any) -> str:
+  try:
+    from jax._src import source_info_util as siu
+    return siu.summarize(eqn.source_info)
+  except Exception:  # pragma: no cover - best effort only
+    return "<unknown>"
+
+
+def name_stack(eqn: Any) -> str:
+  try:
+    return str(eqn.source_info.name_stack)
+  except Exception:  # pragma: no cover
+    return ""
+
+
+def bind_eqn(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+  """Evaluates one equation as ``jax.core.eval_jaxpr`` does."""
+  bp = eqn.primitive.get_bind_params(eqn.params)
+  subfuns, params = bp if isinstance(bp, tuple) else ((), bp)  # jax < 0.10 returned a pair
+  try:
+    from jax._src import source_info_util as siu
+    ctx = siu.user_context(eqn.source_info.traceback,
+                           name_stack=siu.current_name_stack() + eqn.source_info.name_stack)
+  except Exception:  # pragma: no cover
+    import contextlib
+    ctx = contextlib.nullcontext()
+  with ctx, eqn.ctx.manager:
+    out = eqn.primitive.bind(*subfuns, *invals, **params)
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def scan_partition(params: dict) -> tuple[int, int]:
+  """``(num_consts, num_carry)`` of a scan equation, on either JAX version."""
+  if "num_consts" in params:
+    return params["num_consts"], params["num_carry"]
+  ft_in = params["ft_in"]
+  count = lambda t: len(jax.tree_util.tree_leaves(t, is_leaf=lambda v: v is None))
+  return count(ft_in[0]), count(ft_in[1])
+
+
+def _discover() -> dict[str, Any]:
+  """Finds the primitive objects of higher-order constructs by tracing them."""
+  x = jnp.ones((2,), jnp.float32)
+
+  def first_prim(fn, *args):
+    # The construct is the one equation that carries a sub-jaxpr.
+    eqns = jax.make_jaxpr(fn)(*args).eqns
+    for e in eqns:
+      if any(k in e.params for k in ("jaxpr", "call_jaxpr", "fun_jaxpr", "branches",
+                                     "body_jaxpr")):
+        return e.primitive
+    return eqns[0].primitive
+
+  @jax.custom_jvp
+  def cj(y):
+    return y
+  cj.defjvp(lambda p, t: (p[0], t[0]))
+
+  @jax.custom_vjp
+  def cv(y):
+    return y
+  cv.defvjp(lambda y: (y, None), lambda _, g: (g,))
+
+  prims = {
+      "jit": first_prim(jax.jit(lambda y: y + 1), x),
+      "remat": first_prim(jax.checkpoint(lambda y: y + 1), x),
+      "custom_jvp": first_prim(cj, x),
+      "custom_vjp": first_prim(cv, x),
+      "scan": first_prim(lambda y: lax.scan(lambda c, _: (c, None), y, None, length=2)[0], x),
+      "cond": first_prim(lambda y: lax.cond(y[0] > 0, lambda z: z, lambda z: -z, y), x),
+      "while": first_prim(lambda y: lax.while_loop(lambda c: c[0] < 0, lambda c: c, y), x),
+  }
+  return prims
+
+
+@functools.cache
+def prims() -> dict[str, Any]:
+  return _discover()
+
+
+def call_jaxpr_of(eqn: Any) -> Any | None:
+  """The body of a call-like equation (jit, remat, custom_jvp/vjp), or None."""
+  p = prims()
+  prim = eqn.primitive
+  if prim is p["jit"] or prim is p["remat"]:
+    return eqn.params["jaxpr"]
+  if prim is p["custom_jvp"]:
+    return eqn.params["call_jaxpr"]
+  if prim is p["custom_vjp"]:
+    return eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
+  name = prim.name
+  if name in ("closed_call", "core_call"):
+    return eqn.params.get("call_jaxpr")
+  return None
+
+
+def is_call(eqn: Any) -> bool:
+  return call_jaxpr_of(eqn) is not None
+
+
+def is_remat(eqn: Any) -> bool:
+  return eqn.primitive is prims()["remat"]
+
+
+def is_scan(eqn: Any) -> bool:
+  return eqn.primitive is prims()["scan"]
+
+
+def is_cond(eqn: Any) -> bool:
+  return eqn.primitive is prims()["cond"]
+
+
+def is_while(eqn: Any) -> bool:
+  return eqn.primitive is prims()["while"]
+
+
+def reduce_precision_p() -> Any:
+  return getattr(lax, "reduce_precision_p", None)
+
+
+P = lax  # primitives such as lax.add_p are public in every supported version.

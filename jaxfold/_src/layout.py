@@ -1,0 +1,162 @@
+"""How dimensions map through layout operations.
+
+Two kinds of per-dimension facts travel through reshapes, transposes and
+broadcasts: a shift's *embedding* (forwards) and a zero-sum *spec* (backwards,
+from a normalization towards the parameters). A spec is ``{dim: block}``: the
+value sums to zero over each joint block made of ``block`` consecutive
+elements of every listed dimension. Anything that cannot be mapped exactly
+returns None, and the caller refuses to fold.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+Spec = dict  # {dim: block}
+
+
+def groups(in_shape: Sequence[int], out_shape: Sequence[int]):
+  """Pairs of (input dims, output dims) that a row-major reshape maps together."""
+  out, i, j = [], 0, 0
+  n, m = len(in_shape), len(out_shape)
+  while i < n or j < m:
+    gi, gj = [], []
+    pi = pj = 1
+    if i < n:
+      gi.append(i); pi *= in_shape[i]; i += 1
+    if j < m:
+      gj.append(j); pj *= out_shape[j]; j += 1
+    while pi != pj:
+      if pi < pj and i < n:
+        gi.append(i); pi *= in_shape[i]; i += 1
+      elif j < m:
+        gj.append(j); pj *= out_shape[j]; j += 1
+      else:
+        return None
+    # Trailing size-1 dims join the current group.
+    while i < n and in_shape[i] == 1 and (j >= m or out_shape[j] != 1):
+      gi.append(i); i += 1
+    while j < m and out_shape[j] == 1 and (i >= n or in_shape[i] != 1):
+      gj.append(j); j += 1
+    out.append((gi, gj))
+  return out
+
+
+def _block_to_dims(sizes: Sequence[int], block: int) -> Optional[dict]:
+  """Expresses a contiguous block of a flattened group as per-dim blocks."""
+  spec, rest = {}, block
+  for d in reversed(range(len(sizes))):
+    if rest == 1:
+      break
+    s = sizes[d]
+    if rest >= s:
+      if rest % s:
+        return None
+      if s > 1:
+        spec[d] = s
+      rest //= s
+    else:
+      if s % rest:
+        return None
+      spec[d] = rest
+      rest = 1
+  return spec if rest == 1 else None
+
+
+def _dims_to_block(sizes: Sequence[int], spec: dict) -> Optional[int]:
+  """Inverse of _block_to_dims: the block must be an inner contiguous run."""
+  block, full = 1, True
+  for d in reversed(range(len(sizes))):
+    b = spec.get(d)
+    if b is None:
+      if sizes[d] == 1:
+        continue
+      full = False
+      continue
+    if not full:
+      return None
+    block *= b
+    full = b == sizes[d]
+  return block
+
+
+def reshape_spec_back(spec: Spec, in_shape, out_shape) -> Optional[Spec]:
+  gs = groups(in_shape, out_shape)
+  if gs is None:
+    return None
+  res: Spec = {}
+  for gi, gj in gs:
+    sub = {k: spec[o] for k, o in enumerate(gj) if o in spec}
+    if not sub:
+      continue
+    block = _dims_to_block([out_shape[o] for o in gj], sub)
+    if block is None:
+      return None
+    dims = _block_to_dims([in_shape[i] for i in gi], block)
+    if dims is None:
+      return None
+    res.update({gi[k]: b for k, b in dims.items()})
+  return res
+
+
+def reshape_emb(emb: tuple, in_shape, out_shape) -> Optional[tuple]:
+  """Maps a shift embedding forwards through a reshape."""
+  gs = groups(in_shape, out_shape)
+  if gs is None:
+    return None
+  out = [None] * len(out_shape)
+  for gi, gj in gs:
+    varying = [i for i in gi if emb[i] is not None]
+    if not varying:
+      continue
+    if len(varying) > 1 or varying[0] != next(i for i in gi if in_shape[i] > 1):
+      return None
+    home, block = emb[varying[0]]
+    # Inner dims of the group are constant when the block spans them.
+    inner = math.prod(in_shape[i] for i in gi[gi.index(varying[0]) + 1:])
+    block *= inner
+    sizes = [out_shape[o] for o in gj]
+    first = next((k for k, s in enumerate(sizes) if s > 1), None)
+    if first is None:
+      continue
+    rest = math.prod(sizes[first + 1:])
+    if block % rest:
+      return None
+    b = block // rest
+    if sizes[first] % b:
+      return None
+    out[gj[first]] = (home, b)
+  return tuple(out)
+
+
+def center(x, spec: Spec):
+  """Subtracts the mean over each joint block of ``spec`` (float32 or wider)."""
+  import jax.numpy as jnp
+  dtype = x.dtype
+  acc = jnp.promote_types(dtype, jnp.float32)
+  y = x.astype(acc)
+  shape = list(y.shape)
+  split, axes = [], []
+  for d, s in enumerate(shape):
+    b = spec.get(d)
+    if b is None:
+      split.append(s)
+    else:
+      split.extend([s // b, b])
+      axes.append(len(split) - 1)
+  z = y.reshape(split)
+  z = z - z.mean(axis=tuple(axes), keepdims=True)
+  return z.reshape(shape).astype(dtype)
+
+
+def full_spec(shape, axes) -> Spec:
+  return {a: shape[a] for a in axes}
+
+
+def fmt_spec(spec: Spec, shape) -> str:
+  parts = []
+  for d in sorted(spec):
+    b = spec[d]
+    parts.append(str(d) if b == shape[d] else f"{d}(groups of {b})")
+  return "(" + ", ".join(parts) + ")"

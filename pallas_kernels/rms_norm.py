@@ -1,0 +1,541 @@
+"""RMSNorm and fused residual-add + RMSNorm as Pallas kernels with custom VJPs.
+
+``y = x * rsqrt(mean(x * x, axis=-1) + eps) * scale + bias``, accumulated in
+float32, returned in ``x.dtype``.
+
+Implementation notes
+--------------------
+* Forward **and** backward are Pallas kernels (Triton-style ``pl.pallas_call``
+  with ``BlockSpec``s). The backward kernel computes ``dx`` per row and writes
+  per-program partial sums of ``dscale``/``dbias`` (float32); XLA adds up
+  those few partial rows (``num_programs x hidden``), which is negligible
+  traffic next to ``x``/``dy``.
+* Every input is flattened to ``(rows, hidden)``. A program owns a block of
+  ``block_rows x next_pow2(hidden)`` elements (Triton needs power-of-two
+  blocks); rows past the end and columns past ``hidden`` are masked, so any
+  hidden size and any row count (including 1) work.
+* ``backend="mosaic_gpu"`` selects an unmasked body (blocks exactly tile
+  the array). It runs in interpret mode only: compiling it through Mosaic GPU
+  fails (see ``_NOT_IMPLEMENTED``), so for compiled use it raises a clear
+  ``RuntimeError`` and auto-selection picks Triton.
+* ``interpret=None`` (default): on GPU the kernel runs if
+  :func:`pallas_kernels.dispatch.choose` says so, else the XLA expression;
+  on CPU/TPU always the XLA expression :func:`rms_norm_reference`.
+  ``interpret=True``: always the kernel, in Pallas interpret mode (CPU CI).
+  ``interpret=False``: always the compiled kernel (GPU only).
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> from pallas_kernels import rms_norm
+    >>> x = jnp.arange(6.0).reshape(2, 3)
+    >>> rms_norm(x, jnp.ones(3), eps=1e-6, interpret=True).shape
+    (2, 3)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import dispatch
+from pallas_kernels._compat import BACKENDS, default_platform, pallas_api
+
+_F32 = jnp.float32
+# Elements one program keeps on chip in the forward pass; 4096 fp32 values in
+# registers over 4-8 warps is the sweet spot used by Triton's layer norm.
+_BLOCK_ELEMS = 4096
+# Target number of programs for the backward pass: enough to fill an H100
+# (132 SMs) several times, few enough that the float32 partial sums of
+# dscale/dbias (programs x hidden) stay small.
+_BWD_TARGET_PROGRAMS = 1024
+
+
+# --------------------------------------------------------------------------
+# Reference (also the XLA path)
+# --------------------------------------------------------------------------
+def rms_norm_reference(
+    x: jax.Array, scale: jax.Array, bias: Optional[jax.Array] = None, *, eps: float
+) -> jax.Array:
+    """Pure-jnp RMSNorm with float32 accumulation; output in ``x.dtype``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> y = rms_norm_reference(jnp.array([[3.0, 4.0]]), jnp.ones(2), eps=0.0)
+        >>> [round(float(v), 4) for v in y[0]]
+        [0.8485, 1.1314]
+    """
+    xf = x.astype(_F32)
+    ms = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    y = xf * lax.rsqrt(ms + eps) * scale.astype(_F32)
+    if bias is not None:
+        y = y + bias.astype(_F32)
+    return y.astype(x.dtype)
+
+
+def fused_add_rms_norm_reference(
+    x: jax.Array,
+    residual: jax.Array,
+    scale: jax.Array,
+    bias: Optional[jax.Array] = None,
+    *,
+    eps: float,
+) -> tuple[jax.Array, jax.Array]:
+    """Reference for :func:`fused_add_rms_norm`: ``h = x + residual``, ``(rms_norm(h), h)``.
+
+    ``h`` has dtype ``result_type(x, residual)``; the normalized output has
+    ``x.dtype``. The sum is done in float32 and rounded once.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> y, h = fused_add_rms_norm_reference(jnp.ones((1, 2)), jnp.ones((1, 2)), jnp.ones(2), eps=0.0)
+        >>> h.tolist(), y.tolist()
+        ([[2.0, 2.0]], [[1.0, 1.0]])
+    """
+    h_dtype = jnp.result_type(x.dtype, residual.dtype)
+    h = (x.astype(_F32) + residual.astype(_F32)).astype(h_dtype)
+    y = rms_norm_reference(h, scale, bias, eps=eps).astype(x.dtype)
+    return y, h
+
+
+# --------------------------------------------------------------------------
+# Static configuration
+# --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Hashable, shape-independent settings passed as nondiff args."""
+
+    eps: float
+    backend: str  # "triton" (masked body) | "mosaic_gpu" (unmasked body)
+    interpret: bool
+    x_dtype: str
+    r_dtype: Optional[str]  # residual dtype (fused variant only)
+    h_dtype: Optional[str]  # new_residual dtype = result_type(x, residual)
+
+
+def _largest_pow2_divisor(n: int) -> int:
+    return n & -n
+
+
+def _tiling(n_rows: int, hidden: int, masked: bool) -> tuple[int, int]:
+    """(block_rows, block_cols) of a forward program.
+
+    Triton blocks must be powers of two, so the row is padded to
+    ``next_pow2(hidden)`` and masked. The unmasked (Mosaic) body needs blocks
+    that exactly tile the array: full ``hidden`` and a divisor of ``n_rows``.
+    """
+    cols = pl.next_power_of_2(hidden) if masked else hidden
+    target = max(1, _BLOCK_ELEMS // pl.next_power_of_2(hidden))
+    rows = min(target, pl.next_power_of_2(n_rows))
+    if not masked:
+        rows = min(rows, _largest_pow2_divisor(n_rows))
+    return rows, cols
+
+
+def _bwd_steps(n_rows: int, block_rows: int, masked: bool) -> int:
+    """Row blocks each backward program loops over (power of two)."""
+    steps = pl.next_power_of_2(max(1, pl.cdiv(n_rows, block_rows * _BWD_TARGET_PROGRAMS)))
+    if not masked:
+        steps = min(steps, _largest_pow2_divisor(n_rows // block_rows))
+    return steps
+
+
+def _num_warps(block_elems: int) -> int:
+    # ~16 elements per thread, between 1 and 8 warps.
+    return int(min(max(block_elems // 512, 1), 8))
+
+
+def _call(kernel, *, grid, in_specs, out_specs, out_shape, st: _Static, block_elems: int, name: str):
+    params = None
+    if not st.interpret:
+        params = pallas_api(st.backend).compiler_params(num_warps=_num_warps(block_elems), num_stages=None)
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=st.interpret,
+        compiler_params=params,
+        name=name,
+    )
+
+
+# --------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------
+def _masks(row0, br: int, hp: int, n_rows: int, n_cols: int, masked: bool):
+    """(row_ok (br,), col_ok (hp,), mask (br, hp)) or Nones when unmasked."""
+    if not masked:
+        return None, None, None
+    row_ok = (row0 + jnp.arange(br)) < n_rows
+    col_ok = jnp.arange(hp) < n_cols
+    return row_ok, col_ok, row_ok[:, None] & col_ok[None, :]
+
+
+def _load(ref, mask):
+    if mask is None:
+        return ref[...]
+    return pallas_api("triton").load(ref, mask=mask, other=0)
+
+
+def _store(ref, value, mask):
+    if mask is None:
+        ref[...] = value
+    else:
+        pallas_api("triton").store(ref, value, mask=mask)
+
+
+def _fwd_kernel(*refs, eps, n_rows, n_cols, has_res, has_bias, masked):
+    it = iter(refs)
+    x_ref = next(it)
+    r_ref = next(it) if has_res else None
+    scale_ref = next(it)
+    bias_ref = next(it) if has_bias else None
+    y_ref = next(it)
+    h_ref = next(it) if has_res else None
+    rstd_ref = next(it)
+
+    br, hp = x_ref.shape
+    row_ok, col_ok, mask = _masks(pl.program_id(0) * br, br, hp, n_rows, n_cols, masked)
+    x = _load(x_ref, mask).astype(_F32)
+    if has_res:
+        # Round the sum to the residual-stream dtype first so the normalized
+        # value matches what the next layer will read back from new_residual.
+        h = (x + _load(r_ref, mask).astype(_F32)).astype(h_ref.dtype)
+        _store(h_ref, h, mask)
+        x = h.astype(_F32)
+    scale = _load(scale_ref, col_ok).astype(_F32)
+    rstd = lax.rsqrt(jnp.sum(x * x, axis=1) / n_cols + eps)  # padded cols are 0
+    y = x * rstd[:, None] * scale[None, :]
+    if has_bias:
+        y = y + _load(bias_ref, col_ok).astype(_F32)[None, :]
+    _store(y_ref, y.astype(y_ref.dtype), mask)
+    _store(rstd_ref, rstd, row_ok)
+
+
+def _bwd_kernel(*refs, n_rows, n_cols, steps, has_dres, has_bias, masked):
+    it = iter(refs)
+    x_ref, scale_ref, rstd_ref, dy_ref = next(it), next(it), next(it), next(it)
+    dres_ref = next(it) if has_dres else None
+    dx_ref = next(it)
+    dscale_ref = next(it)
+    dbias_ref = next(it) if has_bias else None
+
+    rows_per_prog, hp = x_ref.shape
+    br = rows_per_prog // steps
+    _, col_ok, _ = _masks(0, 1, hp, n_rows, n_cols, masked)
+    scale = _load(scale_ref, col_ok).astype(_F32)
+    # Read program_id outside the loop: interpret mode only substitutes it at
+    # the top level of the kernel jaxpr, not inside a fori_loop body.
+    prog_row0 = pl.program_id(0) * rows_per_prog
+
+    def body(s, acc):
+        local = pl.ds(s * br, br)
+        row0 = prog_row0 + s * br
+        row_ok, _, mask = _masks(row0, br, hp, n_rows, n_cols, masked)
+        x = _load(x_ref.at[local, :], mask).astype(_F32)
+        dy = _load(dy_ref.at[local, :], mask).astype(_F32)
+        rstd = _load(rstd_ref.at[local], row_ok)  # masked rows -> 0 -> xhat 0
+        xhat = x * rstd[:, None]
+        g = dy * scale[None, :]
+        c = jnp.sum(xhat * g, axis=1) / n_cols
+        dx = (g - xhat * c[:, None]) * rstd[:, None]
+        if has_dres:
+            dx = dx + _load(dres_ref.at[local, :], mask).astype(_F32)
+        _store(dx_ref.at[local, :], dx.astype(dx_ref.dtype), mask)
+        dscale_acc, dbias_acc = acc
+        return dscale_acc + jnp.sum(dy * xhat, axis=0), dbias_acc + jnp.sum(dy, axis=0)
+
+    zeros = jnp.zeros((hp,), _F32)
+    dscale, dbias = lax.fori_loop(0, steps, body, (zeros, zeros))
+    col_ok2 = None if col_ok is None else col_ok[None, :]
+    _store(dscale_ref, dscale[None, :], col_ok2)
+    if has_bias:
+        _store(dbias_ref, dbias[None, :], col_ok2)
+
+
+# --------------------------------------------------------------------------
+# pallas_call wrappers on 2-D inputs
+# --------------------------------------------------------------------------
+def _forward(x, residual, scale, bias, st: _Static):
+    """Returns (y, h or None, rstd) for 2-D ``x``."""
+    n_rows, hidden = x.shape
+    masked = st.backend == "triton"
+    br, hp = _tiling(n_rows, hidden, masked)
+    has_res, has_bias = residual is not None, bias is not None
+    tile = pl.BlockSpec((br, hp), lambda i: (i, 0))
+    vec = pl.BlockSpec((hp,), lambda i: (0,))
+    rows = pl.BlockSpec((br,), lambda i: (i,))
+
+    inputs = [x] + ([residual] if has_res else []) + [scale] + ([bias] if has_bias else [])
+    in_specs = [tile] + ([tile] if has_res else []) + [vec] + ([vec] if has_bias else [])
+    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
+    out_specs = [tile]
+    if has_res:
+        out_shape.append(jax.ShapeDtypeStruct(x.shape, jnp.dtype(st.h_dtype)))
+        out_specs.append(tile)
+    out_shape.append(jax.ShapeDtypeStruct((n_rows,), _F32))
+    out_specs.append(rows)
+
+    kernel = functools.partial(
+        _fwd_kernel, eps=st.eps, n_rows=n_rows, n_cols=hidden, has_res=has_res, has_bias=has_bias, masked=masked
+    )
+    outs = _call(
+        kernel, grid=(pl.cdiv(n_rows, br),), in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, st=st, block_elems=br * hp, name="rms_norm_fwd",
+    )(*inputs)
+    if has_res:
+        return outs[0], outs[1], outs[2]
+    return outs[0], None, outs[1]
+
+
+def _backward(xn, scale, rstd, dy, dres, has_bias: bool, dx_dtype, st: _Static):
+    """dx (dtype ``dx_dtype``), dscale (f32), dbias (f32 or None) for 2-D inputs.
+
+    ``xn`` is the tensor that was normalized; ``dres`` (optional) is added to dx.
+    """
+    n_rows, hidden = xn.shape
+    masked = st.backend == "triton"
+    br, hp = _tiling(n_rows, hidden, masked)
+    steps = _bwd_steps(n_rows, br, masked)
+    rpp = br * steps
+    n_prog = pl.cdiv(n_rows, rpp)
+    tile = pl.BlockSpec((rpp, hp), lambda i: (i, 0))
+    vec = pl.BlockSpec((hp,), lambda i: (0,))
+    rows = pl.BlockSpec((rpp,), lambda i: (i,))
+    part = pl.BlockSpec((1, hp), lambda i: (i, 0))
+
+    has_dres = dres is not None
+    inputs = [xn, scale, rstd, dy] + ([dres] if has_dres else [])
+    in_specs = [tile, vec, rows, tile] + ([tile] if has_dres else [])
+    out_shape = [jax.ShapeDtypeStruct(xn.shape, dx_dtype), jax.ShapeDtypeStruct((n_prog, hidden), _F32)]
+    out_specs = [tile, part]
+    if has_bias:
+        out_shape.append(jax.ShapeDtypeStruct((n_prog, hidden), _F32))
+        out_specs.append(part)
+    kernel = functools.partial(
+        _bwd_kernel, n_rows=n_rows, n_cols=hidden, steps=steps, has_dres=has_dres, has_bias=has_bias, masked=masked
+    )
+    outs = _call(
+        kernel, grid=(n_prog,), in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, st=st, block_elems=br * hp, name="rms_norm_bwd",
+    )(*inputs)
+    dscale = outs[1].sum(axis=0)
+    dbias = outs[2].sum(axis=0) if has_bias else None
+    return outs[0], dscale, dbias
+
+
+# --------------------------------------------------------------------------
+# custom_vjp cores (2-D)
+# --------------------------------------------------------------------------
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _rms_core(x, scale, bias, st: _Static):
+    return _forward(x, None, scale, bias, st)[0]
+
+
+def _rms_core_fwd(x, scale, bias, st):
+    y, _, rstd = _forward(x, None, scale, bias, st)
+    return y, (x, scale, bias, rstd)
+
+
+def _rms_core_bwd(st, res, dy):
+    x, scale, bias, rstd = res
+    dx, dscale, dbias = _backward(x, scale, rstd, dy, None, bias is not None, x.dtype, st)
+    return dx, dscale.astype(scale.dtype), None if bias is None else dbias.astype(bias.dtype)
+
+
+_rms_core.defvjp(_rms_core_fwd, _rms_core_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fused_core(x, residual, scale, bias, st: _Static):
+    y, h, _ = _forward(x, residual, scale, bias, st)
+    return y, h
+
+
+def _fused_core_fwd(x, residual, scale, bias, st):
+    y, h, rstd = _forward(x, residual, scale, bias, st)
+    return (y, h), (h, scale, bias, rstd)
+
+
+def _fused_core_bwd(st, res, cts):
+    h, scale, bias, rstd = res
+    dy, dh = cts
+    # d(new_residual) flows into both x and residual: dh_total = dh + dnorm.
+    dh_total, dscale, dbias = _backward(h, scale, rstd, dy, dh, bias is not None, h.dtype, st)
+    dx = dh_total.astype(jnp.dtype(st.x_dtype))
+    dr = dh_total.astype(jnp.dtype(st.r_dtype))
+    return dx, dr, dscale.astype(scale.dtype), None if bias is None else dbias.astype(bias.dtype)
+
+
+_fused_core.defvjp(_fused_core_fwd, _fused_core_bwd)
+
+
+# --------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------
+# Backends whose *compiled* lowering of these kernels is implemented.
+# Mosaic GPU is not: checked by cross-lowering for CUDA on CPU with jax 0.10,
+# its pl.pallas_call lowering rejects TMA blocks wider than 256 elements
+# ("Async copies only support copying <=256 elements along each dimension")
+# and axis reductions ("No support for axes yet"); jax 0.11 removed that
+# lowering altogether (plgpu.kernel required). A Mosaic GPU RMSNorm needs a
+# separate plgpu.kernel design (chunked TMA + warpgroup reductions).
+_COMPILED_KERNEL_BACKENDS = ("triton",)
+_NOT_IMPLEMENTED = {
+    "mosaic_gpu": "the RMSNorm kernels have no Mosaic GPU implementation yet (pl.pallas_call "
+    "via Mosaic GPU rejects >256-wide blocks and axis reductions; jax>=0.11 needs plgpu.kernel)",
+}
+
+
+def _backend_problem(backend: str) -> Optional[str]:
+    """Why ``backend`` cannot compile these kernels on this jax, or None."""
+    api = pallas_api(backend)
+    if not api.available:
+        return api.reason
+    if backend not in _COMPILED_KERNEL_BACKENDS:
+        return _NOT_IMPLEMENTED.get(backend, "not implemented")
+    return None
+
+
+def available_backends() -> tuple[str, ...]:
+    """GPU Pallas backends that can compile these kernels with this jax.
+
+    Example:
+        >>> available_backends()
+        ('triton',)
+    """
+    return tuple(b for b in BACKENDS if _backend_problem(b) is None)
+
+
+def resolve_backend(backend: Optional[str], interpret: bool) -> str:
+    """Validates ``backend`` (None = auto) and returns the concrete name.
+
+    Auto = first of :func:`available_backends` (today Triton: the kernels
+    are Triton-style and Mosaic GPU cannot compile them, see
+    ``_NOT_IMPLEMENTED``). In interpret mode the backend only picks the
+    kernel body (masked vs. exactly tiled), so any known name is accepted.
+
+    Example:
+        >>> resolve_backend(None, interpret=True)
+        'triton'
+    """
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if interpret:
+        return backend or "triton"
+    if backend is None:
+        avail = available_backends()
+        if not avail:
+            reasons = "; ".join(f"{b}: {_backend_problem(b)}" for b in BACKENDS)
+            raise RuntimeError(f"no Pallas GPU backend available: {reasons}")
+        return avail[0]
+    problem = _backend_problem(backend)
+    if problem is not None:
+        raise RuntimeError(f"Pallas backend {backend!r} is unavailable: {problem}")
+    return backend
+
+
+def _plan(shape, dtype, interpret: Optional[bool], backend: Optional[str]) -> Optional[tuple[str, bool]]:
+    """None for the XLA path, else (backend, interpret) for the kernel path."""
+    if interpret is None:
+        if default_platform() != "gpu" or dispatch.choose(shape, dtype) == "xla":
+            return None
+        interpret = False
+    elif not interpret and default_platform() != "gpu":
+        raise RuntimeError(
+            f"interpret=False needs a GPU (platform is {default_platform()!r}); "
+            "use interpret=True or interpret=None (XLA fallback)"
+        )
+    return resolve_backend(backend, interpret), bool(interpret)
+
+
+def _check(x, scale, bias):
+    hidden = x.shape[-1]
+    if scale.shape != (hidden,):
+        raise ValueError(f"scale must have shape ({hidden},), got {scale.shape}")
+    if bias is not None and bias.shape != (hidden,):
+        raise ValueError(f"bias must have shape ({hidden},), got {bias.shape}")
+    if x.ndim == 0 or x.size == 0:
+        raise ValueError(f"x must be non-empty with a hidden axis, got shape {x.shape}")
+
+
+def rms_norm(
+    x: jax.Array,
+    scale: jax.Array,
+    bias: Optional[jax.Array] = None,
+    *,
+    eps: float,
+    interpret: Optional[bool] = None,
+    backend: Optional[str] = None,
+) -> jax.Array:
+    """RMSNorm over the last axis; Pallas kernel (fwd + bwd) or XLA fallback.
+
+    Args:
+      x: ``(..., hidden)`` float32/bfloat16/float16.
+      scale, bias: ``(hidden,)``; bias optional.
+      eps: added to the mean square.
+      interpret: None = kernel on GPU when :func:`dispatch.choose` picks it,
+        XLA elsewhere; True = kernel in interpret mode; False = compiled kernel.
+      backend: "triton" | "mosaic_gpu" | None (auto, Triton preferred).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> x = jax.random.normal(jax.random.key(0), (2, 5, 130))
+        >>> y = rms_norm(x, jnp.full(130, 2.0), eps=1e-6, interpret=True)
+        >>> bool(jnp.allclose(y, rms_norm_reference(x, jnp.full(130, 2.0), eps=1e-6), atol=1e-5))
+        True
+    """
+    _check(x, scale, bias)
+    plan = _plan(x.shape, x.dtype, interpret, backend)
+    if plan is None:
+        return rms_norm_reference(x, scale, bias, eps=eps)
+    st = _Static(float(eps), plan[0], plan[1], jnp.dtype(x.dtype).name, None, None)
+    x2 = x.reshape(-1, x.shape[-1])
+    return _rms_core(x2, scale, bias, st).reshape(x.shape)
+
+
+def fused_add_rms_norm(
+    x: jax.Array,
+    residual: jax.Array,
+    scale: jax.Array,
+    bias: Optional[jax.Array] = None,
+    *,
+    eps: float,
+    interpret: Optional[bool] = None,
+    backend: Optional[str] = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Returns ``(rms_norm(x + residual), x + residual)`` in one pass.
+
+    The normalized output has ``x.dtype``; the new residual has
+    ``result_type(x, residual)`` (e.g. bf16 x + f32 residual -> f32 stream).
+    Dispatch arguments as in :func:`rms_norm`.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> y, h = fused_add_rms_norm(jnp.ones((1, 4)), jnp.ones((1, 4)), jnp.ones(4), eps=0.0, interpret=True)
+        >>> h.tolist(), y.tolist()
+        ([[2.0, 2.0, 2.0, 2.0]], [[1.0, 1.0, 1.0, 1.0]])
+    """
+    _check(x, scale, bias)
+    if residual.shape != x.shape:
+        raise ValueError(f"residual shape {residual.shape} != x shape {x.shape}")
+    plan = _plan(x.shape, x.dtype, interpret, backend)
+    if plan is None:
+        return fused_add_rms_norm_reference(x, residual, scale, bias, eps=eps)
+    h_dtype = jnp.result_type(x.dtype, residual.dtype)
+    st = _Static(
+        float(eps), plan[0], plan[1], jnp.dtype(x.dtype).name, jnp.dtype(residual.dtype).name, jnp.dtype(h_dtype).name
+    )
+    shape = x.shape
+    x2, r2 = x.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1])
+    y, h = _fused_core(x2, r2, scale, bias, st)
+    return y.reshape(shape), h.reshape(shape)

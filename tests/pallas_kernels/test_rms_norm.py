@@ -1,0 +1,198 @@
+"""CPU tests of pallas_kernels.rms_norm in Pallas interpret mode.
+
+Each case jits forward + VJP together so that one compilation covers both
+kernels (interpret-mode compiles dominate the runtime).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import pallas_kernels as pk  # noqa: E402
+from pallas_kernels import dispatch  # noqa: E402
+
+EPS = 1e-6
+# Relative (to the max |reference|) error bounds: output/dx are rounded to
+# the input dtype, dscale/dbias are float32-accumulated sums.
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
+
+
+def _inputs(shape, dtype, seed=0, residual_dtype=None):
+    ks = jax.random.split(jax.random.key(seed), 6)
+    h = shape[-1]
+    x = (2.0 * jax.random.normal(ks[0], shape, jnp.float32) + 0.3).astype(dtype)
+    scale = 1.0 + 0.5 * jax.random.normal(ks[1], (h,), jnp.float32)  # non-trivial
+    bias = 0.5 * jax.random.normal(ks[2], (h,), jnp.float32)
+    ct = jax.random.normal(ks[3], shape, jnp.float32).astype(dtype)
+    res = jax.random.normal(ks[4], shape, jnp.float32).astype(residual_dtype or dtype)
+    ct_h = jax.random.normal(ks[5], shape, jnp.float32).astype(jnp.result_type(dtype, res.dtype))
+    return x, scale, bias, ct, res, ct_h
+
+
+def _close(got, want, tol, what):
+    got = np.asarray(jnp.asarray(got, jnp.float32))
+    want = np.asarray(jnp.asarray(want, jnp.float32))
+    assert got.shape == want.shape, what
+    err = np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-6)
+    assert err <= tol, f"{what}: rel err {err:.3g} > {tol}"
+
+
+def _f32(*a):
+    return [None if v is None else v.astype(jnp.float32) for v in a]
+
+
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [
+        ((1, 768), jnp.float32),
+        ((3, 5, 1000), jnp.float32),
+        ((7, 4096), jnp.float32),
+        ((2, 130), jnp.float32),
+        ((3, 5, 1000), jnp.bfloat16),
+        ((1, 768), jnp.bfloat16),
+        ((2, 130), jnp.float16),
+        ((7, 4096), jnp.float16),
+    ],
+)
+def test_rms_norm_forward_and_grads(shape, dtype):
+    x, scale, bias, ct, _, _ = _inputs(shape, dtype)
+
+    @jax.jit
+    def run(x, scale, bias, ct):
+        f = lambda x, s, b: pk.rms_norm(x, s, b, eps=EPS, interpret=True)
+        y, vjp = jax.vjp(f, x, scale, bias)
+        return (y, *vjp(ct))
+
+    y, dx, ds, db = run(x, scale, bias, ct)
+    assert y.dtype == dtype and dx.dtype == dtype and ds.dtype == jnp.float32 and db.dtype == jnp.float32
+    # Reference: float32 math on the same (already rounded) inputs.
+    x32, ct32 = _f32(x, ct)
+    ry, rvjp = jax.vjp(lambda x, s, b: pk.rms_norm_reference(x, s, b, eps=EPS), x32, scale, bias)
+    rdx, rds, rdb = rvjp(ct32)
+    tol = TOL[dtype]
+    _close(y, ry, tol, "y")
+    _close(dx, rdx, tol, "dx")
+    _close(ds, rds, tol, "dscale")
+    _close(db, rdb, tol, "dbias")
+
+
+def test_rms_norm_without_bias_and_bf16_scale():
+    x, scale, _, ct, _, _ = _inputs((3, 200), jnp.bfloat16, seed=1)
+    scale = scale.astype(jnp.bfloat16)
+    f = jax.jit(lambda x, s: jax.vjp(lambda x, s: pk.rms_norm(x, s, eps=EPS, interpret=True), x, s)[1](ct))
+    dx, ds = f(x, scale)
+    assert ds.dtype == jnp.bfloat16
+    rdx, rds = jax.vjp(lambda x, s: pk.rms_norm_reference(x, s, eps=EPS), *_f32(x, scale))[1](ct.astype(jnp.float32))
+    _close(dx, rdx, 2e-2, "dx")
+    _close(ds, rds, 2e-2, "dscale")
+
+
+@pytest.mark.parametrize(
+    "shape,dtype,res_dtype",
+    [
+        ((3, 5, 1000), jnp.float32, None),
+        ((1, 768), jnp.bfloat16, None),
+        ((2, 130), jnp.bfloat16, jnp.float32),  # bf16 activations, f32 residual stream
+        ((7, 4096), jnp.float16, None),
+    ],
+)
+def test_fused_add_rms_norm_forward_and_grads(shape, dtype, res_dtype):
+    x, scale, bias, ct, res, ct_h = _inputs(shape, dtype, seed=2, residual_dtype=res_dtype)
+
+    @jax.jit
+    def run(x, res, scale, bias, ct, ct_h):
+        f = lambda x, r, s, b: pk.fused_add_rms_norm(x, r, s, b, eps=EPS, interpret=True)
+        (y, h), vjp = jax.vjp(f, x, res, scale, bias)
+        return (y, h, *vjp((ct, ct_h)))
+
+    y, h, dx, dr, ds, db = run(x, res, scale, bias, ct, ct_h)
+    h_dtype = jnp.result_type(x.dtype, res.dtype)
+    assert (y.dtype, h.dtype, dx.dtype, dr.dtype) == (dtype, h_dtype, dtype, res.dtype)
+    (ry, rh), rvjp = jax.vjp(
+        lambda x, r, s, b: pk.fused_add_rms_norm_reference(x, r, s, b, eps=EPS), *_f32(x, res), scale, bias
+    )
+    rdx, rdr, rds, rdb = rvjp(tuple(_f32(ct, ct_h)))
+    tol = TOL[dtype]
+    for got, want, what in [(y, ry, "y"), (h, rh, "h"), (dx, rdx, "dx"), (dr, rdr, "dres"),
+                            (ds, rds, "dscale"), (db, rdb, "dbias")]:
+        _close(got, want, tol, what)
+
+
+def test_exactly_tiled_body_matches():
+    """backend='mosaic_gpu' selects the unmasked (exactly tiled) body; in
+    interpret mode it runs on CPU on every jax version."""
+    x, scale, bias, ct, res, ct_h = _inputs((6, 96), jnp.float32, seed=3)
+    f = lambda x, r, s, b: pk.fused_add_rms_norm(x, r, s, b, eps=EPS, interpret=True, backend="mosaic_gpu")
+    (y, h), vjp = jax.vjp(jax.jit(f), x, res, scale, bias)
+    grads = vjp((ct, ct_h))
+    (ry, rh), rvjp = jax.vjp(lambda *a: pk.fused_add_rms_norm_reference(*a, eps=EPS), x, res, scale, bias)
+    for got, want in zip((y, h, *grads), (ry, rh, *rvjp((ct, ct_h)))):
+        _close(got, want, 2e-5, "mosaic body")
+
+
+def test_default_on_cpu_is_xla_path():
+    x, scale, bias, *_ = _inputs((4, 256), jnp.bfloat16)
+    got = pk.rms_norm(x, scale, bias, eps=EPS)  # interpret=None on CPU -> XLA
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(pk.rms_norm_reference(x, scale, bias, eps=EPS), np.float32))
+    y, h = pk.fused_add_rms_norm(x, x, scale, eps=EPS)
+    assert y.dtype == h.dtype == jnp.bfloat16
+
+
+def test_errors():
+    x = jnp.ones((2, 8))
+    with pytest.raises(ValueError, match="backend"):
+        pk.rms_norm(x, jnp.ones(8), eps=EPS, interpret=True, backend="cuda")
+    with pytest.raises(ValueError, match="scale"):
+        pk.rms_norm(x, jnp.ones(7), eps=EPS)
+    if jax.default_backend() != "gpu":
+        with pytest.raises(RuntimeError, match="GPU"):
+            pk.rms_norm(x, jnp.ones(8), eps=EPS, interpret=False)
+
+
+def test_backend_availability_is_explicit():
+    assert "triton" in pk.available_backends()
+    for b in ("triton", "mosaic_gpu"):
+        if b in pk.available_backends():
+            assert pk.resolve_backend(b, interpret=False) == b
+        else:
+            with pytest.raises(RuntimeError, match="unavailable"):
+                pk.resolve_backend(b, interpret=False)
+
+
+def test_choose_table_and_override():
+    assert pk.choose((16384, 4096), jnp.bfloat16) == "pallas"
+    assert pk.choose((16384, 128), jnp.float32) == "xla"
+    assert pk.choose((8, 4096), jnp.float32) == "xla"
+    try:
+        pk.set_rules([pk.Rule("float32", 1, 10**9, 1)])
+        assert pk.choose((8, 64), jnp.float32) == "pallas"
+        assert pk.choose((8, 64), jnp.bfloat16) == "xla"  # no matching rule
+    finally:
+        pk.set_rules(None)
+    assert dispatch.get_rules() == dispatch.DEFAULT_RULES
+
+
+def test_benchmark_smoke(tmp_path):
+    path = os.path.join(ROOT, "benchmarks", "bench_rms_norm.py")
+    spec = importlib.util.spec_from_file_location("bench_rms_norm", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.md"
+    rows = bench.main(["--interpret", "--small", "--hidden", "130", "--dtypes", "bfloat16", "--out", str(out)])
+    text = out.read_text()
+    assert "| pallas-triton |" in text and "| copy |" in text and "xla-layernorm" in text
+    assert {r["variant"] for r in rows} == {"pallas-triton", "xla-rmsnorm", "xla-layernorm", "copy"}
+    assert all(r["gbps"] > 0 for r in rows)
+    assert isinstance(bench.suggest_rules(rows), list)
