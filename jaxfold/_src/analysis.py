@@ -66,11 +66,39 @@ def _scalar_literal(a: Any) -> Optional[float]:
 class Constancy:
   """Dimensions along which a value is constant, from the program's structure."""
 
-  def __init__(self, graph: Graph):
+  def __init__(self, graph: Graph, random_is_constant: bool = False):
     self.graph = graph
+    # CBWC's opt-in inexact mode: treat dropout masks (values derived from a
+    # PRNG key) as if they were constant; every use is counted so the sites
+    # that relied on it are reported as inexact.
+    self.random_is_constant = random_is_constant
+    self.random_uses = 0
 
   @functools.cache
+  def from_key(self, v: Any) -> bool:
+    """Whether ``v`` is computed from a PRNG key (e.g. a dropout mask)."""
+    stack, seen = [v], set()
+    while stack:
+      a = stack.pop()
+      if not compat.is_var(a) or a in seen:
+        continue
+      seen.add(a)
+      if compat.is_prng_key(compat.aval(a).dtype):
+        return True
+      prod = self.graph.producer.get(a)
+      if prod is not None:
+        stack.extend(prod[0].invars)
+    return False
+
   def dims(self, v: Any) -> frozenset:
+    shape = shape_of(v)
+    if self.random_is_constant and compat.is_var(v) and self.from_key(v):
+      self.random_uses += 1
+      return frozenset(range(len(shape)))
+    return self._dims(v)
+
+  @functools.cache
+  def _dims(self, v: Any) -> frozenset:
     shape = shape_of(v)
     ones = frozenset(d for d, s in enumerate(shape) if s == 1)
     if compat.is_literal(v) or not shape:
@@ -112,9 +140,30 @@ class Constancy:
 class Propagator:
   """Proves that a shift injected at some value reaches no program output."""
 
-  def __init__(self, graph: Graph, constancy: Constancy):
+  def __init__(self, graph: Graph, constancy: Constancy, constancy_of=None):
     self.g = graph
     self.const = constancy
+    self.constancy_of = constancy_of or (lambda g: Constancy(g))
+    self._bodies: dict = {}
+
+  def _body(self, g: Graph) -> "Propagator":
+    if g not in self._bodies:
+      self._bodies[g] = Propagator(g, self.constancy_of(g), self.constancy_of)
+    return self._bodies[g]
+
+  def collect(self, seeds: dict) -> dict:
+    """Propagates inside a body; returns {output position: poly}."""
+    outputs: dict = {}
+    self.canon = {}
+    for v, p in seeds.items():
+      for k in self.g.output_positions.get(v, []):
+        outputs[k] = p
+    starts = [n.index for v in seeds for n, _ in self.g.consumers.get(v, [])]
+    if starts:
+      reason = self._run(dict(seeds), min(starts), frozenset(), outputs)
+      if reason is not None:
+        raise Unsupported(reason)
+    return outputs
 
   # -- public ---------------------------------------------------------------
 
@@ -123,14 +172,42 @@ class Propagator:
     """None when every output is provably unchanged; else the reason."""
     polys = dict(seeds)
     self.canon = dict(canon or {})
-    users = [self.g.consumers.get(v, []) for v in seeds]
-    starts = [n.index for us in users for n, _ in us]
     for v in seeds:
       if v in self.g.output_positions:
         return f"the shift reaches program output #{self.g.output_positions[v][0]}"
+    starts = [n.index for v in seeds for n, _ in self.g.consumers.get(v, [])]
     if not starts:
       return None
-    for node in self.g.nodes[min(starts):]:
+    return self._run(polys, min(starts), skip)
+
+  @functools.cached_property
+  def _last_use(self) -> dict:
+    last = {}
+    for n in self.g.nodes:
+      for v in n.invars:
+        if compat.is_var(v):
+          last[v] = n.index
+    for v in self.g.output_positions:
+      last[v] = len(self.g.nodes)
+    return last
+
+  def _run(self, polys: dict, start: int, skip: frozenset,
+           outputs: Optional[dict] = None) -> Optional[str]:
+    # Once a single pure shift is all that is left alive, the rest of the
+    # walk depends only on (value, constancy pattern): memoised, so the
+    # producers feeding one residual stream share the walk down the stream.
+    memo = self.__dict__.setdefault("_memo", {})
+    trail = []
+    result = None
+    for node in self.g.nodes[start:]:
+      if len(polys) == 1 and not skip and outputs is None:
+        (v, p), = polys.items()
+        if p.is_pure and sy.is_const(p.coeffs[0]):
+          key = (v, tuple(None if e is None else e[1] for e in p.emb), node.index)
+          if key in memo:
+            result = memo[key]
+            break
+          trail.append(key)
       if node.index in skip:
         continue
       ins = [polys.get(v) if compat.is_var(v) else None for v in node.invars]
@@ -139,14 +216,28 @@ class Propagator:
       try:
         outs = self.transfer(node, ins)
       except Unsupported as e:
-        return f"{e} [at {node.where()}]"
+        result = f"{e} [at {node.where()}]"
+        break
       for v, p in zip(node.outvars, outs):
         if p is not None:
-          polys[v] = p
           if v in self.g.output_positions:
-            return (f"the shift reaches program output #{self.g.output_positions[v][0]}"
-                    f" [from {node.where()}]")
-    return None
+            if outputs is None:
+              result = (f"the shift reaches program output #{self.g.output_positions[v][0]}"
+                        f" [from {node.where()}]")
+              break
+            for k in self.g.output_positions[v]:
+              outputs[k] = p
+          polys[v] = p
+      if result is not None:
+        break
+      last = self._last_use
+      for v in [v for v in polys if last.get(v, -1) <= node.index]:
+        del polys[v]
+      if not polys:
+        break
+    for key in trail:
+      memo[key] = result
+    return result
 
   def seed_through(self, node: Node, operand: int, poly: sy.Poly) -> list:
     """Output polys of ``node`` when only ``operand`` carries ``poly``."""
@@ -187,8 +278,10 @@ class Propagator:
     p = node.prim
     out_shape = shape_of(node.outvars[0]) if node.outvars else ()
     name = p.name
+    if compat.is_scan(node.eqn):
+      return self._scan(node, ins)
     if node.subgraphs:
-      raise Unsupported(f"the shift enters a `{name}` (loops and conditionals are not analysed)")
+      raise Unsupported(f"the shift enters a `{name}` (conditionals and while loops are not analysed)")
     if p in _UNARY_SAME or p in _SHARDING:
       self._set_canon(node, self._canon(node.invars[0]))
       return [ins[0]] + [None] * (len(node.outvars) - 1)
@@ -233,13 +326,62 @@ class Propagator:
       return [self._piecewise(node, ins, out_shape)]
     raise Unsupported(f"the shift reaches `{name}`, which does not ignore it")
 
+  def _scan(self, node: Node, ins: list) -> list:
+    """A pure shift through a scan, with a fixed point on the carries."""
+    nc, ncar = compat.scan_partition(node.params)
+    body = node.subgraphs[0]
+    bp = self._body(body)
+    seeds, pattern = {}, {}
+    for i, p in enumerate(ins):
+      if p is None:
+        continue
+      if not p.is_pure:
+        raise Unsupported("a nonlinear function of the shift enters a scan")
+      emb = p.emb if i < nc + ncar else p.emb[1:]
+      seeds[body.invars[i]] = sy.pure(_pattern(emb))
+    for _ in range(2 + 2 * max((len(shape_of(v)) for v in body.invars), default=0)):
+      outs = bp.collect(seeds)
+      changed = False
+      for j in range(ncar):
+        q = outs.get(j)
+        if q is None:
+          continue
+        if not q.is_pure:
+          raise Unsupported("a nonlinear function of the shift is carried by a scan")
+        var = body.invars[nc + j]
+        cur = seeds.get(var)
+        merged = _pattern(q.emb) if cur is None else _merge(cur.emb, q.emb)
+        if cur is None or merged != cur.emb:
+          seeds[var] = sy.pure(merged)
+          changed = True
+      if not changed:
+        break
+    else:
+      raise Unsupported("the shift on a scan carry has no fixed point")
+    result = []
+    self.canon = getattr(self, "canon", {})
+    for k, v in enumerate(node.outvars):
+      q = outs.get(k)
+      if q is None:
+        result.append(None)
+      elif not q.is_pure:
+        raise Unsupported("a nonlinear function of the shift leaves a scan")
+      elif k < ncar:
+        result.append(sy.pure(_pattern(q.emb)))
+      else:
+        result.append(sy.pure(((("stack", 0), 1),) + _pattern(q.emb)))
+    return result
+
   def _set_canon(self, node: Node, c: sy.Coef) -> None:
     self.canon[node.outvars[0]] = c
 
   def _add(self, node, ins, out_shape, sign):
     a, b = node.invars[:2]
     pa, pb = self._fit(ins[0], a, out_shape), self._fit(ins[1], b, out_shape)
-    self._set_canon(node, sy.add(self._canon(a), self._canon(b), sign))
+    # A sum is its own atom: matching only ever needs the structure of
+    # reductions and scalings of one value, and expanding residual sums
+    # would grow quadratically along a residual stream.
+    self._set_canon(node, sy.atom(id(node.outvars[0])))
     if pa is None:
       return sy.make(pb.sym, pb.emb, [sy.scale(c, sign) for c in pb.coeffs])
     if pb is None:
@@ -430,8 +572,9 @@ class Propagator:
       moving = set(range(len(out_shape))) - set(self.const._of(node.invars[0], out_shape))
     elif prim in _CUMULATIVE:
       moving = {node.params["axis"]}
-    else:
-      moving = set(range(len(out_shape)))
+    else:  # dynamic_update_slice: only axes the update covers partially
+      upd = shape_of(node.invars[1])
+      moving = {d for d in range(len(out_shape)) if upd[d] != out_shape[d]}
     same = (len(live) == len(polys) and all(q.same_symbol(live[0]) and q.coeffs == live[0].coeffs
                                             for q in live))
     emb = []
@@ -443,6 +586,30 @@ class Propagator:
         emb.append(self._varying(d))
     self._set_canon(node, sy.atom(id(node.outvars[0])))
     return self._remint(tuple(emb), out_shape)
+
+
+_ELEMENTWISE = {lax.add_p, lax.sub_p, lax.mul_p, lax.div_p, lax.neg_p, lax.max_p, lax.min_p,
+                lax.rsqrt_p, lax.sqrt_p, lax.square_p, lax.integer_pow_p}
+
+
+def elementwise_or_layout(p: Any) -> bool:
+  return p in _ELEMENTWISE or p in _LAYOUT or p in _UNARY_SAME
+
+
+def _pattern(emb: tuple) -> tuple:
+  return tuple(None if e is None else (("p", d), e[1]) for d, e in enumerate(emb))
+
+
+def _merge(a: tuple, b: tuple) -> tuple:
+  out = []
+  for d, (x, y) in enumerate(zip(a, b)):
+    if x is None and y is None:
+      out.append(None)
+    elif x is None or y is None or x[1] == y[1]:
+      out.append((("p", d), (x or y)[1]))
+    else:
+      out.append((("p", d), 1))
+  return tuple(out)
 
 
 def seed_poly(shape: tuple, spec: layout.Spec) -> sy.Poly:

@@ -52,6 +52,13 @@ def literal_value(a: Any) -> Any:
   return a.val
 
 
+def is_prng_key(dtype: Any) -> bool:
+  try:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+  except Exception:  # pragma: no cover
+    return False
+
+
 def aval(a: Any) -> Any:
   return a.aval
 

@@ -10,6 +10,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxfold._src import compat
 from jaxfold._src import layout
@@ -28,6 +29,7 @@ class FoldError(ValueError):
 class Options:
   auxiliary_centering: bool = True
   tied_weights: str = "auto"     # "auto" | "copy" | "auxiliary"
+  through_dropout: bool = False  # CBWC only: fold across dropout masks (inexact)
 
   def tie_by_aux(self) -> bool:
     if self.tied_weights == "auto":
@@ -118,23 +120,42 @@ class _Planner:
     self.leaf_index = leaf_index
     self.names = names
     self.opts = opts
-    self.constancy = Constancy(graph)
-    self.prop = Propagator(graph, self.constancy)
-    self.walker = Walker(graph, self.constancy, set(leaf_index))
-    self.sites = find_sites(graph)
+    self._constancies: dict = {}
+    self.constancy = self.constancy_of(graph)
+    self.prop = Propagator(graph, self.constancy, self.constancy_of)
+    self.walker = Walker(graph, self.constancy_of, set(leaf_index))
+    self.sites = [s for g in self.walker.graphs() for s in find_sites(g)]
     self.leaf_commit: dict = {}       # var -> spec (in place / constants)
     self.untie_commit: dict = {}      # (use node index, operand) -> LeafNeed
     self.aux_commit: dict = {}        # var -> spec
     self.results: dict = {}           # site index -> (folded, reason, centered, aux)
     self._vis: dict = {}
+    self._inexact = False
+    self._ties_by_copy = False
+
+  def constancy_of(self, g: Graph) -> Constancy:
+    if g not in self._constancies:
+      self._constancies[g] = Constancy(g, random_is_constant=self.opts.through_dropout)
+    return self._constancies[g]
+
+  @property
+  def random_uses(self) -> int:
+    return sum(c.random_uses for c in self._constancies.values())
+
+  def _top(self, var) -> bool:
+    return var in self.g.producer or var in self.g.invars or var in self.g.const_values
 
   # -- invisibility checks, cached -------------------------------------------
 
   def _visible(self, key, seeds_fn):
     if key not in self._vis:
+      before = self.random_uses
       seeds, skip = seeds_fn()
-      self._vis[key] = self.prop.invisible(seeds, skip)
-    return self._vis[key]
+      reason = self.prop.invisible(seeds, skip)
+      self._vis[key] = (reason, self.random_uses > before)
+    reason, used_random = self._vis[key]
+    self._inexact |= used_random and reason is None
+    return reason
 
   def leaf_visible(self, var, spec):
     return self._visible(("leaf", var, spec),
@@ -142,6 +163,8 @@ class _Planner:
 
   def use_visible(self, need: LeafNeed):
     node, k = need.use
+    if not self._top(node.outvars[0]):
+      return "an untied copy would be needed inside a loop body"
 
     def seeds():
       poly = seed_poly(shape_of(need.var), dict(need.spec))
@@ -158,6 +181,8 @@ class _Planner:
       return str(e)
 
   def aux_visible(self, var, spec):
+    if not self._top(var):
+      return "auxiliary centerings are only inserted outside loop bodies"
     return self._visible(("aux", var, spec),
                          lambda: ({var: seed_poly(shape_of(var), dict(spec))}, frozenset()))
 
@@ -170,7 +195,10 @@ class _Planner:
 
   def evaluate(self, site, assume_aux: dict):
     shape = shape_of(site.input)
-    needs = self.walker.needs(site.input, layout.full_spec(shape, site.axes))
+    before = self.random_uses
+    self._inexact = False
+    needs = self.walker.needs(site.input, layout.full_spec(shape, site.axes), site.graph)
+    self._inexact |= self.random_uses > before
     actions, blockers = [], []
     for n in needs:
       if isinstance(n, Blocker):
@@ -197,7 +225,7 @@ class _Planner:
       use_key = (n.use[0].index, n.use[1]) if n.use else None
       if n.use is not None and var in self.leaf_index and (
           use_key in self.untie_commit or self.use_visible(n) is None):
-        if self.opts.tie_by_aux():
+        if self.opts.tie_by_aux() and not self._ties_by_copy:
           if assume_aux.get(n.out_var) == n.out_spec:
             actions.append(("aux", n.out_var, n.out_spec))
           else:
@@ -231,7 +259,9 @@ class _Planner:
     aux = any(a[0] == "aux" for a in actions)
     reason = "input is zero-sum over the normalized axes"
     reason += " after an auxiliary centering" if aux else (" after centering" if centered else "")
-    self.results[site_idx] = (True, reason, tuple(dict.fromkeys(centered)), aux)
+    if self._inexact:
+      reason += " (INEXACT: a dropout mask was treated as constant, as through_dropout=True asks)"
+    self.results[site_idx] = (True, reason, tuple(dict.fromkeys(centered)), aux, not self._inexact)
 
   def run(self):
     failed = {}
@@ -243,9 +273,18 @@ class _Planner:
         self.commit(i, site, actions)
     if self.opts.auxiliary_centering and failed:
       self._auxiliary(failed)
+    if self.opts.tie_by_aux() and self.opts.tied_weights == "auto":
+      # Where an auxiliary centering would not pay for itself, a tied
+      # parameter is still worth untying by a centered copy.
+      self._ties_by_copy = True
+      for i in sorted(failed):
+        if i not in self.results:
+          actions, blockers = self.evaluate(self.sites[i], dict(self.aux_commit))
+          if not blockers:
+            self.commit(i, self.sites[i], actions)
     for i, blockers in failed.items():
       if i not in self.results:
-        self.results[i] = (False, "input is not zero-sum: " + blockers[0].reason, (), False)
+        self.results[i] = (False, "input is not zero-sum: " + self._explain(blockers[0]), (), False, True)
 
   def _auxiliary(self, failed):
     # A centering inserted at value v (one reduction) pays off when it lets
@@ -300,10 +339,10 @@ class _Planner:
   def report(self) -> Report:
     sites = []
     for i, s in enumerate(self.sites):
-      folded, reason, centered, aux = self.results[i]
+      folded, reason, centered, aux, exact = self.results[i]
       sites.append(Site(index=len(sites), where=s.node.where(), shape=shape_of(s.input),
                         axes=s.axes, folded=folded, reason=reason, centered=centered,
-                        auxiliary=aux, num_reductions=len(s.reduces)))
+                        auxiliary=aux, num_reductions=len(s.reduces), exact=exact))
     for loop, s in nested_sites(self.g):
       sites.append(Site(index=len(sites), where=s.node.where(), shape=shape_of(s.input),
                         axes=s.axes, folded=False,
@@ -315,6 +354,54 @@ class _Planner:
     untied = sum(int(np.prod(shape_of(n.var))) * compat.aval(n.var).dtype.itemsize
                  for n in self.untie_commit.values())
     return Report(tuple(sites), aux, untied)
+
+  def _explain(self, b: Blocker) -> str:
+    """Names the normalization whose output a blocked value comes from."""
+    j = self._norm_output_of(b.var)
+    if j is None:
+      return b.reason
+    return (f"the value comes from the output of normalization #{j} "
+            f"(γ ⊙ n + β is not zero-mean when γ is non-uniform) [at "
+            f"{self.sites[j].node.where()}]")
+
+  def _norm_output_of(self, v):
+    """The nearest site whose elementwise epilogue produces ``v``, if any."""
+    best, best_d = None, 13
+    for j, site in enumerate(self.sites):
+      d = self._epilogue(j).get(v)
+      if d is not None and d < best_d:
+        best, best_d = j, d
+    return best
+
+  @functools.lru_cache(maxsize=None)
+  def _epilogue(self, j) -> dict:
+    """Values reached from site j's mean by elementwise/layout steps, with depth."""
+    from jaxfold._src.analysis import elementwise_or_layout
+    site = self.sites[j]
+    dist, frontier = {}, [(r.outvars[0], 0) for r in site.reduces]
+    while frontier:
+      v, d = frontier.pop(0)
+      if v in dist or d > 12:
+        continue
+      dist[v] = d
+      for node, _ in self.g.consumers.get(v, []):
+        if elementwise_or_layout(node.prim) and node.prim not in (lax.add_p,) or (
+            node.prim is lax.add_p and d < 12 and self._adds_param(node)):
+          frontier.append((node.outvars[0], d + 1))
+    return dist
+
+  def _adds_param(self, node) -> bool:
+    # γ ⊙ n + β: the β add joins a parameter, not another activation.
+    return any(compat.is_var(a) and (a in self.leaf_index or self._is_param_derived(a))
+               for a in node.invars)
+
+  def _is_param_derived(self, v) -> bool:
+    while compat.is_var(v) and v in self.g.producer:
+      node, _ = self.g.producer[v]
+      if len(node.invars) != 1:
+        return False
+      v = node.invars[0]
+    return v in self.leaf_index
 
   def _where(self, v) -> str:
     if v in self.g.producer:
@@ -465,13 +552,19 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
 
 
 def cbwc(params: Any, apply_fn: Callable, *example_args: Any,
-         auxiliary_centering: bool = True, tied_weights: str = "auto") -> Reparameterized:
+         auxiliary_centering: bool = True, tied_weights: str = "auto",
+         through_dropout: bool = False) -> Reparameterized:
   """Column-centered weights for training (CBWC): same function, cheaper norms.
 
   ``r.apply_fn(params, *args)`` equals ``apply_fn(params, *args)`` for every
   value of ``params`` with the traced structure: it centers the weights in
   the forward pass (V = P·W) and runs the folded program, so gradients and
   optimizer trajectories are those of the original model.
+
+  Dropout between a linear layer and its norm (in training mode) makes the
+  norm's input not zero-mean, so such sites stay LayerNorms by default.
+  ``through_dropout=True`` folds them anyway (the paper's practical training
+  setting); they are then reported with ``exact=False``.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxfold
@@ -481,7 +574,7 @@ def cbwc(params: Any, apply_fn: Callable, *example_args: Any,
     >>> bool(jnp.allclose(r.apply_fn(p, x), m.apply(p, x), atol=1e-5))
     True
   """
-  opts = Options(auxiliary_centering, tied_weights)
+  opts = Options(auxiliary_centering, tied_weights, through_dropout)
   an = analyse(apply_fn, params, example_args, opts)
   _, tree = jax.tree_util.tree_flatten(params)
   abstract = jax.tree_util.tree_map(_abstract, params)

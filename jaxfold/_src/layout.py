@@ -110,14 +110,25 @@ def reshape_emb(emb: tuple, in_shape, out_shape) -> Optional[tuple]:
     varying = [i for i in gi if emb[i] is not None]
     if not varying:
       continue
-    if len(varying) > 1 or varying[0] != next(i for i in gi if in_shape[i] > 1):
+    sizes = [out_shape[o] for o in gj]
+    big_out = [k for k, s in enumerate(sizes) if s > 1]
+    big_in = [i for i in gi if in_shape[i] > 1]
+    if len(big_out) == 1 and len(big_in) > 1:
+      # A merge: the merged axis varies like the tuple of the merged homes,
+      # in blocks spanning the constant axes inside the last varying one.
+      inner = math.prod(in_shape[i] for i in gi[gi.index(varying[-1]) + 1:])
+      if any(emb[i] is None and in_shape[i] > 1 for i in gi[:gi.index(varying[-1])]):
+        return None
+      home = ("merge",) + tuple(emb[i] for i in varying)
+      out[gj[big_out[0]]] = (home, emb[varying[-1]][1] * inner)
+      continue
+    if len(varying) > 1 or varying[0] != big_in[0]:
       return None
     home, block = emb[varying[0]]
     # Inner dims of the group are constant when the block spans them.
     inner = math.prod(in_shape[i] for i in gi[gi.index(varying[0]) + 1:])
     block *= inner
-    sizes = [out_shape[o] for o in gj]
-    first = next((k for k, s in enumerate(sizes) if s > 1), None)
+    first = big_out[0] if big_out else None
     if first is None:
       continue
     rest = math.prod(sizes[first + 1:])

@@ -51,40 +51,66 @@ def _freeze(spec: dict) -> tuple:
 
 
 class Walker:
-  """Backwards: what must be centered for ``var`` to be zero-sum over ``spec``."""
+  """Backwards: what must be centered for ``var`` to be zero-sum over ``spec``.
 
-  def __init__(self, graph: Graph, constancy: Constancy, leaf_vars: set):
+  Walks across scan boundaries: a body's consts/xs map to the scan operands
+  (xs gain the stacked axis), and a carry is zero-sum when its initial value
+  is and the body preserves it (a coinductive fixed point).
+  """
+
+  def __init__(self, graph: Graph, constancy_of, leaf_vars: set):
     self.g = graph
-    self.const = constancy
+    self.const_of = constancy_of
     self.leaves = leaf_vars
+    self.parent: dict = {}      # body graph -> (scan node, enclosing graph)
+    self.body: dict = {}        # scan node -> body graph
+    self._index(graph)
 
-  def needs(self, var: Any, spec: dict) -> list:
+  def _index(self, g: Graph) -> None:
+    for n in g.nodes:
+      if compat.is_scan(n.eqn):
+        self.parent[n.subgraphs[0]] = (n, g)
+        self.body[n] = n.subgraphs[0]
+        self._index(n.subgraphs[0])
+
+  def graphs(self) -> list:
+    return [self.g] + list(self.body.values())
+
+  def needs(self, var: Any, spec: dict, g: Optional[Graph] = None) -> list:
     self._seen: set = set()
     out: list = []
-    self._walk(var, spec, None, (), out, var, spec)
+    self._walk(g or self.g, var, spec, None, (), out, var, spec)
     return out
 
-  def _walk(self, v, spec, use, chain, out, top_var, top_spec):
-    key = (v, _freeze(spec), use[0].index if use else None)
+  def _walk(self, g, v, spec, use, chain, out, top_var, top_spec):
+    key = (id(g), v, _freeze(spec), use[0].index if use else None)
     if key in self._seen:
       return
     self._seen.add(key)
+    const = self.const_of(g)
+    if _is_zero(g, v):
+      return
     if compat.is_literal(v):
-      if _scalar_literal(v) == 0.0:
-        return
       out.append(Blocker(v, _freeze(spec), "a non-zero literal"))
       return
-    if v in self.leaves or v in self.g.const_values:
+    if g is self.g and (v in self.leaves or v in g.const_values):
       out.append(LeafNeed(v, _freeze(spec), use, top_var, _freeze(top_spec), chain))
       return
-    prod = self.g.producer.get(v)
+    if g is not self.g and v in g.const_values:
+      out.append(Blocker(v, _freeze(spec), "a constant captured inside a loop body"))
+      return
+    prod = g.producer.get(v)
+    if prod is None and g in self.parent:
+      return self._scan_input(g, v, spec, out)
     if prod is None:
       out.append(Blocker(v, _freeze(spec), "a program input (not a parameter)"))
       return
+    if compat.is_scan(prod[0].eqn):
+      return self._scan_output(g, prod, spec, out, v)
     node, _ = prod
     p = node.prim
     rec = lambda a, s, layout_step=False: self._walk(
-        a, s, use if layout_step else (node, node.invars.index(a)),
+        g, a, s, use if layout_step else (node, node.invars.index(a)),
         (chain + (node,)) if layout_step else (),
         out, top_var if layout_step else v, top_spec if layout_step else spec)
     out_shape = shape_of(v)
@@ -102,11 +128,11 @@ class Walker:
       return
     if p in (lax.mul_p, lax.div_p):
       a, b = node.invars
-      if set(spec) <= self.const._of(b, out_shape):
+      if set(spec) <= const._of(b, out_shape):
         s = self._through_broadcast(a, spec, out_shape)
         if s is not None:
           return rec(a, s)
-      if p is lax.mul_p and set(spec) <= self.const._of(a, out_shape):
+      if p is lax.mul_p and set(spec) <= const._of(a, out_shape):
         s = self._through_broadcast(b, spec, out_shape)
         if s is not None:
           return rec(b, s)
@@ -132,10 +158,11 @@ class Walker:
       return
     if p is lax.pad_p:
       cfg = node.params["padding_config"]
-      if all(cfg[d] == (0, 0, 0) for d in spec) and _scalar_literal(node.invars[1]) in (0.0, None):
-        if _scalar_literal(node.invars[1]) == 0.0 or all(c == (0, 0, 0) for c in cfg):
-          return rec(node.invars[0], spec)
-    if p is lax.select_n_p and set(spec) <= self.const._of(node.invars[0], out_shape):
+      # The padded region holds the padding value: zero-sum needs it to be 0.
+      if all(tuple(cfg[d]) == (0, 0, 0) for d in spec) and (
+          _is_zero(g, node.invars[1]) or all(tuple(c) == (0, 0, 0) for c in cfg)):
+        return rec(node.invars[0], spec)
+    if p is lax.select_n_p and set(spec) <= const._of(node.invars[0], out_shape):
       for a in node.invars[1:]:
         rec(a, spec)
       return
@@ -163,6 +190,36 @@ class Walker:
       out.append(Blocker(v, _freeze(spec), f"a convolution whose output cannot be centered over {layout.fmt_spec(spec, out_shape)} (grouped/depthwise feature groups smaller than the normalization's groups?) [at {node.where()}]"))
       return
     out.append(Blocker(v, _freeze(spec), _describe(node)))
+
+  # -- loops -------------------------------------------------------------------
+
+  def _scan_input(self, body, v, spec, out):
+    node, outer = self.parent[body]
+    nc, ncar = compat.scan_partition(node.params)
+    i = body.invars.index(v)
+    operand = node.invars[i]
+    if i < nc:
+      return self._walk(outer, operand, spec, None, (), out, operand, spec)
+    if i < nc + ncar:
+      # Zero-sum carry: the initial value is, and the body keeps it so (the
+      # assumption for this carry is what the seen-set records).
+      self._walk(outer, operand, spec, None, (), out, operand, spec)
+      j = i - nc
+      return self._walk(body, body.outvars[j], spec, None, (), out, body.outvars[j], spec)
+    stacked = {d + 1: b for d, b in spec.items()}
+    return self._walk(outer, operand, stacked, None, (), out, operand, stacked)
+
+  def _scan_output(self, g, prod, spec, out, v):
+    node, k = prod
+    body = self.body[node]
+    nc, ncar = compat.scan_partition(node.params)
+    if k < ncar:
+      return self._walk(body, body.outvars[k], spec, None, (), out, body.outvars[k], spec)
+    if 0 in spec:
+      out.append(Blocker(v, _freeze(spec), "a scan output normalized over its stacked axis"))
+      return
+    inner = {d - 1: b for d, b in spec.items()}
+    return self._walk(body, body.outvars[k], inner, None, (), out, body.outvars[k], inner)
 
   # -- mapping a spec backwards through one equation -----------------------
 
@@ -223,16 +280,21 @@ class Walker:
     for i, d in enumerate(rfree):
       owner[nb + len(lfree) + i] = (1, d)
     sides = {owner.get(d, (None,))[0] for d in spec}
-    if len(sides) != 1 or None in sides:
+    if None in sides:
       return None
-    side = sides.pop()
-    return side, {owner[d][1]: b for d, b in spec.items()}
+    # Zero-sum over a subset of the axes implies it over all of them, so a
+    # spec spanning both operands is narrowed to the right operand's part
+    # (where a layer keeps its weights); the shift check then decides.
+    side = 1 if 1 in sides else 0
+    return side, {owner[d][1]: b for d, b in spec.items() if owner[d][0] == side}
 
   @staticmethod
   def _conv_back(node, spec):
     dn = node.params["dimension_numbers"]
     o_out, o_k = dn.out_spec[1], dn.rhs_spec[0]
-    if set(spec) != {o_out} or node.params.get("batch_group_count", 1) != 1:
+    # Narrowing to the channel axis is sound: zero-sum over a subset of the
+    # reduced axes implies zero-sum over all of them.
+    if o_out not in spec or node.params.get("batch_group_count", 1) != 1:
       return None
     block = spec[o_out]
     n_out = shape_of(node.outvars[0])[o_out]
@@ -240,6 +302,17 @@ class Walker:
     if (n_out // fg) % block:
       return None
     return {o_k: block}
+
+
+def _is_zero(graph: Graph, v: Any) -> bool:
+  """A structural zero: a 0 literal, possibly broadcast, reshaped or converted."""
+  while True:
+    if compat.is_literal(v):
+      return _scalar_literal(v) == 0.0
+    prod = graph.producer.get(v)
+    if prod is None or prod[0].prim not in _LAYOUT | _UNARY_SAME:
+      return False
+    v = prod[0].invars[0]
 
 
 def _describe(node: Node) -> str:
@@ -284,11 +357,12 @@ def find_sites(graph: Graph) -> list[SiteInfo]:
 
 
 def nested_sites(graph: Graph) -> list[tuple[Node, SiteInfo]]:
-  """Sites inside loop or conditional bodies (reported, not folded)."""
+  """Sites inside conditional or while-loop bodies (reported, not folded)."""
   out = []
   for n in graph.nodes:
     for g in n.subgraphs:
-      out += [(n, s) for s in find_sites(g)]
+      if not compat.is_scan(n.eqn):
+        out += [(n, s) for s in find_sites(g)]
       out += nested_sites(g)
   return out
 

@@ -28,6 +28,7 @@ class Site:
   centered: tuple = ()  # tuple[Centering, ...]
   auxiliary: bool = False
   num_reductions: int = 1
+  exact: bool = True    # False only for CBWC sites folded across dropout
 
   def as_dict(self) -> dict:
     d = dataclasses.asdict(self)
@@ -68,8 +69,12 @@ class Report:
     for s in self.sites:
       why = s.reason
       if s.folded and s.centered:
-        why += "; centered: " + ", ".join(f"{c.param}{c.axes}" + ("" if c.mode == "in place" else f" [{c.mode}]")
-                                          for c in s.centered)
+        names = [f"{c.param}{c.axes}" + ("" if c.mode == "in place" else f" [{c.mode}]")
+                 for c in s.centered]
+        more = f" (+{len(names) - 2} more)" if len(names) > 2 else ""
+        why += f"; relies on {len(names)} centered: " + ", ".join(names[-2:]) + more
+      if not s.exact:
+        why = "[inexact] " + why
       rows.append((str(s.index), "yes" if s.folded else "no", _short(s.where, 48),
                    "x".join(map(str, s.shape)), str(s.axes), why))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]

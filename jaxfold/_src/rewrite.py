@@ -124,6 +124,8 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
       outs = [Zero(eqn.outvars[0].aval)]
     elif path in touched and compat.is_call(eqn):
       outs = _call(eqn, invals, plan, extras, path)
+    elif path in touched and compat.is_scan(eqn):
+      outs = _scan(eqn, invals, plan, extras, path)
     else:
       outs = None
       if any(isinstance(v, Zero) for v in invals):
@@ -142,6 +144,22 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
 def _aux(x, spec):
   x = x.materialize() if isinstance(x, Zero) else x
   return layout.center(x, dict(spec))
+
+
+def _scan(eqn, invals, plan, extras, path):
+  """Re-traces a scan whose body the plan changes, with lax.scan itself."""
+  nc, ncar = compat.scan_partition(eqn.params)
+  inner, consts = compat.open_jaxpr(eqn.params["jaxpr"])
+  invals = [v.materialize() if isinstance(v, Zero) else v for v in invals]
+  closed, init, xs = invals[:nc], invals[nc:nc + ncar], invals[nc + ncar:]
+
+  def body(carry, x):
+    outs = evaluate(inner, consts, list(closed) + list(carry) + list(x), plan, extras, path + (0,))
+    return outs[:ncar], outs[ncar:]
+
+  carry, ys = lax.scan(body, list(init), list(xs), length=eqn.params["length"],
+                       reverse=eqn.params["reverse"], unroll=eqn.params.get("unroll", 1))
+  return list(carry) + list(ys)
 
 
 def _call(eqn, invals, plan, extras, path):

@@ -44,7 +44,7 @@ def const_value(a: Coef) -> float:
 
 
 def freeze(a: Coef) -> tuple:
-  return tuple(sorted(a.items(), key=repr))
+  return tuple(sorted(a.items(), key=lambda kv: hash(kv[0])))
 
 
 def _clean(a: Coef) -> Coef:
@@ -68,7 +68,9 @@ def scale(a: Coef, k: float) -> Coef:
 def mul(a: Coef, b: Coef) -> Coef:
   out: Coef = {}
   for (ma, va), (mb, vb) in itertools.product(a.items(), b.items()):
-    m = tuple(sorted(ma + mb, key=repr))
+    # Hash order is canonical within a process; a collision can only hide a
+    # cancellation (fail closed), never invent one.
+    m = tuple(sorted(ma + mb, key=hash))
     out[m] = out.get(m, 0.0) + va * vb
   return _clean(out)
 
