@@ -13,6 +13,7 @@ import numpy as np
 from jax import lax
 
 from jaxfold._src import compat
+from jaxfold._src import kernels
 from jaxfold._src import layout
 from jaxfold._src.analysis import Constancy, Propagator, seed_poly, shape_of
 from jaxfold._src.graph import Graph
@@ -30,6 +31,7 @@ class Options:
   auxiliary_centering: bool = True
   tied_weights: str = "auto"     # "auto" | "copy" | "auxiliary"
   through_dropout: bool = False  # CBWC only: fold across dropout masks (inexact)
+  norm_impl: str = "auto"        # folded norms: "auto" | "xla" | "pallas" | "interpret"
 
   def tie_by_aux(self) -> bool:
     if self.tied_weights == "auto":
@@ -323,7 +325,15 @@ class _Planner:
                    if v in self.g.const_keys)
     untied = tuple((n.use[0].path, n.use[1], self._untied_name(n),
                     tuple(c.eqn for c in reversed(n.chain))) for n in self.untie_commit.values())
-    return Plan(zero=zero, aux=aux, consts=consts, untied=untied)
+    epilogues = []
+    leaf_or_const = lambda v: v if (v in self.leaf_index or v in self.g.const_values) else None
+    for i, site in enumerate(self.sites):
+      if self.results[i][0] and site.graph is self.g:
+        ep = kernels.match_epilogue(self.g, site, leaf_or_const)
+        if ep is not None:
+          epilogues.append(ep)
+    return Plan(zero=zero, aux=aux, consts=consts, untied=untied, epilogues=tuple(epilogues),
+                norm_impl=self.opts.norm_impl)
 
   def _untied_name(self, n: LeafNeed) -> str:
     return f"{self._name(n.var)}@{'.'.join(map(str, n.use[0].path))}"
@@ -498,7 +508,8 @@ def _center_leaf(x, spec):
 
 
 def fold(params: Any, apply_fn: Callable, *example_args: Any,
-         auxiliary_centering: bool = True, tied_weights: str = "auto") -> Folded:
+         auxiliary_centering: bool = True, tied_weights: str = "auto",
+         norm_impl: str = "auto") -> Folded:
   """Folds every provably foldable LayerNorm/GroupNorm of ``apply_fn`` into an RMSNorm.
 
   Args:
@@ -515,6 +526,10 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
       centered copy for the use that needs it; reported as extra bytes),
       ``"auxiliary"`` (an auxiliary centering instead), or ``"auto"``
       (auxiliary when ``auxiliary_centering`` else copy).
+    norm_impl: how folded norms run: ``"auto"`` (the Pallas RMSNorm kernel on
+      GPUs where ``pallas_kernels.choose`` expects it to beat XLA, XLA's
+      expression elsewhere), ``"xla"``, ``"pallas"`` (force the kernel) or
+      ``"interpret"`` (the kernel in Pallas interpret mode, for CPU tests).
 
   Returns:
     ``Folded(params, apply_fn, report)``.
@@ -537,7 +552,9 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
     raise FoldError(f"tied_weights must be 'auto', 'copy' or 'auxiliary', got {tied_weights!r}")
   if not callable(apply_fn):
     raise FoldError(f"apply_fn must be callable, got {type(apply_fn).__name__}")
-  opts = Options(auxiliary_centering, tied_weights)
+  if norm_impl not in kernels.IMPLS:
+    raise FoldError(f"norm_impl must be one of {kernels.IMPLS}, got {norm_impl!r}")
+  opts = Options(auxiliary_centering, tied_weights, norm_impl=norm_impl)
   an = analyse(apply_fn, params, example_args, opts)
   leaves, tree = jax.tree_util.tree_flatten(params)
   specs = dict(an.leaf_specs)

@@ -28,12 +28,14 @@ class Plan:
   aux: tuple = ()                             # ((var_key, spec), ...)
   consts: tuple = ()                          # ((const_key, spec), ...)
   untied: tuple = ()                          # ((use_path, operand, name, chain eqns), ...)
-  rms_kernel: Any = None                      # reserved for kernel substitution
+  epilogues: tuple = ()                       # kernels.Epilogue of folded sites
+  norm_impl: str = "auto"                     # see kernels.IMPLS
 
   @property
   def touched(self) -> frozenset:
     paths = set(self.zero) | {k[0] for k, _ in self.aux} | {k[0] for k, _ in self.consts}
     paths |= {u for u, *_ in self.untied}
+    paths |= {e.out_path for e in self.epilogues} if self.norm_impl != "xla" else set()
     return frozenset(p[:i] for p in paths for i in range(len(p) + 1))
 
 
@@ -86,11 +88,16 @@ def _simplify(eqn, invals) -> list | None:
 
 
 def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
-             extras: dict, prefix: tuple = ()) -> list:
-  """Evaluates ``jaxpr`` with ``plan`` applied under the current trace."""
+             extras: dict, prefix: tuple = (), env: dict | None = None) -> list:
+  """Evaluates ``jaxpr`` with ``plan`` applied under the current trace.
+
+  ``env`` is shared with the enclosing levels, so a kernel substitution can
+  read values the analysis resolved across call boundaries.
+  """
   jaxpr, inner_consts = compat.open_jaxpr(jaxpr)
   consts = list(consts) if consts else inner_consts
-  env: dict = {}
+  env = {} if env is None else env
+  kernels_at = {e.out_path: e for e in plan.epilogues} if plan.norm_impl != "xla" else {}
   aux = dict(plan.aux)
   centered = dict(plan.consts)
   untied = {(u, k): (name, chain) for u, k, name, chain in plan.untied}
@@ -120,10 +127,12 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
         for ceqn in chain:
           val = compat.bind_eqn(ceqn, [val] + [read(a) for a in ceqn.invars[1:]])[0]
         invals[k] = val
-    if path in plan.zero:
+    if path in kernels_at and (outs := _kernel(kernels_at[path], eqn, env, plan)) is not None:
+      pass
+    elif path in plan.zero:
       outs = [Zero(eqn.outvars[0].aval)]
     elif path in touched and compat.is_call(eqn):
-      outs = _call(eqn, invals, plan, extras, path)
+      outs = _call(eqn, invals, plan, extras, path, env if not compat.is_remat(eqn) else dict(env))
     elif path in touched and compat.is_scan(eqn):
       outs = _scan(eqn, invals, plan, extras, path)
     else:
@@ -146,6 +155,21 @@ def _aux(x, spec):
   return layout.center(x, dict(spec))
 
 
+def _kernel(ep, eqn, env, plan):
+  from jaxfold._src import kernels
+  x = env.get(ep.x)
+  if x is None or isinstance(x, Zero):
+    return None
+  interpret = kernels.use_kernel(plan.norm_impl, x.shape, x.dtype)
+  if interpret is None:
+    return None
+  if any(v is not None and v not in env for v in (ep.gamma, ep.beta)):
+    return None
+  gamma = env[ep.gamma] if ep.gamma is not None else None
+  beta = env[ep.beta] if ep.beta is not None else None
+  return [kernels.run_kernel(ep, x, gamma, beta, eqn.outvars[0].aval, interpret)]
+
+
 def _scan(eqn, invals, plan, extras, path):
   """Re-traces a scan whose body the plan changes, with lax.scan itself."""
   nc, ncar = compat.scan_partition(eqn.params)
@@ -162,11 +186,11 @@ def _scan(eqn, invals, plan, extras, path):
   return list(carry) + list(ys)
 
 
-def _call(eqn, invals, plan, extras, path):
+def _call(eqn, invals, plan, extras, path, env):
   body = compat.call_jaxpr_of(eqn)
   inner, consts = compat.open_jaxpr(body)
   invals = [v.materialize() if isinstance(v, Zero) else v for v in invals]
-  run = lambda *a: evaluate(inner, consts, a, plan, extras, path)
+  run = lambda *a: evaluate(inner, consts, a, plan, extras, path, env)
   if compat.is_remat(eqn):
     run = jax.checkpoint(run, prevent_cse=eqn.params.get("prevent_cse", True),
                          policy=eqn.params.get("policy"))

@@ -141,10 +141,7 @@ def shift_along(key, shape, spec):
   return r
 
 
-@settings(max_examples=30, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(prog=programs(), aux=st.booleans())
-def test_random_programs(prog, aux):
+def check_program(prog, aux):
   with x64_context():
     init, apply = build(prog)
     p = init(jax.random.PRNGKey(0))
@@ -169,6 +166,22 @@ def test_random_programs(prog, aux):
     if "groupnorm_spatial" in prog["ops"] and not prog["extra"]:
       spatial = [s for s in f.report.sites if s.axes == (1, 3)]
       assert spatial and not any(s.folded for s in spatial)
+
+
+_SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+
+
+@settings(max_examples=12, **_SETTINGS)
+@given(prog=programs(), aux=st.booleans())
+def test_random_programs(prog, aux):
+  check_program(prog, aux)
+
+
+@pytest.mark.slow
+@settings(max_examples=200, **_SETTINGS)
+@given(prog=programs(), aux=st.booleans())
+def test_random_programs_many(prog, aux):
+  check_program(prog, aux)
 
 
 def test_generator_covers_foldable_and_unfoldable_cases():

@@ -67,13 +67,9 @@ def _fold(params, aux):
 # leaves word_embeddings_layernorm unfolded because the tied head also reads the table
 # ("an auxiliary centering or an untied copy would fold it"), so it reports 2L+1, not 2L+2.
 # strict: when jaxfold folds it, this XPASSes and the mark must go.
-_AUX_DISCREPANCY = pytest.mark.xfail(
-    strict=True, reason="jaxfold does not fold the tied word_embeddings_layernorm with aux on")
-
-
 @pytest.mark.parametrize("aux, expected", [
     (False, 1),
-    pytest.param(True, 2 * CFG.n_layer + 2, marks=_AUX_DISCREPANCY),
+    (True, 2 * CFG.n_layer + 2),
 ])
 def test_fold(params, aux, expected):
     folded, errors = _fold(params, aux)
