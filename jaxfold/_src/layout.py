@@ -119,7 +119,16 @@ def reshape_emb(emb: tuple, in_shape, out_shape) -> Optional[tuple]:
       inner = math.prod(in_shape[i] for i in gi[gi.index(varying[-1]) + 1:])
       if any(emb[i] is None and in_shape[i] > 1 for i in gi[:gi.index(varying[-1])]):
         return None
-      home = ("merge",) + tuple(emb[i] for i in varying)
+      # One varying axis keeps its home (the inverse of a split), so a value
+      # split and merged back is recognised as carrying the same shift.
+      homes = [emb[i] for i in varying]
+      if len(varying) == 1:
+        home = homes[0][0]
+      elif all(h[1] == 1 and isinstance(h[0], tuple) and h[0][:1] == ("split",) and h[0][1] == homes[0][0][1]
+               and h[0][2] == k for k, h in enumerate(homes)) and varying == big_in:
+        home = homes[0][0][1]  # undoing an earlier split
+      else:
+        home = ("merge",) + tuple(homes)
       out[gj[big_out[0]]] = (home, emb[varying[-1]][1] * inner)
       continue
     if len(varying) > 1 or varying[0] != big_in[0]:
@@ -132,6 +141,12 @@ def reshape_emb(emb: tuple, in_shape, out_shape) -> Optional[tuple]:
     if first is None:
       continue
     rest = math.prod(sizes[first + 1:])
+    if block == 1 and rest > 1:
+      # A varying axis split into several: each part gets a home derived
+      # from the original, so the same split elsewhere matches.
+      for k, o in enumerate(big_out):
+        out[gj[o]] = (("split", home, k), 1)
+      continue
     if block % rest:
       return None
     b = block // rest

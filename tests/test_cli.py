@@ -1,0 +1,112 @@
+"""The `jaxfold` command line (run in-process through jaxfold.cli.main)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxfold.cli import main
+
+models = pytest.importorskip("models")
+
+
+def run(capsys, *argv):
+  code = main(["--quiet", *argv])
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+def test_unknown_model_lists_valid_names(capsys):
+  code, out, err = run(capsys, "report", "--model", "gpt3-tiny")
+  assert code == 2
+  assert "--model: unknown model 'gpt3-tiny'" in err and "gpt2-tiny" in err
+  assert "Traceback" not in err
+
+
+def test_argument_errors_exit_2_without_traceback(capsys, tmp_path):
+  code, _, err = run(capsys, "fold", "--model", "gpt2-tiny", "--checkpoint",
+                     str(tmp_path / "nope.safetensors"), "--out", str(tmp_path / "o"))
+  assert code == 2 and "--checkpoint" in err and "does not exist" in err
+  code, _, err = run(capsys, "report")
+  assert code == 2 and "--model NAME" in err
+  code, _, err = run(capsys, "report", str(tmp_path))
+  assert code == 2 and "not a saved fold" in err
+  code, _, err = run(capsys, "export", "--out", str(tmp_path / "x"))
+  assert code == 2 and "exactly one of --model" in err
+  with pytest.raises(SystemExit) as e:   # argparse's own checks
+    main(["bench", "--model", "gpt2-tiny", "--batch", "0"])
+  assert e.value.code == 2
+  assert "--batch must be a positive integer" in capsys.readouterr().err
+  (tmp_path / "busy").mkdir()
+  (tmp_path / "busy" / "f").write_text("x")
+  code, _, err = run(capsys, "fold", "--model", "gpt2-tiny", "--out", str(tmp_path / "busy"))
+  assert code == 2 and "--force" in err
+
+
+def test_report_for_model_uses_abstract_init(capsys):
+  code, out, _ = run(capsys, "report", "--model", "gpt2-tiny", "--seq", "8")
+  assert code == 0
+  assert "5/5 normalization sites folded" in out
+  code, out, _ = run(capsys, "report", "--model", "bert-tiny", "--json", "--no-auxiliary")
+  assert code == 0
+  d = json.loads(out)
+  assert d["num_sites"] == 5 and d["num_auxiliary"] == 0
+
+
+def test_fold_report_export_roundtrip(capsys, tmp_path):
+  out_dir = tmp_path / "folded"
+  code, out, err = run(capsys, "fold", "--model", "gpt2-tiny", "--out", str(out_dir),
+                       "--batch", "2", "--seq", "8")
+  assert code == 0, err
+  names = set(os.listdir(out_dir))
+  assert {"params", "report.json", "meta.json", "fold.json", "model.safetensors"} <= names
+  meta = json.loads((out_dir / "meta.json").read_text())
+  assert meta["model"] == "gpt2-tiny" and meta["config"]["n_embd"] == 32
+  assert meta["options"] == {"auxiliary_centering": True, "tied_weights": "auto", "batch": 2, "seq": 8}
+  assert "jax_version" in meta
+  # the HF-named file loads back with the zoo's reader
+  from models.safetensors_io import load_safetensors
+  p = load_safetensors(out_dir / "model.safetensors", "gpt2")
+  assert p["h_0"]["ln_1"]["scale"].shape == (32,)
+
+  code, out, _ = run(capsys, "report", str(out_dir))
+  assert code == 0 and "saved fold of gpt2-tiny" in out and "5/5" in out
+
+  art = tmp_path / "m.jaxexport"
+  code, out, err = run(capsys, "export", "--from", str(out_dir), "--out", str(art),
+                       "--batch", "2", "--seq", "8")
+  assert code == 0, err
+  assert art.stat().st_size > 1000 and "int32[batch,seq]" in out
+
+  # a checkpoint written by `fold` is a valid --checkpoint (HF naming)
+  code, out, err = run(capsys, "fold", "--model", "gpt2-tiny", "--checkpoint",
+                       str(out_dir / "model.safetensors"), "--out", str(tmp_path / "again"),
+                       "--tied-weights", "copy", "--no-auxiliary")
+  assert code == 0, err
+  assert "untied.safetensors" in os.listdir(tmp_path / "again")
+  code, _, err = run(capsys, "fold", "--model", "bert-tiny", "--checkpoint",
+                     str(out_dir / "model.safetensors"), "--out", str(tmp_path / "bad"))
+  assert code == 2 and "does not match --model bert-tiny" in err
+
+
+def test_bench_and_demo(capsys):
+  code, out, err = run(capsys, "bench", "--model", "gpt2-tiny", "--batch", "1", "--seq", "8",
+                       "--rounds", "3", "--warmup", "1")
+  assert code == 0, err
+  assert "folded/original time ratio" in out and "A/A noise" in out
+  code, out, err = run(capsys, "demo", "--tiny", "--batch", "2", "--seq", "8", "--rounds", "3")
+  assert code == 0, err
+  assert "5/5 normalization sites folded" in out
+  errs = [float(l.rsplit(":", 1)[1]) for l in out.splitlines() if l.startswith("max relative error")]
+  assert len(errs) == 2 and max(errs) < 1e-5
+
+
+def test_console_entry_point():
+  r = subprocess.run([sys.executable, "-m", "jaxfold.cli", "--help"], capture_output=True,
+                     text=True, timeout=60)
+  assert r.returncode == 0 and "demo" in r.stdout and "fold" in r.stdout
+  r = subprocess.run([sys.executable, "-m", "jaxfold.cli"], capture_output=True, text=True,
+                     timeout=60)
+  assert r.returncode == 2

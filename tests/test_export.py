@@ -1,0 +1,100 @@
+"""jaxfold.export: serialized, self-contained folded programs with symbolic shapes."""
+
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxfold
+from jaxfold.cli import random_params
+from jaxfold.export import ExportWarning, export, exported_signature, load_exported
+
+models = pytest.importorskip("models")
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-30))
+
+
+@pytest.fixture(scope="module")
+def gpt2_tiny():
+  spec = models.get("gpt2-tiny")
+  params = random_params(spec, 2, 8, seed=0)   # numpy draws, γ/β randomized
+  apply = jax.jit(spec.apply_fn())
+  folded = jaxfold.fold(params, apply, *spec.example_inputs(2, 8))
+  return spec, params, apply, folded
+
+
+def test_symbolic_export_runs_any_batch_and_length(gpt2_tiny):
+  spec, params, apply, folded = gpt2_tiny
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ExportWarning)
+    blob = export(folded, *spec.example_inputs(2, 8))
+  assert isinstance(blob, bytes) and len(blob) > 1000
+  fn = load_exported(blob)
+  assert exported_signature(fn) == [(("batch", "seq"), "int32")]
+  for b, s in [(3, 5), (1, 16)]:
+    args = spec.example_inputs(b, s)
+    got = fn(*args)
+    assert got.shape == (b, s, spec.config.vocab_size)
+    assert _rel(apply(params, *args), got) < 1e-5
+
+
+def test_params_as_argument(gpt2_tiny):
+  spec, params, apply, folded = gpt2_tiny
+  blob = export(folded, *spec.example_inputs(2, 8), params_as_argument=True)
+  fn = load_exported(blob)
+  args = spec.example_inputs(3, 6)
+  assert _rel(apply(params, *args), fn(folded.params, *args)) < 1e-5
+  assert exported_signature(fn)[-1] == (("batch", "seq"), "int32")
+
+
+def test_concrete_export(gpt2_tiny):
+  spec, params, apply, folded = gpt2_tiny
+  fn = load_exported(export(folded, *spec.example_inputs(2, 8), symbolic=None))
+  assert exported_signature(fn) == [((2, 8), "int32")]
+  args = spec.example_inputs(2, 8, )
+  assert _rel(apply(params, *args), fn(*args)) < 1e-5
+  with pytest.raises(Exception):
+    fn(*spec.example_inputs(3, 8))
+
+
+class ShapeBranch(nn.Module):
+  """Python control flow on the sequence length: not exportable with a symbolic seq."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(16)(x)
+    if x.shape[1] >= 4:
+      h = h * 2.0
+    return nn.LayerNorm()(h)
+
+
+def test_falls_back_to_fewer_symbolic_dims_with_warning():
+  m = ShapeBranch()
+  x = jax.random.normal(jax.random.key(0), (2, 6, 8))
+  p = models.randomize_norms(m.init(jax.random.key(1), x), jax.random.key(2))
+  folded = jaxfold.fold(p, m.apply, x)
+  assert folded.report.num_folded == 1
+  with pytest.warns(ExportWarning, match="batch"):
+    blob = export(folded, x)
+  fn = load_exported(blob)
+  assert exported_signature(fn) == [(("batch", 6, 8), "float32")]
+  x3 = jax.random.normal(jax.random.key(3), (5, 6, 8))
+  assert _rel(m.apply(p, x3), fn(x3)) < 1e-5
+
+
+def test_bad_arguments(gpt2_tiny):
+  spec, _, _, folded = gpt2_tiny
+  with pytest.raises(ValueError, match="example arguments"):
+    export(folded)
+  with pytest.raises(ValueError, match="identifiers"):
+    export(folded, *spec.example_inputs(2, 8), symbolic=("batch size",))
+  with pytest.raises(TypeError, match="jaxfold.fold"):
+    export(object(), *spec.example_inputs(2, 8))
+  with pytest.raises(TypeError, match="bytes"):
+    load_exported("model.jaxexport")
