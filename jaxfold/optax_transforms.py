@@ -1,0 +1,148 @@
+"""Optax transformations for CBWC training (:func:`jaxfold.cbwc`).
+
+With CBWC the stored parameter is W while the forward pass uses the centered
+weight V = P·W (P = I − 11ᵀ/m along the centered axes). The model's function,
+and therefore its gradient, depends on W only through V: the component of W
+along the all-ones direction (11ᵀW/m) is invisible. Weight decay can then be
+applied to W (what ``optax.adamw`` / ``optax.add_decayed_weights`` do, and what
+the original LayerNorm model does: identical trajectories) or to V (the paper's
+Appendix variant): :func:`decay_centered_weights`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxfold._src import layout
+
+__all__ = ["decay_centered_weights", "DecayCenteredWeightsState"]
+
+
+class DecayCenteredWeightsState(NamedTuple):
+  """No state is needed."""
+
+
+def _leaf_specs(reparam: Any) -> tuple[dict, Any]:
+  """Returns ({leaf index: spec dict}, expected treedef or None)."""
+  tree = None
+  if hasattr(reparam, "analysis") and hasattr(reparam, "apply_fn"):   # Reparameterized
+    tree = getattr(reparam.apply_fn, "_tree", None)
+    specs = reparam.analysis.leaf_specs
+  elif hasattr(reparam, "leaf_specs"):                                  # Analysis
+    specs = reparam.leaf_specs
+  else:                                                                 # ((index, spec), ...)
+    specs = reparam
+  try:
+    out = {int(i): dict(spec) for i, spec in specs}
+  except (TypeError, ValueError) as e:
+    raise TypeError("reparam must be the result of jaxfold.cbwc (or its .analysis, or a "
+                    "sequence of (leaf index, spec) pairs like analysis.leaf_specs), got "
+                    f"{type(reparam).__name__}") from e
+  return out, tree
+
+
+def decay_centered_weights(
+    weight_decay: Union[float, jax.Array],
+    reparam: Any,
+    mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
+) -> optax.GradientTransformation:
+  r"""Adds ``weight_decay * V`` (V = P·W, the centered weight) to the updates.
+
+  The CBWC counterpart of :func:`optax.add_decayed_weights`: for every leaf
+  that ``reparam`` (the result of :func:`jaxfold.cbwc`) centers in its forward
+  pass, it adds ``weight_decay * center(W)``; for every other leaf it adds
+  ``weight_decay * W`` exactly like ``optax.add_decayed_weights``. ``mask``
+  (a pytree of bools with the structure of the params, or a callable that
+  returns one) selects which leaves are decayed at all; ``None`` decays all.
+
+  **Decay on V versus decay on W.** With CBWC the function depends on W only
+  through V = P·W, i.e. not on W's component along the all-ones direction
+  of the centered axes (11ᵀW/m). ``add_decayed_weights`` (decay on W) shrinks
+  that invisible component too; this transformation (decay on V) leaves it
+  alone and is the gradient of the L2 penalty ``weight_decay/2 · ‖V‖²``
+  (P is an orthogonal projection, so ∂‖PW‖²/∂W = 2·PW).
+
+  * As a *decoupled* decay (added after the preconditioner, as in
+    ``optax.adamw``), both choices give the same model function at every step
+    — P·(update) is identical — and differ only in the invisible component.
+  * As a *coupled* L2 term (added before a per-element preconditioner such as
+    ``scale_by_adam``, PyTorch's ``Adam(weight_decay=...)``), the preconditioner
+    mixes the ones-component into the visible part, so the two trajectories
+    differ. ``chain(decay_centered_weights(wd, r), scale_by_adam(), scale(-lr))``
+    is Adam on ``loss + wd/2·‖V‖²``: the variant whose regularizer sees only
+    the weight the model actually uses.
+
+  Leaves that ``reparam`` uses both centered and uncentered (an "untied copy"
+  of a tied weight) are decayed on W, since W itself is used too.
+
+  Args:
+    weight_decay: the decay rate (a float or a scalar array / schedule value).
+    reparam: ``jaxfold.cbwc(params, apply_fn, *args)``, or its ``.analysis``,
+      or its ``.analysis.leaf_specs``.
+    mask: as in ``optax.add_decayed_weights``.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose ``update`` requires ``params``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, optax, jaxfold
+    >>> from jaxfold.optax_transforms import decay_centered_weights
+    >>> m = nn.Sequential([nn.Dense(8), nn.LayerNorm(), nn.Dense(2)])
+    >>> x = jnp.ones((4, 3)); p = m.init(jax.random.PRNGKey(0), x)
+    >>> r = jaxfold.cbwc(p, m.apply, x)
+    >>> opt = optax.chain(decay_centered_weights(1e-2, r), optax.scale_by_adam(),
+    ...                   optax.scale(-1e-3))
+    >>> state = opt.init(p)
+    >>> g = jax.grad(lambda q: r.apply_fn(q, x).sum())(p)
+    >>> updates, state = opt.update(g, state, p)
+    >>> p2 = optax.apply_updates(p, updates)
+    >>> bool(jnp.allclose(r.apply_fn(p2, x), m.apply(p2, x), atol=1e-5))
+    True
+    >>> k = p['params']['layers_0']['kernel']   # the ones-component is untouched
+    >>> zero = jax.tree_util.tree_map(jnp.zeros_like, p)
+    >>> u, _ = decay_centered_weights(0.5, r).update(zero, (), p)
+    >>> bool(jnp.allclose(u['params']['layers_0']['kernel'].mean(-1), 0, atol=1e-7))
+    True
+  """
+  specs, expected_tree = _leaf_specs(reparam)
+
+  def init_fn(params):
+    del params
+    return DecayCenteredWeightsState()
+
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError("decay_centered_weights needs the current params: call "
+                       "update(updates, state, params).")
+    p_leaves, p_tree = jax.tree_util.tree_flatten(params)
+    u_leaves, u_tree = jax.tree_util.tree_flatten(updates)
+    if expected_tree is not None and p_tree != expected_tree:
+      raise ValueError(f"params has structure {p_tree}, but reparam was made for "
+                       f"{expected_tree}")
+    if u_tree != p_tree:
+      raise ValueError(f"updates structure {u_tree} differs from params structure {p_tree}")
+    if specs and max(specs) >= len(p_leaves):
+      raise ValueError(f"reparam centers leaf {max(specs)} but params has only "
+                       f"{len(p_leaves)} leaves")
+    if mask is None:
+      m_leaves = [True] * len(p_leaves)
+    else:
+      m = mask(params) if callable(mask) else mask
+      m_leaves = jax.tree_util.tree_leaves(m)
+      if len(m_leaves) != len(p_leaves):
+        raise ValueError(f"mask has {len(m_leaves)} leaves, params has {len(p_leaves)}")
+    out = []
+    for i, (u, p, keep) in enumerate(zip(u_leaves, p_leaves, m_leaves)):
+      if u is None or not keep:
+        out.append(u)
+        continue
+      w = layout.center(p, specs[i]) if i in specs else p
+      out.append((u + weight_decay * w).astype(u.dtype) if hasattr(u, "dtype") else
+                 u + weight_decay * w)
+    return jax.tree_util.tree_unflatten(u_tree, out), state
+
+  return optax.GradientTransformation(init_fn, update_fn)
