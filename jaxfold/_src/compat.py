@@ -98,7 +98,10 @@ def scan_partition(params: dict) -> tuple[int, int]:
   """``(num_consts, num_carry)`` of a scan equation, on either JAX version."""
   if "num_consts" in params:
     return params["num_consts"], params["num_carry"]
-  ft_in = params["ft_in"]
+  ft_in = params["ft_in"]  # jax 0.11: a FlatTree of (consts, carry, xs)
+  if hasattr(ft_in, "unpack"):
+    consts, carry = ft_in.unpack()[:2]
+    return len(consts), len(carry)
   count = lambda t: len(jax.tree_util.tree_leaves(t, is_leaf=lambda v: v is None))
   return count(ft_in[0]), count(ft_in[1])
 

@@ -46,6 +46,11 @@ class Blocker:
   reason: str
 
 
+_DROPOUT = ("a random mask (dropout) that varies along the normalized axes makes the input "
+            "not zero-mean; jaxfold.cbwc(..., through_dropout=True) folds it anyway, inexactly "
+            "[at {}]")
+
+
 def _freeze(spec: dict) -> tuple:
   return tuple(sorted(spec.items()))
 
@@ -136,7 +141,10 @@ class Walker:
         s = self._through_broadcast(b, spec, out_shape)
         if s is not None:
           return rec(b, s)
-      out.append(Blocker(v, _freeze(spec), f"a product that varies along the normalized axes [at {node.where()}]"))
+      if any(compat.is_var(x) and const.from_key(x) for x in (a, b)):
+        out.append(Blocker(v, _freeze(spec), _DROPOUT.format(node.where())))
+      else:
+        out.append(Blocker(v, _freeze(spec), f"a product that varies along the normalized axes [at {node.where()}]"))
       return
     if p in _LAYOUT:
       s = self._layout_back(node, spec)
@@ -165,6 +173,9 @@ class Walker:
     if p is lax.select_n_p and set(spec) <= const._of(node.invars[0], out_shape):
       for a in node.invars[1:]:
         rec(a, spec)
+      return
+    if p is lax.select_n_p and compat.is_var(node.invars[0]) and const.from_key(node.invars[0]):
+      out.append(Blocker(v, _freeze(spec), _DROPOUT.format(node.where())))
       return
     if p is lax.dynamic_update_slice_p:
       us = shape_of(node.invars[1])
