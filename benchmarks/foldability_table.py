@@ -39,7 +39,7 @@ ROWS = [
     ("OPT-125m", "opt-125m", "opt-tiny", "0/25/25"),
     ("OPT-350m", "opt-350m", "opt-350m-tiny", "–"),
     ("OPT-1.3b", "opt-1.3b", "opt-tiny", "0/25/25"),
-    ("BLOOM-560m", "bloom-560m", "bloom-tiny", "5/6/6 (sic)"),
+    ("BLOOM-560m", "bloom-560m", "bloom-tiny", "5/6/6"),
     ("Phi-2", "phi-2", "phi-tiny", "0/25/25"),
     ("GPT-J-6B-sized", "gpt-j-6b-sized", "gpt-j-tiny", "–"),
     ("Swin-T", "swin-t", "swin-tiny-test", "–"),

@@ -15,7 +15,6 @@ Anything either pass does not understand blocks the fold, with a reason.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Optional
 
@@ -331,7 +330,7 @@ class Propagator:
     nc, ncar = compat.scan_partition(node.params)
     body = node.subgraphs[0]
     bp = self._body(body)
-    seeds, pattern = {}, {}
+    seeds = {}
     for i, p in enumerate(ins):
       if p is None:
         continue
@@ -416,11 +415,12 @@ class Propagator:
     if sy.is_const(factor):
       return sy.poly_scale(p, factor)
     if p.is_pure:
+      # k·c·y is a new pure shift, varying wherever c or y does.
       const = self.const._of(other, out_shape)
       emb = tuple(e if (d in const or e is not None) else self._varying(d)
                   for d, e in enumerate(p.emb))
       self._set_canon(node, sy.atom(id(node.outvars[0])))
-      return self._remint(emb, out_shape) if emb != p.emb or True else p
+      return self._remint(emb, out_shape)
     return sy.poly_scale(p, factor)
 
   def _reduce(self, node, p):
@@ -470,15 +470,14 @@ class Propagator:
     ls, rs = shape_of(node.invars[0]), shape_of(node.invars[1])
     lfree = [d for d in range(len(ls)) if d not in lc and d not in lb]
     rfree = [d for d in range(len(rs)) if d not in rc and d not in rb]
-    out = []
-    for i, (a, b) in enumerate(zip(lb, rb)):
-      out.append(self._varying(i))
-    mine = lfree if side == 0 else rfree
+    # Output dims: batch, then lhs free, then rhs free. The shift stays
+    # constant along the perturbed operand's free dims where it was; the
+    # other operand's free dims and the batch dims mix it.
+    out = [self._varying(i) for i in range(len(lb))]
     for d in lfree:
       out.append(p.emb[d] if side == 0 else self._varying(len(out)))
     for d in rfree:
       out.append(p.emb[d] if side == 1 else self._varying(len(out)))
-    del mine
     self._set_canon(node, sy.atom(id(node.outvars[0])))
     return self._remint(tuple(out), shape_of(node.outvars[0]))
 

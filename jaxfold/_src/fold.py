@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,7 @@ from jaxfold._src.graph import Graph
 from jaxfold._src.planner import Blocker, LeafNeed, Walker, find_sites, nested_sites
 from jaxfold._src.report import Centering, Report, Site
 from jaxfold._src.rewrite import Plan, evaluate
+from jaxfold._src.symbolic import Unsupported
 
 
 class FoldError(ValueError):
@@ -179,7 +180,7 @@ class _Planner:
               frozenset({node.index}))
     try:
       return self._visible(("use", node.index, k, need.spec), seeds)
-    except compat_unsupported() as e:
+    except Unsupported as e:  # the use itself does not carry the shift
       return str(e)
 
   def aux_visible(self, var, spec):
@@ -360,7 +361,6 @@ class _Planner:
                         num_reductions=len(s.reduces)))
     aux = tuple(f"{shape_of(v)} over {layout.fmt_spec(dict(s), shape_of(v))} at "
                 f"{self._where(v)}" for v, s in self.aux_commit.items())
-    untied = sum(c.extra_bytes for s in sites for c in s.centered)
     untied = sum(int(np.prod(shape_of(n.var))) * compat.aval(n.var).dtype.itemsize
                  for n in self.untie_commit.values())
     return Report(tuple(sites), aux, untied)
@@ -417,11 +417,6 @@ class _Planner:
     if v in self.g.producer:
       return self.g.producer[v][0].where()
     return "a program input"
-
-
-def compat_unsupported():
-  from jaxfold._src.symbolic import Unsupported
-  return Unsupported
 
 
 # ----------------------------------------------------------------------------

@@ -12,14 +12,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-import numpy as np
 from jax import lax
 
 from jaxfold._src import compat
 from jaxfold._src import layout
-from jaxfold._src.analysis import (Constancy, Propagator, _ADD, _CUMULATIVE, _LAYOUT,
-                                   _SHARDING, _UNARY_SAME, _scalar_literal, seed_poly,
-                                   shape_of)
+from jaxfold._src.analysis import (_ADD, _CUMULATIVE, _LAYOUT, _SHARDING, _UNARY_SAME,
+                                   _scalar_literal, shape_of)
 from jaxfold._src.graph import Graph, Node
 
 
@@ -327,14 +325,7 @@ def _is_zero(graph: Graph, v: Any) -> bool:
 
 
 def _describe(node: Node) -> str:
-  p = node.prim
-  kind = {lax.rsqrt_p: "a normalization's output (γ·n + β is not zero-mean for non-uniform γ)",
-          }.get(p)
-  if p in (lax.add_p,):
-    kind = None
-  if kind is None:
-    kind = f"the output of `{p.name}`, which is not provably zero-sum"
-  return f"{kind} [at {node.where()}]"
+  return f"the output of `{node.prim.name}`, which is not provably zero-sum [at {node.where()}]"
 
 
 # ----------------------------------------------------------------------------

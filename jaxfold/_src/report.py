@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
