@@ -351,14 +351,15 @@ class _Planner:
     sites = []
     for i, s in enumerate(self.sites):
       folded, reason, centered, aux, exact = self.results[i]
-      sites.append(Site(index=len(sites), where=s.node.where(), shape=shape_of(s.input),
-                        axes=s.axes, folded=folded, reason=reason, centered=centered,
-                        auxiliary=aux, num_reductions=len(s.reduces), exact=exact))
+      sites.append(Site(index=len(sites), where=s.node.module() or s.node.source(),
+                        shape=shape_of(s.input), axes=s.axes, folded=folded, reason=reason,
+                        centered=centered, auxiliary=aux, num_reductions=len(s.reduces),
+                        exact=exact, source=s.node.source()))
     for loop, s in nested_sites(self.g):
-      sites.append(Site(index=len(sites), where=s.node.where(), shape=shape_of(s.input),
-                        axes=s.axes, folded=False,
+      sites.append(Site(index=len(sites), where=s.node.module() or s.node.source(),
+                        shape=shape_of(s.input), axes=s.axes, folded=False,
                         reason=f"inside a `{loop.prim.name}` body, which the analysis does not enter yet",
-                        num_reductions=len(s.reduces)))
+                        num_reductions=len(s.reduces), source=s.node.source()))
     aux = tuple(f"{shape_of(v)} over {layout.fmt_spec(dict(s), shape_of(v))} at "
                 f"{self._where(v)}" for v, s in self.aux_commit.items())
     untied = sum(int(np.prod(shape_of(n.var))) * compat.aval(n.var).dtype.itemsize
@@ -415,7 +416,8 @@ class _Planner:
 
   def _where(self, v) -> str:
     if v in self.g.producer:
-      return self.g.producer[v][0].where()
+      node = self.g.producer[v][0]
+      return node.where() or f"the output of `{node.prim.name}`"
     return "a program input"
 
 

@@ -37,6 +37,13 @@ class Node:
   def params(self) -> dict:
     return self.eqn.params
 
+  def module(self) -> str:
+    """The module path (JAX name stack), e.g. ``GPT2/h_0/ln_1``; may be empty."""
+    return compat.name_stack(self.eqn)
+
+  def source(self) -> str:
+    return compat.source_summary(self.eqn)
+
   def where(self) -> str:
     stack = compat.name_stack(self.eqn)
     src = compat.source_summary(self.eqn)

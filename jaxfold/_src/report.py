@@ -19,7 +19,7 @@ class Centering:
 class Site:
   """One mean reduction that a LayerNorm/GroupNorm performs."""
   index: int
-  where: str            # module path (name stack) and source line
+  where: str            # module path (name stack), or the source line without one
   shape: tuple          # shape of the normalized value
   axes: tuple           # reduced axes, in that value's layout
   folded: bool
@@ -28,6 +28,7 @@ class Site:
   auxiliary: bool = False
   num_reductions: int = 1
   exact: bool = True    # False only for CBWC sites folded across dropout
+  source: str = ""      # file:line (function) of the mean reduction
 
   def as_dict(self) -> dict:
     d = dataclasses.asdict(self)
