@@ -3,11 +3,15 @@
 Public API:
   fold(params, apply_fn, *example_args) -> Folded(params, apply_fn, report)
   cbwc(params, apply_fn, *example_args) -> Reparameterized(apply_fn, report, analysis)
+  export(folded, *example_args) -> bytes; load_exported(bytes) -> callable
+  save_fold(folded, directory); load_fold(directory, apply_fn)
 """
 
 from jaxfold._src.fold import FoldError, Folded, Reparameterized, cbwc, fold
+from jaxfold._src.export import export, load_exported
 from jaxfold._src.report import Centering, Report, Site
+from jaxfold._src.serialization import load_fold, save_fold
 
 __all__ = ["fold", "cbwc", "Folded", "Reparameterized", "FoldError", "Report", "Site",
-           "Centering"]
+           "Centering", "export", "load_exported", "save_fold", "load_fold"]
 __version__ = "0.1.0"

@@ -10,7 +10,7 @@ import pytest
 
 import jaxfold
 from jaxfold.cli import random_params
-from jaxfold.export import ExportWarning, export, exported_signature, load_exported
+from jaxfold._src.export import ExportWarning, export, exported_signature, load_exported
 
 models = pytest.importorskip("models")
 

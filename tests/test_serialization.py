@@ -9,7 +9,7 @@ import pytest
 
 import jaxfold
 from jaxfold.cli import random_params
-from jaxfold.serialization import load_fold, load_meta, load_report, save_fold
+from jaxfold._src.serialization import load_fold, load_meta, load_report, save_fold
 
 models = pytest.importorskip("models")
 

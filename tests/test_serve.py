@@ -13,7 +13,7 @@ import pytest
 
 import jaxfold
 from jaxfold.cli import random_params
-from jaxfold.export import export
+from jaxfold._src.export import export
 
 models = pytest.importorskip("models")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
