@@ -497,11 +497,26 @@ class Reparameterized(NamedTuple):
 
 
 def _center_leaf(x, spec):
+  """Centers one parameter, keeping its dtype, device and sharding."""
   if isinstance(x, jax.ShapeDtypeStruct):
     return x
   sharding = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
-  y = layout.center(jnp.asarray(x), dict(spec))
-  return jax.device_put(y, sharding) if sharding is not None else y
+  on_host = sharding is None or all(d.platform == "cpu" for d in sharding.device_set)
+  if on_host and len(getattr(sharding, "device_set", ())) <= 1:
+    # NumPy on the host: no per-shape compilation, which dominates a cold fold.
+    y = layout.center(np.asarray(x), dict(spec))
+  else:
+    y = _center_jit(dict(spec))(x)
+  return jax.device_put(y, sharding) if sharding is not None else jnp.asarray(y)
+
+
+@functools.lru_cache(maxsize=None)
+def _center_jit_cached(spec_items: tuple):
+  return jax.jit(lambda x: layout.center(x, dict(spec_items)))
+
+
+def _center_jit(spec: dict):
+  return _center_jit_cached(tuple(sorted(spec.items())))
 
 
 def fold(params: Any, apply_fn: Callable, *example_args: Any,

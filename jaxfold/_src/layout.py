@@ -157,7 +157,10 @@ def reshape_emb(emb: tuple, in_shape, out_shape) -> Optional[tuple]:
 
 
 def center(x, spec: Spec):
-  """Subtracts the mean over each joint block of ``spec`` (float32 or wider)."""
+  """Subtracts the mean over each joint block of ``spec`` (float32 or wider).
+
+  Works on jax and NumPy arrays alike (only array methods are used).
+  """
   import jax.numpy as jnp
   dtype = x.dtype
   acc = jnp.promote_types(dtype, jnp.float32)
