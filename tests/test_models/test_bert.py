@@ -65,10 +65,7 @@ def test_safetensors_roundtrip_and_prefix_variants(params, tmp_path):
 
 
 def _fold(params, aux):
-    try:
-        return check_fold(SPEC, params, auxiliary_centering=aux)
-    except ImportError as err:
-        pytest.skip(f"jaxfold.fold unavailable: {err}")
+    return check_fold(SPEC, params, auxiliary_centering=aux)
 
 
 def test_fold_only_embedding_ln(params):

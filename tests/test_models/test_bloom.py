@@ -57,10 +57,7 @@ def test_safetensors_roundtrip(params, tmp_path):
 
 
 def _fold(params, aux):
-    try:
-        return check_fold(SPEC, params, auxiliary_centering=aux)
-    except ImportError as err:
-        pytest.skip(f"jaxfold.fold unavailable: {err}")
+    return check_fold(SPEC, params, auxiliary_centering=aux)
 
 
 # Known discrepancy (reported, expectation kept): with auxiliary_centering=True jaxfold

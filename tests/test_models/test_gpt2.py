@@ -81,10 +81,7 @@ def test_bf16_dtype_kept(params, tmp_path):
 
 
 def _fold(params, spec=SPEC, aux=True):
-    try:
-        return check_fold(spec, params, auxiliary_centering=aux)
-    except ImportError as err:
-        pytest.skip(f"jaxfold.fold unavailable: {err}")
+    return check_fold(spec, params, auxiliary_centering=aux)
 
 
 def test_fold_all_sites_and_save_folded(params, tmp_path):

@@ -68,10 +68,7 @@ def test_safetensors_roundtrip(case, tmp_path):
 
 
 def _fold(spec, params, aux):
-    try:
-        return check_fold(spec, params, auxiliary_centering=aux)
-    except ImportError as err:
-        pytest.skip(f"jaxfold.fold unavailable: {err}")
+    return check_fold(spec, params, auxiliary_centering=aux)
 
 
 def test_fold_pre_ln_all(case):

@@ -62,10 +62,7 @@ def test_safetensors_roundtrip(case, tmp_path):
 @pytest.mark.parametrize("aux", [False, True])
 def test_fold_all(case, aux):
     spec, params = case
-    try:
-        folded, errors = check_fold(spec, params, auxiliary_centering=aux)
-    except ImportError as err:
-        pytest.skip(f"jaxfold.fold unavailable: {err}")
+    folded, errors = check_fold(spec, params, auxiliary_centering=aux)
     assert max(errors) < 1e-4, errors
     n = spec.config.num_hidden_layers + 1
     assert (folded.report.num_sites, folded.report.num_folded) == (n, n)
