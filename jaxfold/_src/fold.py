@@ -337,15 +337,17 @@ class _Planner:
                 norm_impl=self.opts.norm_impl)
 
   def _untied_name(self, n: LeafNeed) -> str:
-    return f"{self._name(n.var)}@{'.'.join(map(str, n.use[0].path))}"
+    # Named by parameter and axes, not by equation position, so the same
+    # folded params serve every input signature (and uses share one copy).
+    return f"{self._name(n.var)}@centered{layout.fmt_spec(dict(n.spec), shape_of(n.var))}"
 
   def leaf_specs(self) -> tuple:
     return tuple(sorted((self.leaf_index[v], s) for v, s in self.leaf_commit.items()
                         if v in self.leaf_index))
 
   def untied_specs(self) -> tuple:
-    return tuple((self._untied_name(n), self.leaf_index[n.var], n.spec)
-                 for n in self.untie_commit.values())
+    return tuple(sorted({(self._untied_name(n), self.leaf_index[n.var], n.spec)
+                         for n in self.untie_commit.values()}))
 
   def report(self) -> Report:
     sites = []
@@ -362,8 +364,8 @@ class _Planner:
                         num_reductions=len(s.reduces), source=s.node.source()))
     aux = tuple(f"{shape_of(v)} over {layout.fmt_spec(dict(s), shape_of(v))} at "
                 f"{self._where(v)}" for v, s in self.aux_commit.items())
-    untied = sum(int(np.prod(shape_of(n.var))) * compat.aval(n.var).dtype.itemsize
-                 for n in self.untie_commit.values())
+    copies = {(n.var, n.spec) for n in self.untie_commit.values()}
+    untied = sum(int(np.prod(shape_of(v))) * compat.aval(v).dtype.itemsize for v, _ in copies)
     return Report(tuple(sites), aux, untied)
 
   def _explain(self, b: Blocker) -> str:

@@ -23,6 +23,12 @@ def groups(in_shape: Sequence[int], out_shape: Sequence[int]):
   while i < n or j < m:
     gi, gj = [], []
     pi = pj = 1
+    if i < n and j < m and not isinstance(in_shape[i], int) and _same_dim(in_shape[i], out_shape[j]):
+      # A symbolic dim carried through unchanged (e.g. jax.export's batch).
+      out.append(([i], [j]))
+      i += 1
+      j += 1
+      continue
     if i < n:
       gi.append(i); pi *= in_shape[i]; i += 1
     if j < m:
@@ -41,6 +47,18 @@ def groups(in_shape: Sequence[int], out_shape: Sequence[int]):
       gj.append(j); j += 1
     out.append((gi, gj))
   return out
+
+
+def _big(s) -> bool:
+  """Size > 1; a symbolic dim counts as a real axis (varying along size 1 is harmless)."""
+  return s > 1 if isinstance(s, int) else True
+
+
+def _same_dim(a, b) -> bool:
+  try:
+    return bool(a == b)
+  except Exception:
+    return False
 
 
 def _block_to_dims(sizes: Sequence[int], block: int) -> Optional[dict]:
@@ -82,6 +100,13 @@ def _dims_to_block(sizes: Sequence[int], spec: dict) -> Optional[int]:
 
 
 def reshape_spec_back(spec: Spec, in_shape, out_shape) -> Optional[Spec]:
+  try:
+    return _reshape_spec_back(spec, in_shape, out_shape)
+  except Exception:  # symbolic dims whose order is unknown: fail closed
+    return None
+
+
+def _reshape_spec_back(spec: Spec, in_shape, out_shape) -> Optional[Spec]:
   gs = groups(in_shape, out_shape)
   if gs is None:
     return None
@@ -101,6 +126,13 @@ def reshape_spec_back(spec: Spec, in_shape, out_shape) -> Optional[Spec]:
 
 
 def reshape_emb(emb: tuple, in_shape, out_shape) -> Optional[tuple]:
+  try:
+    return _reshape_emb(emb, in_shape, out_shape)
+  except Exception:  # symbolic dims whose order is unknown: fail closed
+    return None
+
+
+def _reshape_emb(emb: tuple, in_shape, out_shape) -> Optional[tuple]:
   """Maps a shift embedding forwards through a reshape."""
   gs = groups(in_shape, out_shape)
   if gs is None:
@@ -111,13 +143,13 @@ def reshape_emb(emb: tuple, in_shape, out_shape) -> Optional[tuple]:
     if not varying:
       continue
     sizes = [out_shape[o] for o in gj]
-    big_out = [k for k, s in enumerate(sizes) if s > 1]
-    big_in = [i for i in gi if in_shape[i] > 1]
+    big_out = [k for k, s in enumerate(sizes) if _big(s)]
+    big_in = [i for i in gi if _big(in_shape[i])]
     if len(big_out) == 1 and len(big_in) > 1:
       # A merge: the merged axis varies like the tuple of the merged homes,
       # in blocks spanning the constant axes inside the last varying one.
       inner = math.prod(in_shape[i] for i in gi[gi.index(varying[-1]) + 1:])
-      if any(emb[i] is None and in_shape[i] > 1 for i in gi[:gi.index(varying[-1])]):
+      if any(emb[i] is None and _big(in_shape[i]) for i in gi[:gi.index(varying[-1])]):
         return None
       # One varying axis keeps its home (the inverse of a split), so a value
       # split and merged back is recognised as carrying the same shift.

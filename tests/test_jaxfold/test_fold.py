@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 import jaxfold
-from conftest import randomize, rel_err
+from conftest import randomize, rel_err, x64_context
 
 F64 = jnp.float64
 D = 16
@@ -634,3 +634,27 @@ def test_sites_inside_cond_and_while_are_reported_not_folded(x64):
   f = run(M(), x3())
   assert f.report.num_folded == 0
   assert all("body" in s.reason or "not" in s.reason for s in f.report.sites)
+
+
+def test_symbolic_batch_and_untied_copies_keep_one_plan():
+  """jax.export shapes: a symbolic batch through a reshape, and untied names
+  that do not depend on where the use sits in the jaxpr."""
+  class M(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.Conv(8, (2, 2), strides=(2, 2))(x)
+      return nn.LayerNorm()(h.reshape(h.shape[0], -1, h.shape[-1]))
+
+  (b,) = jax.export.symbolic_shape("batch")
+  m, x = M(), jnp.ones((2, 8, 8, 3))
+  p = m.init(jax.random.PRNGKey(0), x)
+  f = jaxfold.fold(p, m.apply, jax.ShapeDtypeStruct((b, 8, 8, 3), jnp.float32))
+  assert f.report.num_folded == 1
+
+  ids = jnp.arange(10).reshape(2, 5)
+  t = Tied()
+  q = randomize(t.init(jax.random.PRNGKey(0), ids))
+  with x64_context():
+    g = jaxfold.fold(q, t.apply, ids, auxiliary_centering=False)
+    bs, s = jax.export.symbolic_shape("batch, seq")
+    g.apply_fn.analysis_for((jax.ShapeDtypeStruct((bs, s), jnp.int32),))  # same params: no error
