@@ -22,7 +22,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxfold  # noqa: E402
@@ -42,9 +41,8 @@ SENTENCES = [
 
 def paper_choice(params, apply_fn, *args):
   """Every site's mean removed; every centerable additive source centered."""
-  an = _fold.analyse(apply_fn, params, args, _fold.Options(auxiliary_centering=False))
-  # Re-walk each site and center every parameter it needs, visible or not.
-  closed, _ = jax.make_jaxpr(apply_fn, return_shape=True)(params, *args)
+  # Walk each site and center every parameter it needs, visible or not.
+  closed, out_shape = jax.make_jaxpr(apply_fn, return_shape=True)(params, *args)
   jaxpr, consts = _fold.compat.open_jaxpr(closed)
   graph = _fold.Graph(closed, consts)
   n = len(jax.tree_util.tree_leaves(params))
@@ -62,7 +60,7 @@ def paper_choice(params, apply_fn, *args):
   leaves = [layout.center(x, dict(specs[i])) if i in specs else x for i, x in enumerate(leaves)]
   flat = leaves + jax.tree_util.tree_leaves(args)
   out = evaluate(jaxpr, consts, flat, Plan(zero=frozenset(zero)), {})
-  return jax.tree_util.tree_unflatten(an.out_tree, out), len(planner.sites)
+  return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), out), len(planner.sites)
 
 
 def main(argv=None) -> str:

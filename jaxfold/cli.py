@@ -354,8 +354,6 @@ def _print_timing(s: dict, out=None) -> None:
 
 
 def cmd_demo(args) -> int:
-  import jax
-  import numpy as np
   spec = demo_spec("tiny" if args.tiny else "small")
   batch, seq = args.batch, args.seq
   print(f"jaxfold demo: {spec.name} ({_describe(spec)}), batch {batch} x seq {seq}, "

@@ -11,10 +11,9 @@ Appendix variant): :func:`decay_centered_weights`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from jaxfold._src import layout
