@@ -7,11 +7,11 @@ Public API:
   save_fold(folded, directory); load_fold(directory, apply_fn)
 """
 
-from jaxfold._src.fold import FoldError, Folded, Reparameterized, cbwc, fold
+from jaxfold._src.fold import FoldError, Folded, FoldedParams, FoldOptions, Reparameterized, cbwc, fold
 from jaxfold._src.export import export, load_exported
 from jaxfold._src.report import Centering, Report, Site
 from jaxfold._src.serialization import load_fold, save_fold
 
-__all__ = ["fold", "cbwc", "Folded", "Reparameterized", "FoldError", "Report", "Site",
+__all__ = ["fold", "cbwc", "Folded", "FoldedParams", "FoldOptions", "Reparameterized", "FoldError", "Report", "Site",
            "Centering", "export", "load_exported", "save_fold", "load_fold"]
 __version__ = "0.1.0"

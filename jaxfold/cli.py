@@ -433,15 +433,14 @@ def _save_safetensors(folded, spec, out) -> list:
     return []
   if spec.family not in LAYOUTS:
     return []
-  params = folded.params
+  params = folded.params.params
   written = []
-  if isinstance(params, dict) and set(params) == {"params", "untied"}:
+  if folded.params.untied:
     import numpy as np
     from safetensors.numpy import save_file
-    save_file({k: np.asarray(v) for k, v in params["untied"].items()},
+    save_file({k: np.asarray(v) for k, v in folded.params.untied.items()},
               os.path.join(out, "untied.safetensors"), metadata={"format": "jaxfold-untied"})
     written.append("untied.safetensors")
-    params = params["params"]
   save_safetensors(params, os.path.join(out, "model.safetensors"), spec.family,
                    metadata={"jaxfold": "folded"})
   written.insert(0, "model.safetensors")

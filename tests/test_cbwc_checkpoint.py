@@ -110,6 +110,6 @@ def test_checkpoint_resume_is_bit_identical_and_folds(tmp_path):
   specs = dict(r.analysis.leaf_specs)
   from jaxfold._src import layout
   for i, (w, v) in enumerate(zip(jax.tree_util.tree_leaves(p_full),
-                                 jax.tree_util.tree_leaves(folded.params))):
+                                 jax.tree_util.tree_leaves(folded.params.params))):
     expect = layout.center(w, dict(specs[i])) if i in specs else w
     np.testing.assert_allclose(v, expect, atol=1e-6)

@@ -31,6 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import export as jax_export
 
+from jaxfold._src.fold import FoldedParams
+
+# Artifacts exported with params as an argument carry FoldedParams in their
+# input tree; registered once, under a stable name.
+jax_export.register_namedtuple_serialization(FoldedParams, serialized_name="jaxfold.FoldedParams")
+
 __all__ = ["export", "load_exported", "ExportWarning", "exported_signature"]
 
 

@@ -28,11 +28,23 @@ class FoldError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
+class FoldOptions:
+  """The options of one fold (persisted whole with a saved fold)."""
   auxiliary_centering: bool = True
   tied_weights: str = "auto"     # "auto" | "copy" | "auxiliary"
   through_dropout: bool = False  # CBWC only: fold across dropout masks (inexact)
   norm_impl: str = "auto"        # folded norms: "auto" | "xla" | "pallas" | "interpret"
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "FoldOptions":
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - known
+    if unknown:
+      raise FoldError(f"unknown fold options {sorted(unknown)}; known: {sorted(known)}")
+    return cls(**d)
 
   def tie_by_aux(self) -> bool:
     if self.tied_weights == "auto":
@@ -100,7 +112,7 @@ class Analysis:
     return (self.leaf_specs, tuple((n, i, s) for n, i, s in self.untied))
 
 
-def analyse(apply_fn: Callable, params: Any, args: tuple, opts: Options) -> Analysis:
+def analyse(apply_fn: Callable, params: Any, args: tuple, opts: FoldOptions) -> Analysis:
   paths_leaves = _check_params(params)
   abstract_params = jax.tree_util.tree_map(_abstract, params)
   abstract_args = jax.tree_util.tree_map(_abstract, args)
@@ -118,7 +130,7 @@ def analyse(apply_fn: Callable, params: Any, args: tuple, opts: Options) -> Anal
 class _Planner:
   """Decides per site; keeps the commitments that later sites must respect."""
 
-  def __init__(self, graph: Graph, leaf_index: dict, names: list, opts: Options):
+  def __init__(self, graph: Graph, leaf_index: dict, names: list, opts: FoldOptions):
     self.g = graph
     self.leaf_index = leaf_index
     self.names = names
@@ -250,13 +262,14 @@ class _Planner:
         _, var, spec = a
         self.leaf_commit[var] = spec
         mode = "in place" if var in self.leaf_index else "constant"
-        centered.append(Centering(self._name(var), layout.fmt_spec(dict(spec), shape_of(var)), mode))
+        centered.append(Centering(self._name(var), layout.fmt_spec(dict(spec), shape_of(var)), mode,
+                                  spec=tuple(sorted(dict(spec).items()))))
       elif a[0] == "untie":
         n = a[1]
         self.untie_commit[(n.use[0].index, n.use[1])] = n
         nbytes = int(np.prod(shape_of(n.var))) * compat.aval(n.var).dtype.itemsize
         centered.append(Centering(self._name(n.var), layout.fmt_spec(dict(n.spec), shape_of(n.var)),
-                                  "untied copy", nbytes))
+                                  "untied copy", nbytes, spec=tuple(sorted(dict(n.spec).items()))))
       elif a[0] == "aux":
         self.aux_commit[a[1]] = a[2]
     aux = any(a[0] == "aux" for a in actions)
@@ -444,7 +457,23 @@ class FoldedApply:
     self._base = base
     self._cache = {sig: base}
     self._center = center_in_forward
+    self._example_sig = sig
     functools.update_wrapper(self, apply_fn, updated=())
+
+  @property
+  def options(self) -> FoldOptions:
+    return self._opts
+
+  @property
+  def original_fn(self) -> Callable:
+    return self._apply_fn
+
+  @property
+  def example_args(self) -> Any:
+    """The abstract example arguments the fold was traced with."""
+    tree, leaves = self._example_sig
+    return jax.tree_util.tree_unflatten(
+        tree, [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in leaves])
 
   def analysis_for(self, args: tuple) -> Analysis:
     sig = _signature(args)
@@ -463,13 +492,13 @@ class FoldedApply:
     extras = {}
     if self._center:
       tree = params
-    elif an.untied:
-      if not (isinstance(params, dict) and set(params) == {"params", "untied"}):
-        raise FoldError("this fold untied parameters: pass folded.params "
-                        "(a dict with 'params' and 'untied'), not the original params")
-      tree, extras = params["params"], params["untied"]
     else:
-      tree = params
+      if not isinstance(params, FoldedParams):
+        raise FoldError(
+            f"a folded apply_fn takes folded.params (a jaxfold.FoldedParams), got "
+            f"{type(params).__name__}: the original parameters would compute a different "
+            "function here; pass the .params of the fold")
+      tree, extras = params.params, params.untied
     leaves, tree_def = jax.tree_util.tree_flatten(tree)
     if tree_def != self._tree:
       raise FoldError(f"params has structure {tree_def}, but the fold was made for {self._tree}")
@@ -484,9 +513,19 @@ class FoldedApply:
     return jax.tree_util.tree_unflatten(an.out_tree, outs)
 
 
+class FoldedParams(NamedTuple):
+  """The parameters of a fold: the centered pytree and untied centered copies.
+
+  A distinct type, so that passing the original parameters to a folded
+  ``apply_fn`` is caught instead of silently computing something else.
+  """
+  params: Any
+  untied: dict
+
+
 class Folded(NamedTuple):
   """Result of :func:`fold`: ``apply_fn(params, *args)`` computes the original."""
-  params: Any
+  params: FoldedParams
   apply_fn: Callable
   report: Report
 
@@ -568,15 +607,14 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
     raise FoldError(f"apply_fn must be callable, got {type(apply_fn).__name__}")
   if norm_impl not in kernels.IMPLS:
     raise FoldError(f"norm_impl must be one of {kernels.IMPLS}, got {norm_impl!r}")
-  opts = Options(auxiliary_centering, tied_weights, norm_impl=norm_impl)
+  opts = FoldOptions(auxiliary_centering, tied_weights, norm_impl=norm_impl)
   an = analyse(apply_fn, params, example_args, opts)
   leaves, tree = jax.tree_util.tree_flatten(params)
   specs = dict(an.leaf_specs)
   new_leaves = [_center_leaf(x, specs[i]) if i in specs else x for i, x in enumerate(leaves)]
   new_params = jax.tree_util.tree_unflatten(tree, new_leaves)
-  if an.untied:
-    extras = {name: _center_leaf(leaves[i], spec) for name, i, spec in an.untied}
-    new_params = {"params": new_params, "untied": extras}
+  extras = {name: _center_leaf(leaves[i], spec) for name, i, spec in an.untied}
+  new_params = FoldedParams(new_params, extras)
   abstract = jax.tree_util.tree_map(_abstract, params)
   fn = FoldedApply(apply_fn, abstract, tree, opts, an, _signature(example_args), False)
   return Folded(new_params, fn, an.report)
@@ -605,7 +643,7 @@ def cbwc(params: Any, apply_fn: Callable, *example_args: Any,
     >>> bool(jnp.allclose(r.apply_fn(p, x), m.apply(p, x), atol=1e-5))
     True
   """
-  opts = Options(auxiliary_centering, tied_weights, through_dropout)
+  opts = FoldOptions(auxiliary_centering, tied_weights, through_dropout)
   an = analyse(apply_fn, params, example_args, opts)
   _, tree = jax.tree_util.tree_flatten(params)
   abstract = jax.tree_util.tree_map(_abstract, params)

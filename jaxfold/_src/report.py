@@ -13,6 +13,7 @@ class Centering:
   axes: str             # the centered dims, e.g. "(1,)" or "(3(groups of 4))"
   mode: str             # "in place" | "untied copy" | "constant"
   extra_bytes: int = 0
+  spec: tuple = ()      # ((dim, block), ...): zero-sum over blocks of `block` along `dim`
 
 
 @dataclasses.dataclass(frozen=True)

@@ -85,7 +85,8 @@ def report_from_dict(d: dict) -> Report:
   sites = []
   for s in d.get("sites", []):
     s = dict(s)
-    s["centered"] = tuple(Centering(**c) for c in s.get("centered", ()))
+    s["centered"] = tuple(Centering(**{**c, "spec": tuple(tuple(x) for x in c.get("spec", ()))})
+                          for c in s.get("centered", ()))
     s["shape"] = tuple(s["shape"])
     s["axes"] = tuple(s["axes"])
     sites.append(Site(**s))
@@ -114,33 +115,20 @@ def _read_json(path: str) -> Any:
 
 
 def _options_of(folded: Any) -> dict:
-  opts = getattr(folded.apply_fn, "_opts", None)
+  opts = getattr(folded.apply_fn, "options", None)
   if opts is None:
     raise TypeError("save_fold expects the result of jaxfold.fold (its apply_fn carries the "
                     f"fold options), got apply_fn of type {type(folded.apply_fn).__name__}")
-  return {"auxiliary_centering": bool(opts.auxiliary_centering),
-          "tied_weights": str(opts.tied_weights)}
+  return opts.to_dict()
 
 
 def _example_args_of(folded: Any) -> Any:
   """The abstract example arguments the fold was traced with."""
-  base = getattr(folded.apply_fn, "_base", None)   # the analysis of fold()'s example arguments
-  cache = getattr(folded.apply_fn, "_cache", None)
-  if base is None or cache is None:
-    raise TypeError("cannot recover the fold's example arguments from its apply_fn: pass "
-                    "save_fold(..., example_args=(the arguments given to jaxfold.fold))")
-  for sig, an in cache.items():
-    if an is base:
-      tree, leaves = sig
-      return jax.tree_util.tree_unflatten(
-          tree, [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in leaves])
-  raise RuntimeError("could not find the fold's example-argument signature")
+  return folded.apply_fn.example_args
 
 
 def _is_untied(folded: Any) -> bool:
-  p = folded.params
-  return isinstance(p, dict) and set(p) == {"params", "untied"} and bool(
-      getattr(getattr(folded.apply_fn, "_base", None), "untied", True))
+  return bool(folded.params.untied)
 
 
 # ----------------------------------------------------------------------------
@@ -187,7 +175,9 @@ def save_fold(folded: Any, directory: str | os.PathLike, *, meta: Optional[dict]
       "untied": _is_untied(folded),
       "jax_version": jax.__version__,
   }
-  params = jax.tree_util.tree_map(np.asarray, folded.params)
+  params = {"params": jax.tree_util.tree_map(np.asarray, folded.params.params)}
+  if folded.params.untied:  # orbax does not store empty containers
+    params["untied"] = {k: np.asarray(v) for k, v in folded.params.untied.items()}
   with ocp.StandardCheckpointer() as ckptr:
     ckptr.save(os.path.join(directory, "params"), params)
     ckptr.wait_until_finished()
@@ -250,7 +240,7 @@ def load_fold(directory: str | os.PathLike, apply_fn: Callable, *,
     ``LoadedFold(params, apply_fn, report, meta)``; ``apply_fn(params, *args)``
     reproduces the saved fold's results bit-for-bit.
   """
-  from jaxfold._src.fold import fold as _fold
+  from jaxfold._src.fold import FoldedParams, fold as _fold
 
   directory = os.path.abspath(os.fspath(directory))
   info_path = os.path.join(directory, "fold.json")
@@ -261,18 +251,23 @@ def load_fold(directory: str | os.PathLike, apply_fn: Callable, *,
   if info.get("format_version", 0) > FORMAT_VERSION:
     raise ValueError(f"{directory} was written by a newer jaxfold (format "
                      f"{info['format_version']} > {FORMAT_VERSION}); upgrade jaxfold")
+  if isinstance(target, FoldedParams):
+    target = {"params": target.params, **({"untied": target.untied} if target.untied else {})}
   params = _restore_params(os.path.join(directory, "params"), target)
   params = jax.tree_util.tree_map(jnp.asarray, params)
-  base = params["params"] if info["untied"] else params
+  params = FoldedParams(params["params"], dict(params.get("untied") or {}))
+  base = params.params
   abstract = jax.tree_util.tree_map(
       lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), base)
   args = _decode_args(info["example_args"])
-  refold = _fold(abstract, apply_fn, *args, **info["options"])
+  opts = dict(info["options"])
+  opts.pop("through_dropout", None)  # a CBWC-only option; a saved fold never sets it
+  refold = _fold(abstract, apply_fn, *args, **opts)
   saved = load_report(directory)
   if verify:
     got = [(s.folded, s.shape, s.axes) for s in refold.report.sites]
     want = [(s.folded, s.shape, s.axes) for s in saved.sites]
-    if got != want or bool(refold.apply_fn._base.untied) != bool(info["untied"]):
+    if got != want or bool(refold.params.untied) != bool(info["untied"]):
       raise ValueError(
           f"re-analysing apply_fn does not reproduce the saved fold in {directory} "
           f"({sum(g[0] for g in got)}/{len(got)} sites folded now, "

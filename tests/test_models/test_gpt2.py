@@ -90,9 +90,9 @@ def test_fold_all_sites_and_save_folded(params, tmp_path):
     assert folded.report.num_sites == 2 * CFG.n_layer + 1
     assert folded.report.num_folded == 2 * CFG.n_layer + 1
     # Folded parameters can be written back in HF naming and read again unchanged.
-    save_safetensors(folded.params, tmp_path / "folded.safetensors", "gpt2")
+    save_safetensors(folded.params.params, tmp_path / "folded.safetensors", "gpt2")
     again = load_safetensors(tmp_path / "folded.safetensors", "gpt2")
-    jax.tree.map(np.testing.assert_array_equal, folded.params, again)
+    jax.tree.map(np.testing.assert_array_equal, folded.params.params, again)
 
 
 # ---------------------------------------------------------------- nnx
