@@ -66,7 +66,7 @@ def test_integer_leaves_and_none_are_accepted_but_never_centered():
 
   p = {"w": jnp.ones((4, 8)) + jnp.arange(32.).reshape(4, 8), "step": jnp.array(3), "unused": None}
   f = jaxfold.fold(p, apply, jnp.ones((2, 4)))
-  assert f.params["step"].dtype == jnp.int32 and f.params["unused"] is None
+  assert f.params.params["step"].dtype == jnp.int32 and f.params.params["unused"] is None
   np.testing.assert_allclose(f.apply_fn(f.params, jnp.ones((2, 4))), apply(p, jnp.ones((2, 4))), atol=1e-5)
 
 
@@ -87,7 +87,7 @@ def test_folded_apply_with_original_params_after_untie():
   p = m.init(jax.random.PRNGKey(0), ids)
   f = jaxfold.fold(p, m.apply, ids, auxiliary_centering=False)
   assert f.report.untied_bytes > 0
-  with pytest.raises(jaxfold.FoldError, match="untied"):
+  with pytest.raises(jaxfold.FoldError, match="FoldedParams"):
     f.apply_fn(p, ids)
 
 
