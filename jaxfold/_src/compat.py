@@ -23,8 +23,6 @@ except ImportError:  # pragma: no cover
 
 Var = _jcore.Var
 Literal = _jcore.Literal
-DropVar = getattr(_jcore, "DropVar", ())
-JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:2])
 
 
 def open_jaxpr(j: Any) -> tuple[Any, list[Any]]:
@@ -164,6 +162,41 @@ def call_jaxpr_of(eqn: Any) -> Any | None:
 
 def is_call(eqn: Any) -> bool:
   return call_jaxpr_of(eqn) is not None
+
+
+def call_kind(eqn: Any) -> str:
+  """``"jit" | "remat" | "custom_jvp" | "custom_vjp" | "call"`` of a call-like equation."""
+  p = prims()
+  for kind in ("jit", "remat", "custom_jvp", "custom_vjp"):
+    if eqn.primitive is p[kind]:
+      return kind
+  return "call"
+
+
+def call_name(eqn: Any) -> str:
+  """The called function's name, best effort (jit records it; custom rules their fun)."""
+  params = eqn.params
+  name = params.get("name")
+  if name:
+    return str(name)
+  for k in ("call_jaxpr", "fun_jaxpr", "jaxpr"):
+    j = params.get(k)
+    dbg = getattr(getattr(j, "jaxpr", j), "debug_info", None)
+    fn = getattr(dbg, "func_name", None) or getattr(dbg, "func_src_info", None)
+    if fn:
+      return str(fn).split(" ")[0]
+  return eqn.primitive.name
+
+
+def control_bodies(eqn: Any) -> list:
+  """Sub-jaxprs of loops and conditionals, in a fixed order."""
+  if is_scan(eqn):
+    return [eqn.params["jaxpr"]]
+  if is_cond(eqn):
+    return list(eqn.params["branches"])
+  if is_while(eqn):
+    return [eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]]
+  return []
 
 
 def is_remat(eqn: Any) -> bool:

@@ -1,0 +1,659 @@
+"""Exact canonical expressions over a program's values.
+
+An ``Expr`` is a polynomial with exact rational coefficients over *factors*:
+opaque values of the program (atoms), applications of functions to
+canonical arguments, and strided views (reshape/transpose/broadcast/slice/rev
+compositions) of those. Equal ``Expr``s denote equal tensors: every function
+application includes all of its arguments and static parameters, rational
+arithmetic is exact, and the only rewrites are identities of real arithmetic
+(ring laws, linearity of sums and contractions, views commuting with
+elementwise functions). So two expressions cancel only when the values they
+stand for are provably equal, never within a tolerance.
+
+Invariant: every factor of a non-constant ``Expr`` has the ``Expr``'s shape;
+implicit broadcasting is made explicit by a view when operands meet.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from fractions import Fraction
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+Shape = tuple
+
+
+class Unrepresentable(Exception):
+  """An expression too large to keep canonical; callers fail closed."""
+
+
+# ----------------------------------------------------------------------------
+# Strided views: every composition of index-remapping primitives that numpy
+# could express without a copy, in one canonical form.
+
+
+def _concrete(shape) -> bool:
+  return all(isinstance(d, (int, np.integer)) for d in shape)
+
+
+class View:
+  """``out[i] = src.flat[offset + Σ_d strides[d] * i[d]]``.
+
+  Size-1 output dims have stride 0, so equal index maps have equal views.
+  """
+  __slots__ = ("src", "shape", "strides", "offset", "_hash")
+
+  def __init__(self, src: Shape, shape: Shape, strides: Sequence[int], offset: int = 0):
+    self.src = tuple(int(d) for d in src)
+    self.shape = tuple(int(d) for d in shape)
+    self.strides = tuple(0 if n == 1 else int(s) for n, s in zip(self.shape, strides))
+    self.offset = int(offset)
+    self._hash = hash((self.src, self.shape, self.strides, self.offset))
+
+  def __eq__(self, other):
+    return (isinstance(other, View) and self._hash == other._hash and self.src == other.src
+            and self.shape == other.shape and self.strides == other.strides
+            and self.offset == other.offset)
+
+  def __hash__(self):
+    return self._hash
+
+  def __repr__(self):
+    return f"View({self.src}->{self.shape}, strides={self.strides}, offset={self.offset})"
+
+  @staticmethod
+  def identity(shape: Shape) -> "View":
+    return View(shape, shape, _row_major(shape))
+
+  @property
+  def is_identity(self) -> bool:
+    return (self.src == self.shape and self.offset == 0
+            and self.strides == View.identity(self.shape).strides)
+
+  def constant_along(self, d: int) -> bool:
+    return self.strides[d] == 0
+
+  # Each op returns the view of (op applied to this view), or None when the
+  # composition is not strided (then the caller nests opaquely).
+
+  def reshape(self, new_shape: Shape) -> Optional["View"]:
+    new_shape = tuple(int(d) for d in new_shape)
+    if math.prod(new_shape) != math.prod(self.shape):
+      return None
+    # Drop size-1 dims, then split/merge like numpy's no-copy reshape.
+    old = [(n, s) for n, s in zip(self.shape, self.strides) if n != 1]
+    out: list[int] = []
+    i = 0
+    targets = [n for n in new_shape if n != 1]
+    j = 0
+    while j < len(targets):
+      if i >= len(old):
+        return None
+      # Accumulate a group of old dims and a group of new dims of equal size.
+      gi, gj = [old[i]], [targets[j]]
+      pi, pj = old[i][0], targets[j]
+      i += 1
+      j += 1
+      while pi != pj:
+        if pi < pj:
+          if i >= len(old):
+            return None
+          gi.append(old[i]); pi *= old[i][0]; i += 1
+        else:
+          if j >= len(targets):
+            return None
+          gj.append(targets[j]); pj *= targets[j]; j += 1
+      # The old group must be contiguous in the strided sense.
+      for (n0, s0), (n1, s1) in zip(gi, gi[1:]):
+        if s0 != s1 * n1:
+          return None
+      inner = gi[-1][1]
+      strides = []
+      acc = inner
+      for n in reversed(gj):
+        strides.append(acc)
+        acc *= n
+      out.extend(reversed(strides))
+    if i != len(old):
+      return None
+    it = iter(out)
+    full = [0 if n == 1 else next(it) for n in new_shape]
+    return View(self.src, new_shape, full, self.offset)
+
+  def transpose(self, perm: Sequence[int]) -> "View":
+    return View(self.src, tuple(self.shape[p] for p in perm),
+                tuple(self.strides[p] for p in perm), self.offset)
+
+  def broadcast(self, out_shape: Shape, dims: Sequence[int]) -> Optional["View"]:
+    """``broadcast_in_dim`` semantics: operand dim k goes to output dim dims[k]."""
+    strides = [0] * len(out_shape)
+    for k, d in enumerate(dims):
+      if self.shape[k] not in (1, out_shape[d]):
+        return None
+      strides[d] = self.strides[k] if self.shape[k] == out_shape[d] else 0
+    return View(self.src, out_shape, strides, self.offset)
+
+  def slice(self, starts: Sequence[int], limits: Sequence[int],
+            steps: Optional[Sequence[int]] = None) -> "View":
+    steps = steps or (1,) * len(starts)
+    shape = tuple(max(0, -(-(hi - lo) // st)) for lo, hi, st in zip(starts, limits, steps))
+    offset = self.offset + sum(lo * s for lo, s in zip(starts, self.strides))
+    return View(self.src, shape, tuple(s * st for s, st in zip(self.strides, steps)), offset)
+
+  def rev(self, dims: Sequence[int]) -> "View":
+    strides = list(self.strides)
+    offset = self.offset
+    for d in dims:
+      offset += (self.shape[d] - 1) * strides[d]
+      strides[d] = -strides[d]
+    return View(self.src, self.shape, strides, offset)
+
+  def drop(self, dims: Sequence[int]) -> "View":
+    """Removes dims along which the view is constant (after a reduction)."""
+    keep = [d for d in range(len(self.shape)) if d not in dims]
+    return View(self.src, tuple(self.shape[d] for d in keep),
+                tuple(self.strides[d] for d in keep), self.offset)
+
+
+def _row_major(shape: Shape) -> tuple:
+  out, acc = [], 1
+  for n in reversed(shape):
+    out.append(acc)
+    acc *= int(n)
+  return tuple(reversed(out))
+
+
+# ----------------------------------------------------------------------------
+# Factors, interned so that a monomial is a sorted tuple of small ints.
+
+
+class Factor:
+  __slots__ = ("id", "kind", "key", "shape", "args", "elementwise")
+
+  def __init__(self, fid, kind, key, shape, args, elementwise):
+    self.id = fid
+    self.kind = kind              # "atom" | "app" | "view"
+    self.key = key                # atom: identity; app: tag; view: View
+    self.shape = shape
+    self.args = args              # app: tuple[Expr]; view: (base factor id,)
+    self.elementwise = elementwise
+
+  def __repr__(self):
+    if self.kind == "atom":
+      return f"atom{self.key!r}"
+    if self.kind == "view":
+      return f"view[{self.key}]({_FACTORS[self.args[0]]!r})"
+    return f"{self.key}({', '.join(map(repr, self.args))})"
+
+
+_FACTORS: list[Factor] = []
+_INTERN: dict = {}
+_DEPTH = [0]
+
+
+class scope:
+  """One analysis: factor tables are dropped when the outermost scope ends,
+  so a long-running process does not accumulate them."""
+
+  def __enter__(self):
+    _DEPTH[0] += 1
+
+  def __exit__(self, *exc):
+    _DEPTH[0] -= 1
+    if not _DEPTH[0]:
+      _FACTORS.clear()
+      _INTERN.clear()
+
+
+def _factor(kind: str, key: Any, shape: Shape, args: tuple = (), elementwise: bool = False) -> int:
+  k = (kind, key, shape, args)
+  fid = _INTERN.get(k)
+  if fid is None:
+    fid = len(_FACTORS)
+    _FACTORS.append(Factor(fid, kind, key, shape, args, elementwise))
+    _INTERN[k] = fid
+  return fid
+
+
+# ----------------------------------------------------------------------------
+# Expressions.
+
+MAX_TERMS = 64
+
+
+class Expr:
+  """A polynomial ``{monomial: Fraction}``; a monomial is a sorted factor-id tuple."""
+  __slots__ = ("terms", "shape", "_hash")
+
+  def __init__(self, terms: dict, shape: Optional[Shape]):
+    self.terms = {m: c for m, c in terms.items() if c != 0}
+    if len(self.terms) > MAX_TERMS:
+      raise Unrepresentable(f"an expression with {len(self.terms)} terms")
+    self.shape = shape if any(self.terms) else None
+    self._hash = None
+
+  def __eq__(self, other):
+    return isinstance(other, Expr) and self.terms == other.terms
+
+  def __hash__(self):
+    if self._hash is None:
+      self._hash = hash(frozenset(self.terms.items()))
+    return self._hash
+
+  def __repr__(self):
+    if not self.terms:
+      return "0"
+    parts = []
+    for m, c in sorted(self.terms.items()):
+      fs = "*".join(repr(_FACTORS[f]) for f in m)
+      parts.append(f"{c}" + (f"*{fs}" if fs else ""))
+    return " + ".join(parts)
+
+  @property
+  def is_zero(self) -> bool:
+    return not self.terms
+
+  @property
+  def is_const(self) -> bool:
+    return all(m == () for m in self.terms)
+
+  @property
+  def const_value(self) -> Fraction:
+    return self.terms.get((), Fraction(0))
+
+  def monomials(self):
+    return self.terms.items()
+
+
+ZERO = Expr({}, None)
+ONE = Expr({(): Fraction(1)}, None)
+
+
+def const(k) -> Expr:
+  return Expr({(): Fraction(k)}, None) if k else ZERO
+
+
+def atom(key: Any, shape: Shape) -> Expr:
+  return Expr({(_factor("atom", key, tuple(shape)),): Fraction(1)}, tuple(shape))
+
+
+def _single(fid: int) -> Expr:
+  return Expr({(fid,): Fraction(1)}, _FACTORS[fid].shape)
+
+
+def add(a: Expr, b: Expr, kb=1) -> Expr:
+  shape = _join(a, b)
+  a, b = lift(a, shape), lift(b, shape)
+  out = dict(a.terms)
+  for m, c in b.terms.items():
+    out[m] = out.get(m, 0) + kb * c
+  return Expr(out, shape)
+
+
+def sub(a: Expr, b: Expr) -> Expr:
+  return add(a, b, -1)
+
+
+def scale(a: Expr, k) -> Expr:
+  k = Fraction(k)
+  return Expr({m: c * k for m, c in a.terms.items()}, a.shape) if k else ZERO
+
+
+def mul(a: Expr, b: Expr) -> Expr:
+  if a.is_const:
+    return scale(b, a.const_value)
+  if b.is_const:
+    return scale(a, b.const_value)
+  shape = _join(a, b)
+  a, b = lift(a, shape), lift(b, shape)
+  if len(a.terms) * len(b.terms) > 4 * MAX_TERMS:
+    raise Unrepresentable("a product of large sums")
+  out: dict = {}
+  for (ma, ca), (mb, cb) in itertools.product(a.terms.items(), b.terms.items()):
+    m = tuple(sorted(ma + mb))
+    out[m] = out.get(m, 0) + ca * cb
+  return Expr(out, shape)
+
+
+def power(a: Expr, n: int) -> Expr:
+  out = ONE
+  for _ in range(n):
+    out = mul(out, a)
+  return out
+
+
+def _join(a: Expr, b: Expr) -> Optional[Shape]:
+  """The broadcast shape of two operands (equal rank with size-1 dims, or scalars)."""
+  sa, sb = a.shape, b.shape
+  if sa is None:
+    return sb
+  if sb is None or sa == sb:
+    return sa
+  if len(sa) == 0:
+    return sb
+  if len(sb) == 0:
+    return sa
+  if len(sa) != len(sb):
+    raise Unrepresentable(f"operands of ranks {len(sa)} and {len(sb)}")
+  return tuple(y if x == 1 else x for x, y in zip(sa, sb))
+
+
+def lift(a: Expr, shape: Optional[Shape]) -> Expr:
+  """Makes implicit broadcasting explicit so every factor has ``shape``."""
+  if a.shape is None or shape is None or a.shape == shape:
+    return a
+  src = a.shape
+  dims = tuple(range(len(shape) - len(src), len(shape))) if len(src) < len(shape) else tuple(
+      range(len(src)))
+  return view_op(a, shape, lambda v: v.broadcast(shape, dims), ("broadcast", dims))
+
+
+# ----------------------------------------------------------------------------
+# Functions of expressions.
+
+
+def app(tag: Any, args: Sequence[Expr], shape: Shape, elementwise: bool = True,
+        commutative: bool = False) -> Expr:
+  """An opaque function application, canonical in its (lifted) arguments."""
+  shape = tuple(shape)
+  args = tuple(lift(a, shape) if elementwise else a for a in args)
+  if commutative:
+    args = tuple(sorted(args, key=_expr_order))
+  return _single(_factor("app", tag, shape, args, elementwise))
+
+
+def _expr_order(e: Expr):
+  return tuple(sorted((m, c) for m, c in e.terms.items()))
+
+
+def inv(a: Expr, shape: Shape) -> Expr:
+  if a.is_const:
+    k = a.const_value
+    if not k:
+      raise Unrepresentable("division by zero")
+    return const(1 / k)
+  f = _only_factor(a)
+  if f is not None and f.kind == "app" and f.key == ("sqrt",):
+    return app(("rsqrt",), f.args, f.shape)
+  if f is not None and f.kind == "app" and f.key == ("rsqrt",):
+    return app(("sqrt",), f.args, f.shape)
+  return app(("inv",), (a,), shape)
+
+
+def _only_factor(a: Expr) -> Optional[Factor]:
+  if len(a.terms) == 1:
+    (m, c), = a.terms.items()
+    if c == 1 and len(m) == 1:
+      return _FACTORS[m[0]]
+  return None
+
+
+def view_op(a: Expr, out_shape: Shape, op: Callable[[View], Optional[View]], tag: Any) -> Expr:
+  """Applies an index-remapping primitive: constants pass, views compose, and
+  the op distributes over sums, products and elementwise functions."""
+  if a.is_const:
+    return a
+  out_shape = tuple(out_shape)
+  out: dict = {}
+  memo: dict = {}
+  for m, c in a.terms.items():
+    nm = tuple(sorted(_view_factor(f, out_shape, op, tag, memo) for f in m))
+    out[nm] = out.get(nm, 0) + c
+  return Expr(out, out_shape)
+
+
+def _view_factor(fid: int, out_shape: Shape, op, tag, memo) -> int:
+  if fid in memo:
+    return memo[fid]
+  f = _FACTORS[fid]
+  if f.kind == "app" and f.elementwise:
+    args = tuple(view_op(x, out_shape, op, tag) for x in f.args)
+    res = _factor("app", f.key, out_shape, args, True)
+  else:
+    base, view = (f.args[0], f.key) if f.kind == "view" else (fid, None)
+    new = None
+    if _concrete(f.shape) and _concrete(out_shape):
+      new = op(view if view is not None else View.identity(f.shape))
+    if new is None:
+      # Not strided: nest the op opaquely around the whole factor.
+      res = _factor("app", ("layout", tag, f.shape), out_shape, (_single(fid),), False)
+    elif new.is_identity and new.src == _FACTORS[base].shape:
+      res = base
+    else:
+      res = _factor("view", new, out_shape, (base,))
+  memo[fid] = res
+  return res
+
+
+def _constant_along(fid: int, dims: Sequence[int]) -> bool:
+  f = _FACTORS[fid]
+  if all(f.shape[d] == 1 for d in dims):
+    return True
+  if f.kind == "view":
+    return all(f.key.constant_along(d) for d in dims)
+  if f.kind == "app" and f.elementwise:
+    return all(_expr_constant_along(x, dims) for x in f.args)
+  return False
+
+
+def _expr_constant_along(e: Expr, dims) -> bool:
+  return all(_constant_along(f, dims) for m in e.terms for f in m)
+
+
+def _drop_dims(fid: int, dims: Sequence[int], out_shape: Shape) -> int:
+  """The factor with ``dims`` (along which it is constant) removed."""
+  f = _FACTORS[fid]
+  if f.kind == "view":
+    v = f.key.drop(dims)
+    base = f.args[0]
+    return base if (v.is_identity and v.src == _FACTORS[base].shape) else _factor(
+        "view", v, out_shape, (base,))
+  if f.kind == "app" and f.elementwise:
+    args = tuple(_drop_expr(x, dims, out_shape) for x in f.args)
+    return _factor("app", f.key, out_shape, args, True)
+  # An atom or opaque app with size 1 along dims: a reshape dropping them.
+  return _view_factor(fid, out_shape, lambda v: v.reshape(out_shape), ("reshape",), {})
+
+
+def _drop_expr(e: Expr, dims, out_shape) -> Expr:
+  if e.is_const:
+    return e
+  out: dict = {}
+  for m, c in e.terms.items():
+    nm = tuple(sorted(_drop_dims(f, dims, out_shape) for f in m))
+    out[nm] = out.get(nm, 0) + c
+  return Expr(out, out_shape)
+
+
+def reduce_sum(a: Expr, axes: Sequence[int], in_shape: Shape) -> Expr:
+  """Σ over ``axes``; linear, and factors constant along them come out."""
+  axes = tuple(sorted(axes))
+  out_shape = tuple(n for d, n in enumerate(in_shape) if d not in axes)
+  if not _concrete([in_shape[d] for d in axes]):
+    return app(("reduce_sum_sym", axes, tuple(map(str, in_shape))), (a,), out_shape, False)
+  count = math.prod(int(in_shape[d]) for d in axes)
+  if a.is_const:
+    return scale(a, count)
+  a = lift(a, tuple(in_shape))
+  out = ZERO
+  for m, c in a.terms.items():
+    inside = tuple(f for f in m if not _constant_along(f, axes))
+    outside = tuple(_drop_dims(f, axes, out_shape) for f in m if _constant_along(f, axes))
+    term = Expr({tuple(sorted(outside)): c}, out_shape if outside else None)
+    if inside:
+      body = Expr({inside: Fraction(1)}, tuple(in_shape))
+      term = mul(term, app(("reduce_sum", axes, tuple(in_shape)), (body,), out_shape, False))
+    else:
+      term = scale(term, count)
+    out = add(out, term)
+  return out
+
+
+def bilinear(tag: Any, a: Expr, b: Expr, out_shape: Shape) -> Expr:
+  """A contraction: distributes over both operands' sums."""
+  if a.is_zero or b.is_zero:
+    return ZERO
+  out: dict = {}
+  for (ma, ca), (mb, cb) in itertools.product(a.terms.items(), b.terms.items()):
+    ea = Expr({ma: Fraction(1)}, a.shape if ma else None)
+    eb = Expr({mb: Fraction(1)}, b.shape if mb else None)
+    fid = _factor("app", tag, tuple(out_shape), (ea, eb), False)
+    out[(fid,)] = out.get((fid,), 0) + ca * cb
+  return Expr(out, tuple(out_shape))
+
+
+# ----------------------------------------------------------------------------
+# Exact scalars from a program's literals.
+
+
+def exact(value: Any) -> Optional[Fraction]:
+  """The exact rational value of a finite scalar, or None."""
+  try:
+    v = np.asarray(value)
+    if v.dtype == bool:
+      return Fraction(int(bool(v)))
+    if np.issubdtype(v.dtype, np.integer):
+      return Fraction(int(v))
+    f = float(v)
+  except (TypeError, ValueError):
+    return None
+  if not math.isfinite(f):
+    return None
+  return Fraction(f)
+
+
+def ulp(x: Fraction, dtype: Any) -> Fraction:
+  """One unit in the last place of ``x`` in the float ``dtype``."""
+  import jax.numpy as jnp
+  info = jnp.finfo(dtype)
+  e = max(math.frexp(float(abs(x)))[1] - 1, int(info.minexp))
+  return Fraction(2) ** (e - int(info.nmant))
+
+
+def snap(k: Fraction, dtype: Any) -> Fraction:
+  """A rounded reciprocal ``fl(1/n)`` stands for ``1/n``.
+
+  The residue this admits is at most one unit in the last place of the
+  literal's own dtype, the rounding the program itself performed; anything
+  further from ``1/n`` (e.g. ``1 - 9e-7`` in float64) stays as written.
+  """
+  if not k or k.denominator == 1 or not _is_float(dtype):
+    return k
+  mag = abs(k)
+  if mag > Fraction(1, 2):
+    return k
+  n = round(1 / mag)
+  if n < 2 or n > 2**40:
+    return k
+  target = Fraction(1, n)
+  if mag != target and abs(mag - target) <= ulp(mag, dtype):
+    return target if k > 0 else -target
+  return k
+
+
+def _is_float(dtype: Any) -> bool:
+  import jax.numpy as jnp
+  try:
+    return bool(jnp.issubdtype(dtype, jnp.floating))
+  except TypeError:
+    return False
+
+
+# ----------------------------------------------------------------------------
+# Polynomials in a shift symbol.
+
+
+class Poly:
+  """The shift-dependent part of a value: ``v(c) = v + Σ_k coeffs[k-1] * c**k``.
+
+  ``c`` stands for an arbitrary tensor; ``dims[d]`` says how it varies along
+  the value's dim ``d``: ``None`` (constant) or ``(label, block)`` (varying,
+  piecewise constant on aligned blocks of ``block`` elements). Two polys of
+  the same ``sym`` with equal ``dims`` see the same ``c`` at every index:
+  labels are derived deterministically from the index remapping that produced
+  them, and any remapping not modelled gets a fresh label.
+  """
+  __slots__ = ("sym", "dims", "coeffs")
+  MAX_DEGREE = 4
+
+  def __init__(self, sym: int, dims: tuple, coeffs: tuple):
+    self.sym, self.dims, self.coeffs = sym, tuple(dims), tuple(coeffs)
+
+  def __repr__(self):
+    return f"Poly(sym={self.sym}, dims={self.dims}, coeffs={self.coeffs})"
+
+  @property
+  def is_pure(self) -> bool:
+    """Degree one with a constant coefficient: ``v + k*c``."""
+    return len(self.coeffs) == 1 and self.coeffs[0].is_const
+
+  @property
+  def is_linear(self) -> bool:
+    return len(self.coeffs) == 1
+
+  def same_symbol(self, other: "Poly") -> bool:
+    return self.sym == other.sym and self.dims == other.dims
+
+  def pattern(self) -> tuple:
+    """The dims with labels renamed by first appearance (a memo key)."""
+    names: dict = {}
+    out = []
+    for e in self.dims:
+      if e is None:
+        out.append(None)
+      else:
+        out.append((names.setdefault(e[0], len(names)), e[1]))
+    return tuple(out)
+
+
+_syms = itertools.count(1)
+_labels = itertools.count(1)
+
+
+def fresh_label() -> tuple:
+  return ("fresh", next(_labels))
+
+
+def make(sym: int, dims: tuple, coeffs: Sequence[Expr]) -> Optional[Poly]:
+  """A Poly, or None when every coefficient cancelled exactly."""
+  coeffs = list(coeffs)
+  while coeffs and coeffs[-1].is_zero:
+    coeffs.pop()
+  if not coeffs:
+    return None
+  if len(coeffs) > Poly.MAX_DEGREE:
+    raise Unrepresentable("the shift enters a polynomial of too high degree")
+  return Poly(sym, dims, tuple(coeffs))
+
+
+def pure(dims: tuple) -> Poly:
+  """A fresh arbitrary shift ``v + c`` varying as ``dims`` say (labels fresh)."""
+  return Poly(next(_syms), tuple(None if e is None else (fresh_label(), e[1]) for e in dims),
+              (ONE,))
+
+
+def poly_add(p: Poly, q: Poly, kq=1) -> Optional[Poly]:
+  n = max(len(p.coeffs), len(q.coeffs))
+  pc = list(p.coeffs) + [ZERO] * (n - len(p.coeffs))
+  qc = list(q.coeffs) + [ZERO] * (n - len(q.coeffs))
+  return make(p.sym, p.dims, [add(a, b, kq) for a, b in zip(pc, qc)])
+
+
+def poly_mul(p: Poly, vp: Expr, q: Poly, vq: Expr) -> Optional[Poly]:
+  """``(vp + Σ p_k c^k)(vq + Σ q_k c^k)`` minus its constant term."""
+  pa = [vp] + list(p.coeffs)
+  qa = [vq] + list(q.coeffs)
+  out = [ZERO] * (len(pa) + len(qa) - 1)
+  for i, a in enumerate(pa):
+    for j, b in enumerate(qa):
+      if i + j:
+        out[i + j] = add(out[i + j], mul(a, b))
+  return make(p.sym, p.dims, out[1:])
+
+
+def poly_map(p: Poly, fn: Callable[[Expr], Expr], dims: tuple) -> Optional[Poly]:
+  """A linear map applied to every coefficient, with the dims it produces."""
+  return make(p.sym, dims, [fn(c) for c in p.coeffs])

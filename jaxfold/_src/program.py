@@ -1,0 +1,249 @@
+"""A traced program as a dataflow graph with call-site identity.
+
+JAX reuses one jaxpr object when the same ``jit``/``checkpoint``/``custom_*``
+function is called again with the same shapes, so a jaxpr variable does not
+identify a value. Here every value is a ``Val`` created per *occurrence*:
+call-like equations are flattened into the enclosing program, and the body's
+variables get fresh ``Val``s at every call site. A block called N times is N
+blocks' worth of analysis.
+
+Loops and conditionals keep their bodies as sub-``Program``s (their values
+are per iteration, not per occurrence). Every node and value carries the
+*path* (equation indices through the nesting) by which the rewrite, which
+walks the original nested jaxpr, finds it again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import numpy as np
+
+from jaxfold._src import compat
+
+Path = tuple
+
+
+class Lit:
+  """A literal operand (a scalar written into the program)."""
+  __slots__ = ("value", "aval")
+
+  def __init__(self, value: Any, aval: Any):
+    self.value, self.aval = value, aval
+
+  @property
+  def shape(self) -> tuple:
+    return tuple(self.aval.shape)
+
+  @property
+  def dtype(self):
+    return self.aval.dtype
+
+  def __repr__(self):
+    return f"Lit({self.value!r})"
+
+
+class Val:
+  """One value at one call site.
+
+  ``key`` locates it for the rewrite: ``(eqn path, "out", k)`` for an
+  equation output, ``(level path, "in" | "const", i)`` for a program input or
+  captured constant of the level that defines it.
+  """
+  __slots__ = ("aval", "producer", "index", "key", "const", "program", "__weakref__")
+
+  def __init__(self, aval, key, program, producer=None, index=0, const=None):
+    self.aval = aval
+    self.key = key
+    self.program = program
+    self.producer = producer      # Node or None
+    self.index = index            # output position in producer, or input/const position
+    self.const = const            # the captured array, for constants
+
+  @property
+  def shape(self) -> tuple:
+    return tuple(self.aval.shape)
+
+  @property
+  def dtype(self):
+    return self.aval.dtype
+
+  @property
+  def kind(self) -> str:
+    return self.key[1]
+
+  def __repr__(self):
+    return f"Val{self.key}:{self.aval}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CallSite:
+  """A flattened call-like equation (jit, checkpoint, custom_jvp/vjp)."""
+  path: Path
+  kind: str          # "jit" | "remat" | "custom_jvp" | "custom_vjp" | "call"
+  name: str
+  source: str        # the line that made the call
+  stack: str         # its module path (name stack)
+
+
+class Node:
+  """One primitive application at one call site."""
+  __slots__ = ("eqn", "path", "ins", "outs", "subs", "calls", "index", "program")
+
+  def __init__(self, eqn, path, ins, calls, index, program):
+    self.eqn, self.path, self.ins, self.calls = eqn, path, tuple(ins), tuple(calls)
+    self.index, self.program = index, program
+    self.outs: tuple = ()
+    self.subs: tuple = ()
+
+  @property
+  def prim(self) -> Any:
+    return self.eqn.primitive
+
+  @property
+  def params(self) -> dict:
+    return self.eqn.params
+
+  @property
+  def custom_calls(self) -> tuple:
+    """Enclosing custom-differentiation calls (innermost last)."""
+    return tuple(c for c in self.calls if c.kind in ("custom_jvp", "custom_vjp"))
+
+  def module(self) -> str:
+    """The module path (JAX name stack), e.g. ``GPT2/h_0/ln_1``; may be empty."""
+    return compat.name_stack(self.eqn)
+
+  def source(self) -> str:
+    return compat.source_summary(self.eqn)
+
+  def where(self) -> str:
+    stack, src = self.module(), self.source()
+    text = f"{stack} @ {src}" if stack else src
+    if self.calls:
+      text += " " + call_note(self.calls)
+    return text
+
+  def __repr__(self):
+    return f"Node({self.prim.name}@{self.path})"
+
+
+def call_note(calls: tuple) -> str:
+  """Names the call site, so two calls of one function read differently."""
+  c = calls[-1]
+  return f"(in {c.kind} `{c.name}` called at {c.source})"
+
+
+class Program:
+  """One level of a traced program: nodes in execution order."""
+
+  def __init__(self, jaxpr: Any, consts: Optional[list] = None, prefix: Path = (),
+               parent: Optional[tuple] = None, calls: tuple = ()):
+    inner, inner_consts = compat.open_jaxpr(jaxpr)
+    consts = list(consts) if consts else inner_consts
+    self.prefix = prefix
+    self.parent = parent                       # (Node, Program) for loop/branch bodies
+    self.nodes: list[Node] = []
+    self.consts: list[Val] = []
+    env: dict = {}
+    for i, (v, c) in enumerate(zip(compat.constvars(inner), consts)):
+      val = Val(v.aval, (prefix, "const", i), self, index=i, const=c)
+      self.consts.append(val)
+      env[v] = val
+    self.invars = []
+    for i, v in enumerate(inner.invars):
+      val = Val(v.aval, (prefix, "in", i), self, index=i)
+      self.invars.append(val)
+      env[v] = val
+    self._flatten(inner, prefix, env, calls)
+    self.outvars = [_read(env, v) for v in inner.outvars]
+
+  def _flatten(self, jaxpr: Any, prefix: Path, env: dict, calls: tuple) -> None:
+    for i, eqn in enumerate(jaxpr.eqns):
+      path = prefix + (i,)
+      ins = [_read(env, a) for a in eqn.invars]
+      body = compat.call_jaxpr_of(eqn)
+      if body is not None:
+        inner, consts = compat.open_jaxpr(body)
+        sub = {}
+        for k, (v, c) in enumerate(zip(compat.constvars(inner), consts)):
+          val = Val(v.aval, (path, "const", k), self, index=k, const=c)
+          self.consts.append(val)
+          sub[v] = val
+        for v, a in zip(inner.invars, ins):
+          sub[v] = a
+        site = CallSite(path, compat.call_kind(eqn), compat.call_name(eqn),
+                        compat.source_summary(eqn), compat.name_stack(eqn))
+        self._flatten(inner, path, sub, calls + (site,))
+        for ov, iv in zip(eqn.outvars, inner.outvars):
+          env[ov] = _read(sub, iv)
+        continue
+      node = Node(eqn, path, ins, calls, len(self.nodes), self)
+      node.outs = tuple(Val(v.aval, (path, "out", k), self, producer=node, index=k)
+                        for k, v in enumerate(eqn.outvars))
+      for v, val in zip(eqn.outvars, node.outs):
+        env[v] = val
+      node.subs = tuple(Program(j, None, path + (k,), (node, self), calls)
+                        for k, j in enumerate(compat.control_bodies(eqn)))
+      self.nodes.append(node)
+
+  # -- dataflow maps ----------------------------------------------------------
+
+  @functools.cached_property
+  def consumers(self) -> dict:
+    out: dict = {}
+    for n in self.nodes:
+      for k, v in enumerate(n.ins):
+        if isinstance(v, Val):
+          out.setdefault(v, []).append((n, k))
+    return out
+
+  @functools.cached_property
+  def output_positions(self) -> dict:
+    out: dict = {}
+    for i, v in enumerate(self.outvars):
+      if isinstance(v, Val):
+        out.setdefault(v, []).append(i)
+    return out
+
+  @functools.cached_property
+  def last_use(self) -> dict:
+    """Index of the last node reading each value (outputs: past the end)."""
+    last = {}
+    for n in self.nodes:
+      for v in n.ins:
+        if isinstance(v, Val):
+          last[v] = n.index
+    for v in self.output_positions:
+      last[v] = len(self.nodes)
+    return last
+
+  def programs(self):
+    """This level and every loop/branch body below it."""
+    yield self
+    for n in self.nodes:
+      for s in n.subs:
+        yield from s.programs()
+
+  @property
+  def is_top(self) -> bool:
+    return self.parent is None
+
+
+def _read(env: dict, a: Any):
+  if compat.is_literal(a):
+    return Lit(compat.literal_value(a), a.aval)
+  return env[a]
+
+
+def is_val(a: Any) -> bool:
+  return isinstance(a, Val)
+
+
+def shape(a: Any) -> tuple:
+  return tuple(a.aval.shape)
+
+
+def literal_array(a: Lit) -> np.ndarray:
+  return np.asarray(a.value)

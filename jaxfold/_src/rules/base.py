@@ -1,0 +1,225 @@
+"""The rule type, its registry and the defaults every unknown primitive gets.
+
+A ``Rule`` holds everything the analysis and the rewrite know about one
+primitive family, as *facets*:
+
+* ``facts``: structural facts of the outputs from those of the inputs
+  (dims along which a value is constant, a known scalar value, whether it
+  derives from a PRNG key).
+* ``canon``: the canonical expression of the outputs (``algebra.Expr``);
+  used to decide cancellation and to prove kernel epilogues equal.
+* ``shift``: obligation 1, forwards: the polynomial in a shift symbol that
+  each output carries, given the inputs'.
+* ``zero_sum``: obligation 2, backwards: which operands must sum to zero over
+  which blocks for an output to.
+* ``simplify``: the rewrite, when some inputs are exactly zero (a removed
+  mean reduction) — the outputs without materialising the zeros.
+
+Defaults fail closed: an unknown primitive stops a shift, is never
+zero-sum, and its outputs are opaque atoms. A facet is exact or absent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
+
+from jaxfold._src import algebra as A
+from jaxfold._src.program import Lit, Node, Val, is_val
+
+Spec = tuple  # ((dim, block), ...) sorted: zero-sum over aligned blocks along each dim
+
+
+class Block(Exception):
+  """A step the analysis cannot prove; the message names the construct."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Facts:
+  """What the program's structure says about one value.
+
+  Attributes:
+    const: dims along which the value is constant.
+    value: the exact scalar every element equals (``Fraction``, or ``float``
+      for non-finite literals), when known.
+    random: computed from a PRNG key (a dropout mask, say).
+  """
+  const: frozenset = frozenset()
+  value: Any = None
+  random: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Need:
+  """Operand ``operand`` must be zero-sum over ``spec``; ``transparent`` when
+  the operation only re-indexes or converts it (an untied copy of a
+  parameter can be taken through such steps)."""
+  operand: int
+  spec: Spec
+  transparent: bool = False
+
+
+def _no_facts(node: Node, ins: list, ctx) -> list:
+  return [Facts(size_one(v.shape), None, any(f.random for f in ins)) for v in node.outs]
+
+
+def _no_canon(node: Node, ins: list, ctx) -> list:
+  return [ctx.atom(v) for v in node.outs]
+
+
+def _no_shift(node: Node, ins: list, ctx) -> list:
+  raise Block(f"the shift reaches `{node.prim.name}`, which has no exact rule")
+
+
+def _no_zero_sum(node: Node, k: int, spec: Spec, ctx) -> list:
+  raise Block(f"the output of `{node.prim.name}` is not provably zero-sum")
+
+
+def _no_simplify(node: Node, zeros: list) -> Optional[Callable]:
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """All facets of one primitive family (see the module docstring)."""
+  name: str
+  primitives: tuple
+  facts: Callable = _no_facts
+  canon: Callable = _no_canon
+  shift: Callable = _no_shift
+  zero_sum: Callable = _no_zero_sum
+  simplify: Callable = _no_simplify
+  # Whether the primitive's JVP is the derivative of what it computes; CBWC
+  # gradients equal the original's only across such primitives.
+  differentiable: bool = True
+  # Parameter variants the fuzzer must generate, e.g. ("int target", "float narrowing").
+  variants: tuple = ()
+
+
+DEFAULT = Rule("default", ())
+_REGISTRY: dict = {}
+
+
+def register(rule: Rule) -> Rule:
+  for p in rule.primitives:
+    if p is None:
+      continue
+    if p in _REGISTRY:
+      raise ValueError(f"primitive {p.name} has two rules: {_REGISTRY[p].name}, {rule.name}")
+    _REGISTRY[p] = rule
+  return rule
+
+
+def rule_for(prim: Any) -> Rule:
+  return _REGISTRY.get(prim, DEFAULT)
+
+
+def all_rules() -> list:
+  seen, out = set(), []
+  for r in _REGISTRY.values():
+    if id(r) not in seen:
+      seen.add(id(r))
+      out.append(r)
+  return out
+
+
+# ----------------------------------------------------------------------------
+# Helpers shared by the rule modules.
+
+
+def size_one(shape: Sequence[int]) -> frozenset:
+  return frozenset(d for d, n in enumerate(shape) if _is_one(n))
+
+
+def _is_one(n) -> bool:
+  try:
+    return bool(n == 1)
+  except Exception:  # symbolic dims: unknown, not one
+    return False
+
+
+def spec_dict(spec: Spec) -> dict:
+  return dict(spec)
+
+
+def freeze(spec: dict) -> Spec:
+  return tuple(sorted(spec.items()))
+
+
+def operand_spec(operand: Any, spec: Spec, out_shape: Sequence[int]) -> Optional[Spec]:
+  """The spec an elementwise operand must satisfy, or None when it is
+  broadcast along a spec dim (then it must be exactly zero)."""
+  s = tuple(operand.shape)
+  if len(s) != len(out_shape):
+    return None if spec else ()
+  for d, _ in spec:
+    if s[d] != out_shape[d]:
+      return None
+  return spec
+
+
+def full_dims(rank: int) -> frozenset:
+  return frozenset(range(rank))
+
+
+def lit_facts(a: Lit) -> Facts:
+  import numpy as np
+  v = np.asarray(a.value)
+  value = None
+  if v.size == 1:
+    value = A.exact(v.reshape(()))
+    if value is None:
+      value = float(v.reshape(())) if v.dtype.kind in "fc" else None
+  return Facts(full_dims(len(a.shape)), value, False)
+
+
+def operand_const(ctx, a: Any, out_shape: Sequence[int]) -> frozenset:
+  """Output dims along which operand ``a`` (implicitly broadcast) is constant."""
+  s = tuple(a.shape)
+  if len(s) != len(out_shape):
+    return full_dims(len(out_shape)) if not s else frozenset()
+  return ctx.facts(a).const | size_one(s)
+
+
+def varying(poly: A.Poly, d: int) -> bool:
+  return poly.dims[d] is not None
+
+
+def fresh(block: int = 1) -> tuple:
+  return (A.fresh_label(), block)
+
+
+def lift_poly(p: A.Poly, a: Any, out_shape: Sequence[int]) -> A.Poly:
+  """A poly on operand ``a`` seen at an elementwise op's (broadcast) output."""
+  s = tuple(a.shape)
+  out_shape = tuple(out_shape)
+  if s == out_shape:
+    return p
+  if len(s) != len(out_shape):  # a scalar operand: the same c everywhere
+    if any(e is not None for e in p.dims):
+      raise Block("a varying shift on a scalar operand")
+    dims = (None,) * len(out_shape)
+  else:
+    dims = p.dims  # size-1 dims are always constant in a poly
+  return A.Poly(p.sym, dims, tuple(A.lift(c, out_shape) for c in p.coeffs))
+
+
+def is_zero(ctx, a: Any) -> bool:
+  return ctx.facts(a).value == 0
+
+
+def block_along(p: A.Poly, d: int) -> Optional[int]:
+  e = p.dims[d]
+  return None if e is None else e[1]
+
+
+def out_val(node: Node, k: int = 0) -> Val:
+  return node.outs[k]
+
+
+def operands(node: Node) -> tuple:
+  return node.ins
+
+
+def is_value(a: Any) -> bool:
+  return is_val(a)

@@ -1,0 +1,118 @@
+"""Reductions and cumulative ops.
+
+``reduce_sum`` is where a shift meets a normalization: summing ``c`` over
+axes along which it is constant multiplies it by their size, exactly, which
+is what lets ``h - mean(h)`` cancel. Summing over an axis along which ``c``
+varies leaves a new, unrelated shift.
+"""
+
+from __future__ import annotations
+
+import math
+
+from jax import lax
+
+from jaxfold._src import algebra as A
+from jaxfold._src.rules.base import Block, Facts, Need, Rule, freeze, register, size_one
+from jaxfold._src.rules.elementwise import _opaque_canon, _prims, ctx_zero
+
+
+def _reduce_facts(node, ins, ctx):
+  axes = tuple(node.params["axes"])
+  in_shape = node.ins[0].shape
+  kept = [d for d in range(len(in_shape)) if d not in axes]
+  const = frozenset(i for i, d in enumerate(kept) if d in ins[0].const)
+  value = None
+  v = ins[0].value
+  if v is not None and node.prim is lax.reduce_sum_p and all(
+      isinstance(in_shape[d], int) for d in axes):
+    try:
+      value = ctx.round_to(v * math.prod(in_shape[d] for d in axes), node.outs[0].dtype)
+    except (TypeError, OverflowError, ValueError):
+      value = None
+  elif v is not None and node.prim in (lax.reduce_max_p, lax.reduce_min_p):
+    value = v
+  return [Facts(const | size_one(node.outs[0].shape), value, ins[0].random)]
+
+
+def _sum_canon(node, ins, ctx):
+  return [A.reduce_sum(ins[0], node.params["axes"], node.ins[0].shape)]
+
+
+def _sum_shift(node, ins, ctx):
+  p = ins[0]
+  axes = tuple(node.params["axes"])
+  in_shape = node.ins[0].shape
+  dims = tuple(e for d, e in enumerate(p.dims) if d not in axes)
+  if all(p.dims[a] is None for a in axes):
+    # Σ a_k c^k = c^k Σ a_k: c is constant along the summed axes.
+    return [A.poly_map(p, lambda c: A.reduce_sum(c, axes, in_shape), dims)]
+  if p.is_pure:
+    return [A.pure(dims)]
+  raise Block(f"a nonlinear function of the shift is summed over axes {axes} along which "
+              "the shift varies")
+
+
+def _sum_zero_sum(node, k, spec, ctx):
+  axes = node.params["axes"]
+  kept = [d for d in range(len(node.ins[0].shape)) if d not in axes]
+  return [Need(0, freeze({kept[d]: b for d, b in spec}))]
+
+
+register(Rule("reduce_sum", (lax.reduce_sum_p,), facts=_reduce_facts, canon=_sum_canon,
+              shift=_sum_shift, zero_sum=_sum_zero_sum,
+              simplify=lambda node, zeros: (lambda ins: [ctx_zero(node.outs[0])]) if zeros[0] else None,
+              variants=("normalized axes", "shift-varying axes")))
+
+for _p in _prims("reduce_max_p", "reduce_min_p", "reduce_prod_p", "argmax_p", "argmin_p",
+                 "reduce_and_p", "reduce_or_p", "reduce_xor_p"):
+  register(Rule(_p.name, (_p,), facts=_reduce_facts, canon=_opaque_canon))
+
+
+# ----------------------------------------------------------------------------
+# Cumulative ops along one axis.
+
+
+def _cum_facts(node, ins, ctx):
+  axis = node.params["axis"]
+  const = ins[0].const - {axis} if node.ins[0].shape[axis] != 1 else ins[0].const
+  keep_value = node.prim in _prims("cummax_p", "cummin_p")
+  return [Facts(const | size_one(node.outs[0].shape), ins[0].value if keep_value else None,
+                ins[0].random)]
+
+
+def _cum_tag(node):
+  return (node.prim.name, node.params["axis"], bool(node.params.get("reverse", False)))
+
+
+def _cumsum_shift(node, ins, ctx):
+  p = ins[0]
+  axis = node.params["axis"]
+  shape = node.outs[0].shape
+  if p.dims[axis] is None and not any(c.is_const for c in p.coeffs):
+    # cumsum(a c^k) = c^k cumsum(a) when c is constant along the axis.
+    tag = _cum_tag(node)
+    return [A.poly_map(p, lambda c: A.app(tag, (c,), shape, False), p.dims)]
+  if p.is_pure:
+    # cumsum of a constant c is (i+1)·c: no longer constant along the axis.
+    dims = list(p.dims)
+    dims[axis] = (None, 1) if shape[axis] != 1 else None
+    return [A.pure(tuple(dims))]
+  raise Block("a nonlinear function of the shift is accumulated")
+
+
+def _cumsum_zero_sum(node, k, spec, ctx):
+  if any(d == node.params["axis"] for d, _ in spec):
+    raise Block("a cumulative sum along the normalized axes")
+  return [Need(0, spec)]
+
+
+register(Rule("cumsum", _prims("cumsum_p"), facts=_cum_facts,
+              canon=lambda node, ins, ctx: [A.app(_cum_tag(node), ins, node.outs[0].shape, False)],
+              shift=_cumsum_shift, zero_sum=_cumsum_zero_sum,
+              simplify=lambda node, zeros: (lambda ins: [ctx_zero(node.outs[0])]) if zeros[0] else None,
+              variants=("other axis", "normalized axis")))
+
+for _p in _prims("cumprod_p", "cummax_p", "cummin_p", "cumlogsumexp_p"):
+  register(Rule(_p.name, (_p,), facts=_cum_facts,
+                canon=lambda node, ins, ctx: [A.app(_cum_tag(node), ins, node.outs[0].shape, False)]))

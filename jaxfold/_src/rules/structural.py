@@ -1,0 +1,633 @@
+"""Primitives that move elements without arithmetic: layout, slicing,
+concatenation, padding, gathers and their kin.
+
+A shift constant along a dim stays constant along it only where the
+primitive keeps that dim whole: a slice, pad, roll or gather along a dim
+where ``c`` varies remaps indices (a fresh label), and padding or filling
+mixes shifted and unshifted elements (varying).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from jax import lax
+
+from jaxfold._src import algebra as A
+from jaxfold._src.rules import dims as D
+from jaxfold._src.rules.base import (Block, Facts, Need, Rule, freeze, full_dims, register,
+                                     size_one)
+from jaxfold._src.rules.elementwise import _prims, ctx_zero
+
+
+def _same_value(node, ins, ctx) -> list:
+  """Facts when elements are only rearranged: a known scalar stays known."""
+  return [Facts(size_one(o.shape), ins[0].value, any(f.random for f in ins)) for o in node.outs]
+
+
+def _only_operand_zero(node, zeros):
+  """Outputs are zero when the data operand is (indices never matter)."""
+  if zeros[0]:
+    return lambda ins: [ctx_zero(o) for o in node.outs]
+  return None
+
+
+def _all_data_zero(n_data):
+  def simplify(node, zeros):
+    if all(zeros[:n_data]):
+      return lambda ins: [ctx_zero(o) for o in node.outs]
+    return None
+  return simplify
+
+
+def _view_coeffs(p: A.Poly, out_shape, op, tag, dims) -> Optional[A.Poly]:
+  return A.poly_map(p, lambda c: A.view_op(c, out_shape, op, tag), dims)
+
+
+def _canon_view(op_of_node, tag_of_node):
+  def canon(node, ins, ctx):
+    out_shape = node.outs[0].shape
+    return [A.view_op(ins[0], out_shape, op_of_node(node), tag_of_node(node))]
+  return canon
+
+
+def _tag(node) -> tuple:
+  return (node.prim.name,) + tuple(sorted((k, repr(v)) for k, v in node.params.items()))
+
+
+def _no_shift_in(ins, start: int, what: str):
+  if any(p is not None for p in ins[start:]):
+    raise Block(f"the shift reaches {what}")
+
+
+# ----------------------------------------------------------------------------
+# transpose, broadcast_in_dim, reshape, squeeze, expand_dims.
+
+
+def _transpose_facts(node, ins, ctx):
+  perm = node.params["permutation"]
+  inv = {p: i for i, p in enumerate(perm)}
+  return [Facts(frozenset(inv[d] for d in ins[0].const), ins[0].value, ins[0].random)]
+
+
+def _transpose_shift(node, ins, ctx):
+  perm = node.params["permutation"]
+  p = ins[0]
+  return [_view_coeffs(p, node.outs[0].shape, lambda v: v.transpose(perm), _tag(node),
+                       tuple(p.dims[i] for i in perm))]
+
+
+def _transpose_zero_sum(node, k, spec, ctx):
+  perm = node.params["permutation"]
+  return [Need(0, freeze({perm[d]: b for d, b in spec}), transparent=True)]
+
+
+register(Rule("transpose", (lax.transpose_p,), facts=_transpose_facts,
+              canon=_canon_view(lambda n: (lambda v: v.transpose(n.params["permutation"])), _tag),
+              shift=_transpose_shift, zero_sum=_transpose_zero_sum, simplify=_only_operand_zero))
+
+
+def _bcast_facts(node, ins, ctx):
+  bd = node.params["broadcast_dimensions"]
+  out_shape = node.outs[0].shape
+  in_shape = node.ins[0].shape
+  const = set(size_one(out_shape)) | {d for d in range(len(out_shape)) if d not in bd}
+  for i, d in enumerate(bd):
+    if i in ins[0].const or in_shape[i] != out_shape[d]:
+      const.add(d)
+  return [Facts(frozenset(const), ins[0].value, any(f.random for f in ins))]
+
+
+def _bcast_op(node):
+  shape, bd = node.outs[0].shape, node.params["broadcast_dimensions"]
+  return lambda v: v.broadcast(shape, bd)
+
+
+def _bcast_shift(node, ins, ctx):
+  if any(p is not None for p in ins[1:]):
+    raise Block("the shift reaches a dynamic broadcast shape")
+  p = ins[0]
+  bd = node.params["broadcast_dimensions"]
+  out_shape, in_shape = node.outs[0].shape, node.ins[0].shape
+  dims = [None] * len(out_shape)
+  for i, d in enumerate(bd):
+    if D._same(in_shape[i], out_shape[d]):
+      dims[d] = p.dims[i]
+  return [_view_coeffs(p, out_shape, _bcast_op(node), _tag(node), tuple(dims))]
+
+
+def _bcast_zero_sum(node, k, spec, ctx):
+  bd = list(node.params["broadcast_dimensions"])
+  in_shape, out_shape = node.ins[0].shape, node.outs[0].shape
+  res = {}
+  for d, b in spec:
+    if d not in bd or not D._same(in_shape[bd.index(d)], out_shape[d]):
+      raise Block("`broadcast_in_dim` repeats a value along the normalized axes")
+    res[bd.index(d)] = b
+  return [Need(0, freeze(res), transparent=True)]
+
+
+register(Rule("broadcast_in_dim", (lax.broadcast_in_dim_p,), facts=_bcast_facts,
+              canon=_canon_view(_bcast_op, _tag), shift=_bcast_shift, zero_sum=_bcast_zero_sum,
+              simplify=_only_operand_zero, variants=("new dims", "size-1 expansion")))
+
+
+def _reshape_check(node):
+  if node.params.get("dimensions") is not None:
+    raise Block("a reshape with a dimension permutation")
+
+
+def _reshape_facts(node, ins, ctx):
+  in_shape, out_shape = node.ins[0].shape, node.outs[0].shape
+  const = set(size_one(out_shape))
+  gs = D.reshape_groups(in_shape, out_shape) if node.params.get("dimensions") is None else None
+  for gi, gj in gs or ():
+    if all(i in ins[0].const for i in gi):
+      const.update(gj)
+  return [Facts(frozenset(const), ins[0].value, any(f.random for f in ins))]
+
+
+def _reshape_shift(node, ins, ctx):
+  _reshape_check(node)
+  if any(p is not None for p in ins[1:]):
+    raise Block("the shift reaches a dynamic reshape size")
+  p = ins[0]
+  in_shape, out_shape = node.ins[0].shape, node.outs[0].shape
+  dims = D.reshape_dims(p.dims, in_shape, out_shape)
+  if dims is None:
+    raise Block(f"a reshape {tuple(in_shape)} -> {tuple(out_shape)} that mixes the axes the "
+                "shift varies along with others")
+  return [_view_coeffs(p, out_shape, lambda v: v.reshape(out_shape), _tag(node), dims)]
+
+
+def _reshape_zero_sum(node, k, spec, ctx):
+  _reshape_check(node)
+  res = D.reshape_spec_back(dict(spec), node.ins[0].shape, node.outs[0].shape)
+  if res is None:
+    raise Block(f"a reshape {tuple(node.ins[0].shape)} -> {tuple(node.outs[0].shape)} mixes "
+                "the normalized axes with others")
+  return [Need(0, freeze(res), transparent=True)]
+
+
+def _reshape_canon(node, ins, ctx):
+  if node.params.get("dimensions") is not None:
+    return [A.app(("reshape_perm", _tag(node)), ins[:1], node.outs[0].shape, False)]
+  out_shape = node.outs[0].shape
+  return [A.view_op(ins[0], out_shape, lambda v: v.reshape(out_shape), _tag(node))]
+
+
+register(Rule("reshape", (lax.reshape_p,), facts=_reshape_facts, canon=_reshape_canon,
+              shift=_reshape_shift, zero_sum=_reshape_zero_sum, simplify=_only_operand_zero,
+              variants=("split", "merge", "grouped")))
+
+
+def _squeeze_kept(node) -> list:
+  dims = node.params["dimensions"]
+  return [d for d in range(len(node.ins[0].shape)) if d not in dims]
+
+
+def _squeeze_facts(node, ins, ctx):
+  kept = _squeeze_kept(node)
+  return [Facts(frozenset(i for i, d in enumerate(kept) if d in ins[0].const), ins[0].value,
+                ins[0].random)]
+
+
+def _squeeze_shift(node, ins, ctx):
+  p = ins[0]
+  kept = _squeeze_kept(node)
+  out_shape = node.outs[0].shape
+  return [_view_coeffs(p, out_shape, lambda v: v.reshape(out_shape), _tag(node),
+                       tuple(p.dims[d] for d in kept))]
+
+
+def _squeeze_zero_sum(node, k, spec, ctx):
+  kept = _squeeze_kept(node)
+  return [Need(0, freeze({kept[d]: b for d, b in spec}), transparent=True)]
+
+
+register(Rule("squeeze", (lax.squeeze_p,), facts=_squeeze_facts,
+              canon=_canon_view(lambda n: (lambda v: v.reshape(n.outs[0].shape)), _tag),
+              shift=_squeeze_shift, zero_sum=_squeeze_zero_sum, simplify=_only_operand_zero))
+
+
+# ----------------------------------------------------------------------------
+# rev, slice, dynamic_slice, split, tile.
+
+
+def _moved_dim(e, aligned: bool):
+  """A dim whose indices were remapped: a fresh index map, blocks kept only
+  when the remapping respects their alignment."""
+  if e is None:
+    return None
+  return (A.fresh_label(), e[1] if aligned else 1)
+
+
+def _rev_shift(node, ins, ctx):
+  p = ins[0]
+  rd = node.params["dimensions"]
+  shape = node.outs[0].shape
+  dims = tuple(_moved_dim(e, shape[d] % e[1] == 0) if d in rd and e is not None else e
+               for d, e in enumerate(p.dims))
+  if dims != p.dims and not p.is_pure:
+    raise Block("a nonlinear function of the shift is reversed along an axis it varies along")
+  return [_view_coeffs(p, shape, lambda v: v.rev(rd), _tag(node), dims)]
+
+
+register(Rule("rev", (lax.rev_p,), facts=lambda node, ins, ctx: [Facts(ins[0].const, ins[0].value, ins[0].random)],
+              canon=_canon_view(lambda n: (lambda v: v.rev(n.params["dimensions"])), _tag),
+              shift=_rev_shift,
+              zero_sum=lambda node, k, spec, ctx: _rev_zero_sum(node, spec),
+              simplify=_only_operand_zero))
+
+
+def _rev_zero_sum(node, spec):
+  rd = node.params["dimensions"]
+  shape = node.outs[0].shape
+  for d, b in spec:
+    if d in rd and shape[d] % b:
+      raise Block("`rev` misaligns the normalized groups")
+  return [Need(0, spec, transparent=True)]
+
+
+def _slice_facts(node, ins, ctx):
+  return [Facts(ins[0].const | size_one(node.outs[0].shape), ins[0].value, ins[0].random)]
+
+
+def _slice_dims(p, starts, steps, in_shape, out_shape):
+  dims = []
+  for d, e in enumerate(p.dims):
+    if e is None or (starts[d] == 0 and steps[d] == 1 and out_shape[d] == in_shape[d]):
+      dims.append(e)
+    else:
+      dims.append(_moved_dim(e, starts[d] % e[1] == 0 and steps[d] == 1))
+  return tuple(dims)
+
+
+def _slice_shift(node, ins, ctx):
+  p = ins[0]
+  starts = node.params["start_indices"]
+  limits = node.params["limit_indices"]
+  steps = node.params["strides"] or (1,) * len(starts)
+  in_shape, out_shape = node.ins[0].shape, node.outs[0].shape
+  dims = _slice_dims(p, starts, steps, in_shape, out_shape)
+  return [_view_coeffs(p, out_shape, lambda v: v.slice(starts, limits, steps), _tag(node), dims)]
+
+
+def _slice_zero_sum(node, k, spec, ctx):
+  in_shape, out_shape = node.ins[0].shape, node.outs[0].shape
+  if all(D._same(in_shape[d], out_shape[d]) for d, _ in spec):
+    return [Need(0, spec, transparent=True)]
+  raise Block("a slice along the normalized axes")
+
+
+register(Rule("slice", (lax.slice_p,), facts=_slice_facts,
+              canon=_canon_view(lambda n: (lambda v: v.slice(n.params["start_indices"],
+                                                             n.params["limit_indices"],
+                                                             n.params["strides"])), _tag),
+              shift=_slice_shift, zero_sum=_slice_zero_sum, simplify=_only_operand_zero,
+              variants=("other axis", "aligned", "misaligned")))
+
+
+def _dslice_shift(node, ins, ctx):
+  _no_shift_in(ins, 1, "dynamic slice indices")
+  p = ins[0]
+  in_shape, out_shape = node.ins[0].shape, node.outs[0].shape
+  cut = [d for d in range(len(in_shape)) if not D._same(in_shape[d], out_shape[d])]
+  dims = tuple(_moved_dim(e, False) if d in cut else e for d, e in enumerate(p.dims))
+  idx = [ctx.canon(a) for a in node.ins[1:]]
+  tag = _tag(node)
+
+  def coeff(c):
+    if c.is_const:
+      return c
+    return A.app(("dynamic_slice", tag), [c] + idx, out_shape, False)
+  return [A.poly_map(p, coeff, dims)]
+
+
+def _dslice_canon(node, ins, ctx):
+  return [A.app(("dynamic_slice", _tag(node)), ins, node.outs[0].shape, False)]
+
+
+register(Rule("dynamic_slice", (lax.dynamic_slice_p,), facts=_slice_facts, canon=_dslice_canon,
+              shift=_dslice_shift, zero_sum=_slice_zero_sum, simplify=_only_operand_zero,
+              variants=("other axis", "normalized axis", "two indices")))
+
+
+def _split_facts(node, ins, ctx):
+  return [Facts(ins[0].const | size_one(o.shape), ins[0].value, ins[0].random) for o in node.outs]
+
+
+def _split_ranges(node):
+  axis = node.params["axis"]
+  start = 0
+  for o in node.outs:
+    n = o.shape[axis]
+    yield axis, start, start + n
+    start += n
+
+
+def _split_canon(node, ins, ctx):
+  out = []
+  in_shape = node.ins[0].shape
+  for (axis, lo, hi), o in zip(_split_ranges(node), node.outs):
+    starts = [0] * len(in_shape)
+    limits = list(in_shape)
+    starts[axis], limits[axis] = lo, hi
+    out.append(A.view_op(ins[0], o.shape, lambda v, s=tuple(starts), l=tuple(limits): v.slice(s, l),
+                         ("slice", tuple(starts), tuple(limits))))
+  return out
+
+
+def _split_shift(node, ins, ctx):
+  p = ins[0]
+  in_shape = node.ins[0].shape
+  out = []
+  for (axis, lo, hi), o in zip(_split_ranges(node), node.outs):
+    starts = [0] * len(in_shape)
+    limits = list(in_shape)
+    starts[axis], limits[axis] = lo, hi
+    steps = (1,) * len(in_shape)
+    dims = _slice_dims(p, starts, steps, in_shape, o.shape)
+    out.append(_view_coeffs(p, o.shape, lambda v, s=tuple(starts), l=tuple(limits): v.slice(s, l),
+                            ("slice", tuple(starts), tuple(limits)), dims))
+  return out
+
+
+def _split_zero_sum(node, k, spec, ctx):
+  axis = node.params["axis"]
+  if any(d == axis for d, _ in spec):
+    raise Block("a split along the normalized axes")
+  return [Need(0, spec, transparent=True)]
+
+
+register(Rule("split", _prims("split_p"), facts=_split_facts, canon=_split_canon,
+              shift=_split_shift, zero_sum=_split_zero_sum, simplify=_only_operand_zero))
+
+
+def _tile_facts(node, ins, ctx):
+  reps = node.params["reps"]
+  out_shape = node.outs[0].shape
+  const = {d for d in ins[0].const if reps[d] == 1 or node.ins[0].shape[d] == 1}
+  return [Facts(frozenset(const) | size_one(out_shape), ins[0].value, ins[0].random)]
+
+
+def _tile_shift(node, ins, ctx):
+  p = ins[0]
+  reps = node.params["reps"]
+  out_shape = node.outs[0].shape
+  in_shape = node.ins[0].shape
+  dims = tuple(_moved_dim(e, False) if (reps[d] != 1 and in_shape[d] != 1) else e
+               for d, e in enumerate(p.dims))
+  if dims != p.dims and not p.is_pure:
+    raise Block("a nonlinear function of the shift is tiled along an axis it varies along")
+  tag = _tag(node)
+  return [A.poly_map(p, lambda c: c if c.is_const else A.app(tag, [c], out_shape, False), dims)]
+
+
+def _tile_zero_sum(node, k, spec, ctx):
+  reps = node.params["reps"]
+  in_shape = node.ins[0].shape
+  res = {}
+  for d, b in spec:
+    if reps[d] != 1 and b != node.outs[0].shape[d]:
+      raise Block("`tile` repeats part of a normalized group")
+    res[d] = in_shape[d] if reps[d] != 1 else b
+  return [Need(0, freeze(res), transparent=True)]
+
+
+register(Rule("tile", _prims("tile_p"), facts=_tile_facts,
+              canon=lambda node, ins, ctx: [A.app(_tag(node), ins, node.outs[0].shape, False)],
+              shift=_tile_shift, zero_sum=_tile_zero_sum, simplify=_only_operand_zero))
+
+
+# ----------------------------------------------------------------------------
+# concatenate, pad, dynamic_update_slice.
+
+
+def _piecewise_pure(polys, const_dims, out_shape) -> A.Poly:
+  """A fresh pure shift for a piecewise assembly of pure shifts (and
+  unshifted pieces): constant along a dim only where every piece is and the
+  assembly does not switch between pieces along it."""
+  dims = []
+  for d in range(len(out_shape)):
+    es = [p.dims[d] for p in polys]
+    if d in const_dims and all(e is None for e in es):
+      dims.append(None)
+    elif d in const_dims:
+      dims.append((None, math.gcd(*[e[1] for e in es if e is not None])))
+    else:
+      dims.append((None, 1))
+  return A.pure(tuple(dims))
+
+
+def _all_same(polys) -> bool:
+  return all(p.same_symbol(polys[0]) and p.is_pure and p.coeffs == polys[0].coeffs for p in polys)
+
+
+def _concat_shift(node, ins, ctx):
+  dim = node.params["dimension"]
+  out_shape = node.outs[0].shape
+  live = [p for p in ins if p is not None]
+  if len(live) == len(ins) and _all_same(live) and live[0].dims[dim] is None:
+    return [live[0]]
+  if not all(p.is_pure for p in live):
+    raise Block("a nonlinear function of the shift is concatenated")
+  keep = frozenset(range(len(out_shape))) - {dim}
+  return [_piecewise_pure(live, keep, out_shape)]
+
+
+def _concat_zero_sum(node, k, spec, ctx):
+  dim = node.params["dimension"]
+  if any(d == dim for d, _ in spec):
+    raise Block("a concatenation along the normalized axes")
+  return [Need(i, spec, transparent=True) for i, a in enumerate(node.ins) if not ctx.is_zero(a)]
+
+
+def _concat_facts(node, ins, ctx):
+  dim = node.params["dimension"]
+  const = frozenset.intersection(*[f.const for f in ins]) - {dim}
+  vals = [f.value for f in ins]
+  value = vals[0] if all(v is not None and v == vals[0] for v in vals) else None
+  return [Facts(const | size_one(node.outs[0].shape), value, any(f.random for f in ins))]
+
+
+register(Rule("concatenate", (lax.concatenate_p,), facts=_concat_facts,
+              canon=lambda node, ins, ctx: [A.app(_tag(node), ins, node.outs[0].shape, False)],
+              shift=_concat_shift, zero_sum=_concat_zero_sum,
+              simplify=_all_data_zero(10**9), variants=("other axis", "normalized axis")))
+
+
+def _padded_dims(node) -> set:
+  return {d for d, (lo, hi, it) in enumerate(node.params["padding_config"])
+          if lo > 0 or hi > 0 or it > 0}
+
+
+def _pad_shift(node, ins, ctx):
+  if ins[1] is not None:
+    raise Block("the shift reaches a padding value")
+  p = ins[0]
+  cfg = node.params["padding_config"]
+  if all(tuple(c) == (0, 0, 0) for c in cfg):
+    return [p]
+  if not p.is_pure:
+    raise Block("a nonlinear function of the shift is padded")
+  padded = _padded_dims(node)
+  out_shape = node.outs[0].shape
+  dims = []
+  for d, (e, (lo, hi, it)) in enumerate(zip(p.dims, cfg)):
+    if d in padded:
+      dims.append((None, 1))        # padded elements carry no shift
+    elif lo or hi:
+      dims.append(None if e is None else (None, e[1] if (-lo) % e[1] == 0 else 1))
+    else:
+      dims.append(None if e is None else (None, e[1]))
+  return [A.pure(tuple(dims))]
+
+
+def _pad_zero_sum(node, k, spec, ctx):
+  cfg = node.params["padding_config"]
+  out_shape = node.outs[0].shape
+  any_padding = bool(_padded_dims(node))
+  if any_padding and not ctx.is_zero(node.ins[1]):
+    raise Block("padding with a non-zero value adds elements that do not sum to zero")
+  res = {}
+  for d, b in spec:
+    lo, hi, it = cfg[d]
+    if (lo, hi, it) == (0, 0, 0):
+      res[d] = b
+    elif lo >= 0 and hi >= 0 and b == out_shape[d]:
+      res[d] = node.ins[0].shape[d]   # zeros added to a whole normalized dim
+    else:
+      raise Block("padding or cropping along the normalized axes")
+  return [Need(0, freeze(res))]
+
+
+def _pad_facts(node, ins, ctx):
+  padded = _padded_dims(node)
+  cfg = node.params["padding_config"]
+  same = ins[0].value is not None and ins[0].value == ins[1].value
+  const = {d for d in ins[0].const if d not in padded or same}
+  return [Facts(frozenset(const) | size_one(node.outs[0].shape),
+                ins[0].value if (same or not padded) else None, ins[0].random or ins[1].random)]
+
+
+register(Rule("pad", (lax.pad_p,), facts=_pad_facts,
+              canon=lambda node, ins, ctx: [A.app(_tag(node), ins, node.outs[0].shape, False)],
+              shift=_pad_shift, zero_sum=_pad_zero_sum,
+              simplify=lambda node, zeros: (lambda ins: [ctx_zero(node.outs[0])]) if zeros[0] and zeros[1] else None,
+              variants=("other axis", "normalized axis", "cropping", "interior",
+                        "non-zero value")))
+
+
+def _dus_covered(node) -> list:
+  upd, out_shape = node.ins[1].shape, node.outs[0].shape
+  return [D._same(upd[d], out_shape[d]) for d in range(len(out_shape))]
+
+
+def _dus_shift(node, ins, ctx):
+  _no_shift_in(ins, 2, "update indices")
+  covered = _dus_covered(node)
+  out_shape = node.outs[0].shape
+  live = [p for p in ins[:2] if p is not None]
+  partial = {d for d, c in enumerate(covered) if not c}
+  if (len(live) == 2 and _all_same(live) and all(live[0].dims[d] is None for d in partial)):
+    return [live[0]]
+  if not all(p.is_pure for p in live):
+    raise Block("a nonlinear function of the shift reaches `dynamic_update_slice`")
+  keep = frozenset(range(len(out_shape))) - partial
+  return [_piecewise_pure(live, keep, out_shape)]
+
+
+def _dus_zero_sum(node, k, spec, ctx):
+  covered = _dus_covered(node)
+  if not all(covered[d] for d, _ in spec):
+    raise Block("an update of part of the normalized axes")
+  return [Need(i, spec) for i in (0, 1) if not ctx.is_zero(node.ins[i])]
+
+
+register(Rule("dynamic_update_slice", (lax.dynamic_update_slice_p,),
+              facts=lambda node, ins, ctx: [Facts(
+                  (ins[0].const & ins[1].const) | size_one(node.outs[0].shape), None,
+                  ins[0].random or ins[1].random)],
+              canon=lambda node, ins, ctx: [A.app(_tag(node), ins, node.outs[0].shape, False)],
+              shift=_dus_shift, zero_sum=_dus_zero_sum, simplify=_all_data_zero(2)))
+
+
+# ----------------------------------------------------------------------------
+# gather.
+
+
+def _gather_dims(node) -> D.GatherDims:
+  return D.GatherDims(node.params, node.ins[0].shape, node.outs[0].shape)
+
+
+def _gather_facts(node, ins, ctx):
+  g = _gather_dims(node)
+  const = set(size_one(node.outs[0].shape))
+  for od, d in g.offset.items():
+    if d in ins[0].const:
+      const.add(od)
+  if all(d in ins[0].const for d in g.indexed) and not g.may_fill:
+    const.update(g.batch_out)
+  return [Facts(frozenset(const), None if g.may_fill else ins[0].value,
+                ins[0].random or ins[1].random)]
+
+
+def _gather_shift(node, ins, ctx):
+  if ins[1] is not None:
+    raise Block("the shift reaches gather indices")
+  p = ins[0]
+  if not p.is_pure:
+    raise Block("a nonlinear function of the shift is gathered")
+  g = _gather_dims(node)
+  out_shape = node.outs[0].shape
+  dims = [(None, 1)] * len(out_shape)
+  for od, d in g.offset.items():
+    e = p.dims[d]
+    if e is None:
+      dims[od] = None
+    elif g.full(d) and d not in g.indexed:
+      dims[od] = (None, e[1])
+  # Which window is read does not matter when c is constant along every
+  # indexed dim, unless an out-of-bounds window reads the fill value.
+  if all(p.dims[d] is None for d in g.indexed) and not g.may_fill:
+    for od in g.batch_out:
+      dims[od] = None
+  return [A.pure(tuple(dims))]
+
+
+def _gather_zero_sum(node, k, spec, ctx):
+  g = _gather_dims(node)
+  res = {}
+  for d, b in spec:
+    if d not in g.offset:
+      raise Block("a gather that indexes along the normalized axes")
+    od = g.offset[d]
+    if not g.full(od):
+      raise Block("a gather that slices part of the normalized axes")
+    res[od] = b
+  if g.may_fill and not g.fill_is_harmless():
+    raise Block(f"a gather whose out-of-bounds windows read the fill value {g.fill!r}, "
+                "which does not sum to zero")
+  return [Need(0, freeze(res))]
+
+
+register(Rule("gather", (lax.gather_p,), facts=_gather_facts,
+              canon=lambda node, ins, ctx: [A.app(_tag(node), ins, node.outs[0].shape, False)],
+              shift=_gather_shift, zero_sum=_gather_zero_sum, simplify=_only_operand_zero,
+              variants=("embedding lookup", "fill mode", "clip mode")))
+
+
+# ----------------------------------------------------------------------------
+# iota: constant along every dim but its own.
+
+
+def _iota_facts(node, ins, ctx):
+  shape = node.outs[0].shape
+  d = node.params["dimension"]
+  return [Facts(frozenset(i for i in range(len(shape)) if i != d) | size_one(shape), None, False)]
+
+
+register(Rule("iota", _prims("iota_p"), facts=_iota_facts,
+              canon=lambda node, ins, ctx: [A.app(_tag(node), (), node.outs[0].shape, False)]))
