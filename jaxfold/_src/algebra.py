@@ -505,6 +505,32 @@ def bilinear(tag: Any, a: Expr, b: Expr, out_shape: Shape) -> Expr:
   return Expr(out, tuple(out_shape))
 
 
+def nonneg(e: Expr) -> bool:
+  """Provably ≥ 0 everywhere: positive sums of squares, sums of those, roots."""
+  if e.is_const:
+    return e.const_value >= 0
+  for m, c in e.terms.items():
+    if c < 0:
+      return False
+    for f in set(m):
+      if m.count(f) % 2 and not _nonneg_factor(f):
+        return False
+  return True
+
+
+def _nonneg_factor(fid: int) -> bool:
+  f = _FACTORS[fid]
+  if f.kind == "view":
+    return _nonneg_factor(f.args[0])
+  if f.kind == "app" and isinstance(f.key, tuple) and f.key:
+    tag = f.key[0]
+    if tag in ("rsqrt", "sqrt"):
+      return True
+    if tag in ("reduce_sum", "layout"):
+      return nonneg(f.args[0])
+  return False
+
+
 # ----------------------------------------------------------------------------
 # Exact scalars from a program's literals.
 

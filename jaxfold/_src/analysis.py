@@ -1,623 +1,635 @@
 """The soundness analysis: which mean reductions can go, and what to center.
 
-Two obligations (DESIGN-BRIEF §2), each checked by its own pass:
+Two obligations (DESIGN-BRIEF §2), each a driver over the rule registry:
 
-* ``zero_sum_sources`` walks backwards from a normalization's input and lists
-  what must be centered for that input to sum to zero over the normalized
-  axes (obligation 2: then the mean reduction is exactly zero).
-* ``Propagator`` follows the shift that centering one value introduces
-  forwards, as a polynomial in a shift symbol, and proves that no output of
-  the program sees it (obligation 1). Normalizations annihilate the shift by
-  algebraic cancellation, not by matching a pattern.
+* ``Level.needs`` walks backwards from a normalization's input and lists what
+  must be centered for it to sum to zero over the normalized axes
+  (obligation 2: then the mean reduction is exactly zero).
+* ``Level.invisible`` follows the shift a centering introduces forwards, as a
+  polynomial in a shift symbol with exact rational coefficients, and proves
+  that no output of the program sees it (obligation 1). Normalizations
+  annihilate the shift by exact cancellation, not by matching a pattern.
 
-Anything either pass does not understand blocks the fold, with a reason.
+A ``Level`` is one ``program.Program`` level (the top program or a loop
+body) and the context every rule facet receives: structural facts, exact
+canonical forms, constancy queries. All primitive knowledge lives in
+``rules``; a primitive without an exact rule blocks, with its name.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import dataclasses
+import math
+from fractions import Fraction
 from typing import Any, Optional
 
+import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
+from jaxfold._src import algebra as A
 from jaxfold._src import compat
-from jaxfold._src import layout
-from jaxfold._src import symbolic as sy
-from jaxfold._src.graph import Graph, Node
-
-Unsupported = sy.Unsupported
-
-_UNARY_SAME = {lax.convert_element_type_p, lax.copy_p}
-for _name in ("reduce_precision_p", "copy_p", "optimization_barrier_p"):
-  if hasattr(lax, _name):
-    _UNARY_SAME.add(getattr(lax, _name))
-_SHARDING = {getattr(lax, n) for n in ("sharding_constraint_p",) if hasattr(lax, n)}
-_LAYOUT = {lax.reshape_p, lax.broadcast_in_dim_p, lax.transpose_p, lax.squeeze_p}
-_ADD = {lax.add_p, lax.sub_p}
-for _name in ("add_any_p",):
-  if hasattr(lax, _name):
-    _ADD.add(getattr(lax, _name))
-try:
-  from jax._src.ad_util import add_jaxvals_p as _add_any
-  _ADD.add(_add_any)
-except Exception:  # pragma: no cover
-  pass
-_CUMULATIVE = {p for p in (getattr(lax, "cumsum_p", None),) if p is not None}
+from jaxfold._src.program import Lit, Node, Program, Val, call_note
+from jaxfold._src.rules import Block, Facts, rule_for
+from jaxfold._src.rules.base import freeze, lit_facts, operand_const, size_one
 
 
-def shape_of(a: Any) -> tuple:
-  return tuple(compat.aval(a).shape)
+@dataclasses.dataclass(frozen=True)
+class LeafNeed:
+  """Parameter (or captured constant) ``var`` must sum to zero over ``spec``.
+
+  ``use`` is the operation (node, operand) that consumes it, reached through
+  the value-preserving ``chain``; ``out_var``/``out_spec`` the value whose
+  zero-sum the use provides (where an auxiliary centering could stand in).
+  """
+  var: Val
+  spec: tuple
+  use: Optional[tuple]
+  out_var: Any
+  out_spec: tuple
+  chain: tuple
 
 
-def _scalar_literal(a: Any) -> Optional[float]:
-  if compat.is_literal(a):
-    v = np.asarray(compat.literal_value(a))
-    if v.size == 1:
-      return float(v.reshape(()))
-  return None
+@dataclasses.dataclass(frozen=True)
+class Blocker:
+  """``var`` cannot be shown zero-sum over ``spec``; ``reason`` says why."""
+  var: Any
+  spec: tuple
+  reason: str
 
 
-# ----------------------------------------------------------------------------
-# Structural constancy of values that no shift touches.
+@dataclasses.dataclass(frozen=True)
+class Site:
+  """A mean reduction whose result is subtracted from the value it averages."""
+  reduces: tuple          # reduce_sum nodes computing the site's mean
+  input: Val              # the averaged value
+  axes: tuple
+  level: "Level"
+
+  @property
+  def node(self) -> Node:
+    return self.reduces[0]
 
 
-class Constancy:
-  """Dimensions along which a value is constant, from the program's structure."""
+CANON_TERMS = 8
+DROPOUT_NOTE = " (INEXACT: a dropout mask was treated as constant, as through_dropout=True asks)"
 
-  def __init__(self, graph: Graph, random_is_constant: bool = False):
-    self.graph = graph
-    # CBWC's opt-in inexact mode: treat dropout masks (values derived from a
-    # PRNG key) as if they were constant; every use is counted so the sites
-    # that relied on it are reported as inexact.
-    self.random_is_constant = random_is_constant
+
+class Analyzer:
+  """Shared state of one analysis: options and the levels of the program."""
+
+  def __init__(self, program: Program, *, cbwc: bool = False, through_dropout: bool = False):
+    self.program = program
+    self.cbwc = cbwc
+    self.through_dropout = through_dropout
     self.random_uses = 0
+    self.tolerance = _tolerance(program)
+    self.levels: dict = {}
+    self.top = self.level(program)
 
-  @functools.cache
-  def from_key(self, v: Any) -> bool:
-    """Whether ``v`` is computed from a PRNG key (e.g. a dropout mask)."""
-    stack, seen = [v], set()
-    while stack:
-      a = stack.pop()
-      if not compat.is_var(a) or a in seen:
-        continue
-      seen.add(a)
-      if compat.is_prng_key(compat.aval(a).dtype):
-        return True
-      prod = self.graph.producer.get(a)
-      if prod is not None:
-        stack.extend(prod[0].invars)
-    return False
+  def level(self, program: Program) -> "Level":
+    lv = self.levels.get(id(program))
+    if lv is None:
+      lv = Level(self, program)
+      self.levels[id(program)] = lv
+    return lv
 
-  def dims(self, v: Any) -> frozenset:
-    shape = shape_of(v)
-    if self.random_is_constant and compat.is_var(v) and self.from_key(v):
-      self.random_uses += 1
-      return frozenset(range(len(shape)))
-    return self._dims(v)
 
-  @functools.cache
-  def _dims(self, v: Any) -> frozenset:
-    shape = shape_of(v)
-    ones = frozenset(d for d, s in enumerate(shape) if s == 1)
-    if compat.is_literal(v) or not shape:
-      return frozenset(range(len(shape)))
-    prod = self.graph.producer.get(v)
-    if prod is None:
-      return ones
-    node, _ = prod
-    p = node.prim
-    if p is lax.broadcast_in_dim_p:
-      bd = node.params["broadcast_dimensions"]
-      src = node.invars[0]
-      inner = self.dims(src) if compat.is_var(src) else frozenset(range(len(shape_of(src))))
-      kept = {bd[i] for i in inner}
-      return ones | frozenset(d for d in range(len(shape)) if d not in bd) | kept
-    if p in _UNARY_SAME or p is lax.neg_p or p in _SHARDING:
-      return ones | self._of(node.invars[0], shape)
-    if p in (lax.mul_p, lax.div_p, lax.add_p, lax.sub_p, lax.max_p, lax.min_p,
-             lax.rsqrt_p, lax.sqrt_p, lax.exp_p, lax.integer_pow_p, lax.square_p):
-      res = None
-      for a in node.invars:
-        d = self._of(a, shape)
-        res = d if res is None else res & d
-      return ones | (res or frozenset())
-    return ones
+def _tolerance(program: Program):
+  """The narrowest float dtype among the outputs: the precision at which a
+  rewrite's rounding differences are invisible."""
+  best = None
+  for v in program.outvars:
+    dt = np.dtype(v.dtype) if not compat.is_prng_key(v.dtype) else None
+    if dt is None or not jnp.issubdtype(dt, jnp.floating):
+      continue
+    if best is None or jnp.finfo(dt).nmant < jnp.finfo(best).nmant:
+      best = dt
+  return best if best is not None else np.dtype(np.float64)
 
-  def _of(self, a: Any, out_shape: tuple) -> frozenset:
-    s = shape_of(a)
-    if not s or compat.is_literal(a):
+
+class Level:
+  """One program level, and the context rule facets are called with."""
+
+  def __init__(self, an: Analyzer, program: Program):
+    self.an = an
+    self.program = program
+    self._facts: dict = {}
+    self._canon: dict = {}
+    self.overrides: dict = {}
+    self._memo: dict = {}
+    self._compute_facts()
+
+  # -- rule context: options -------------------------------------------------
+
+  @property
+  def cbwc(self) -> bool:
+    return self.an.cbwc
+
+  @property
+  def tolerance(self):
+    return self.an.tolerance
+
+  @staticmethod
+  def at_least_as_precise(a, b) -> bool:
+    fa, fb = jnp.finfo(a), jnp.finfo(b)
+    return fa.nmant >= fb.nmant and fa.nexp >= fb.nexp
+
+  @staticmethod
+  def round_to(value: Fraction, dtype) -> Optional[Fraction]:
+    dt = np.dtype(dtype)
+    if jnp.issubdtype(dt, jnp.floating):
+      with np.errstate(over="ignore"):
+        r = np.asarray(float(value)).astype(dt)
+      f = float(r)
+      return Fraction(f) if math.isfinite(f) else None
+    if dt == np.bool_:
+      return Fraction(int(value != 0))
+    if value.denominator != 1:
+      return None
+    info = np.iinfo(dt)
+    return value if info.min <= value <= info.max else None
+
+  # -- rule context: facts ---------------------------------------------------
+
+  def facts(self, a: Any) -> Facts:
+    if isinstance(a, Lit):
+      return lit_facts(a)
+    return self._facts.get(a) or Facts(size_one(a.shape))
+
+  def is_zero(self, a: Any) -> bool:
+    return self.facts(a).value == 0
+
+  def constant_dims(self, a: Any, out_shape) -> frozenset:
+    """Dims of ``out_shape`` along which operand ``a`` (broadcast) is constant."""
+    const = operand_const(self, a, tuple(out_shape))
+    if self.an.through_dropout and self.facts(a).random:
+      self.an.random_uses += 1
       return frozenset(range(len(out_shape)))
-    bcast = frozenset(d for d, n in enumerate(s) if n == 1)
-    return bcast | self.dims(a)
+    return const
 
+  def constant_along(self, a: Any, dims, out_shape) -> bool:
+    return set(dims) <= self.constant_dims(a, out_shape)
 
-# ----------------------------------------------------------------------------
-# Forward: the shift a centering introduces, as a polynomial.
+  @staticmethod
+  def expr_constant_along(expr: A.Expr, d: int) -> bool:
+    return A._expr_constant_along(expr, (d,))
 
+  def _compute_facts(self) -> None:
+    prog = self.program
+    parent = prog.parent
+    for i, v in enumerate(prog.invars):
+      self._facts[v] = self._invar_facts(v, i, parent)
+    for v in prog.consts:
+      self._facts[v] = _const_facts(v)
+    for node in prog.nodes:
+      ins = [self.facts(a) for a in node.ins]
+      try:
+        outs = rule_for(node.prim).facts(node, ins, self)
+      except Exception:  # noqa: BLE001 - a fact a rule cannot derive is just unknown
+        outs = [Facts(size_one(o.shape)) for o in node.outs]
+      keyed = any(compat.is_prng_key(a.dtype) for a in list(node.ins) + list(node.outs))
+      for o, f in zip(node.outs, outs):
+        if keyed and not f.random:
+          f = Facts(f.const, f.value, True)
+        self._facts[o] = f
 
-class Propagator:
-  """Proves that a shift injected at some value reaches no program output."""
+  def _invar_facts(self, v: Val, i: int, parent) -> Facts:
+    random = compat.is_prng_key(v.dtype)
+    base = Facts(size_one(v.shape), None, random)
+    if parent is None:
+      return base
+    node, outer_prog = parent
+    outer = self.an.level(outer_prog)
+    if compat.is_scan(node.eqn):
+      nc, ncar = compat.scan_partition(node.params)
+      f = outer.facts(node.ins[i])
+      if i < nc:
+        return Facts(f.const | base.const, f.value, f.random or random)
+      if i < nc + ncar:  # a carry changes across iterations: only randomness is known
+        return Facts(base.const, None, f.random or random)
+      return Facts(frozenset(d - 1 for d in f.const if d > 0) | base.const, f.value,
+                   f.random or random)
+    return Facts(base.const, None, True if any(outer.facts(a).random for a in node.ins) else random)
 
-  def __init__(self, graph: Graph, constancy: Constancy, constancy_of=None):
-    self.g = graph
-    self.const = constancy
-    self.constancy_of = constancy_of or (lambda g: Constancy(g))
-    self._bodies: dict = {}
+  # -- rule context: canonical forms ------------------------------------------
 
-  def _body(self, g: Graph) -> "Propagator":
-    if g not in self._bodies:
-      self._bodies[g] = Propagator(g, self.constancy_of(g), self.constancy_of)
-    return self._bodies[g]
+  def atom(self, v: Val) -> A.Expr:
+    return A.atom(v, v.shape)
+
+  def canon(self, a: Any) -> A.Expr:
+    """The exact canonical expression of a value (iterative: streams are deep)."""
+    if isinstance(a, Lit):
+      return _lit_canon(a)
+    memo = self._canon
+    if a in memo:
+      return memo[a]
+    stack = [a]
+    while stack:
+      v = stack[-1]
+      if v in memo:
+        stack.pop()
+        continue
+      direct = self._direct_canon(v)
+      if direct is not None:
+        memo[v] = direct
+        stack.pop()
+        continue
+      node = v.producer
+      pending = [x for x in node.ins if isinstance(x, Val) and x not in memo]
+      if pending:
+        stack.extend(pending)
+        continue
+      stack.pop()
+      ins = [self.canon(x) for x in node.ins]
+      try:
+        outs = rule_for(node.prim).canon(node, ins, self)
+      except Exception:  # noqa: BLE001 - an opaque atom is always sound
+        outs = None
+      for k, o in enumerate(node.outs):
+        e = outs[k] if outs is not None else None
+        # A long sum (a residual stream) stands for itself: cancellation
+        # only ever needs the structure near one value, and expanding it
+        # would make products grow quadratically.
+        memo[o] = e if e is not None and len(e.terms) <= CANON_TERMS else self.atom(o)
+    return memo[a]
+
+  @contextlib.contextmanager
+  def assuming(self, overrides: dict):
+    """Canonical forms under ``overrides`` (e.g. removed reductions as zero)."""
+    saved = self._canon, self.overrides
+    self._canon, self.overrides = {}, dict(overrides)
+    try:
+      yield self
+    finally:
+      self._canon, self.overrides = saved
+
+  def _direct_canon(self, v: Val) -> Optional[A.Expr]:
+    if v in self.overrides:
+      return self.overrides[v]
+    f = self._facts.get(v)
+    if f is not None and isinstance(f.value, Fraction):
+      return A.const(A.snap(f.value, v.dtype))
+    if v.producer is None or v.producer.subs:
+      return self.atom(v)
+    return None
+
+  # -- obligation 1: the shift, forwards --------------------------------------
+
+  def invisible(self, seeds: dict, skip: frozenset = frozenset()) -> Optional[str]:
+    """None when no program output sees the shift in ``seeds``; else why."""
+    reason, _ = self._run(dict(seeds), skip, collect=False)
+    return reason
 
   def collect(self, seeds: dict) -> dict:
-    """Propagates inside a body; returns {output position: poly}."""
-    outputs: dict = {}
-    self.canon = {}
-    for v, p in seeds.items():
-      for k in self.g.output_positions.get(v, []):
-        outputs[k] = p
-    starts = [n.index for v in seeds for n, _ in self.g.consumers.get(v, [])]
-    if starts:
-      reason = self._run(dict(seeds), min(starts), frozenset(), outputs)
-      if reason is not None:
-        raise Unsupported(reason)
+    """A body's output polys for input polys ``seeds``; raises Block."""
+    reason, outputs = self._run(dict(seeds), frozenset(), collect=True)
+    if reason is not None:
+      raise Block(reason)
     return outputs
 
-  # -- public ---------------------------------------------------------------
+  def seed_through(self, node: Node, operand: int, poly: A.Poly) -> list:
+    """Output polys of ``node`` when only ``operand`` carries ``poly``."""
+    ins = [None] * len(node.ins)
+    ins[operand] = poly
+    return self._transfer(node, ins)
 
-  def invisible(self, seeds: dict[Any, sy.Poly], skip: frozenset = frozenset(),
-                canon: Optional[dict] = None) -> Optional[str]:
-    """None when every output is provably unchanged; else the reason."""
-    polys = dict(seeds)
-    self.canon = dict(canon or {})
-    for v in seeds:
-      if v in self.g.output_positions:
-        return f"the shift reaches program output #{self.g.output_positions[v][0]}"
-    starts = [n.index for v in seeds for n, _ in self.g.consumers.get(v, [])]
+  def _transfer(self, node: Node, ins: list) -> list:
+    if self.an.cbwc and node.custom_calls:
+      c = node.custom_calls[-1]
+      raise Block(f"the shift enters {c.kind} `{c.name}` (called at {c.source}); CBWC keeps "
+                  "its custom differentiation rule, which would see different inputs")
+    try:
+      outs = rule_for(node.prim).shift(node, ins, self)
+    except A.Unrepresentable as e:
+      raise Block(f"the shift's expression grows too large to track exactly ({e})") from e
+    return list(outs) + [None] * (len(node.outs) - len(outs))
+
+  def _run(self, polys: dict, skip: frozenset, collect: bool):
+    prog = self.program
+    outputs: dict = {}
+    for v, p in polys.items():
+      for k in prog.output_positions.get(v, ()):
+        if not collect:
+          return f"the shift reaches program output #{k}", outputs
+        outputs[k] = p
+    consumers = prog.consumers
+    starts = [n.index for v in polys for n, _ in consumers.get(v, ())]
     if not starts:
-      return None
-    return self._run(polys, min(starts), skip)
-
-  @functools.cached_property
-  def _last_use(self) -> dict:
-    last = {}
-    for n in self.g.nodes:
-      for v in n.invars:
-        if compat.is_var(v):
-          last[v] = n.index
-    for v in self.g.output_positions:
-      last[v] = len(self.g.nodes)
-    return last
-
-  def _run(self, polys: dict, start: int, skip: frozenset,
-           outputs: Optional[dict] = None) -> Optional[str]:
-    # Once a single pure shift is all that is left alive, the rest of the
-    # walk depends only on (value, constancy pattern): memoised, so the
-    # producers feeding one residual stream share the walk down the stream.
-    memo = self.__dict__.setdefault("_memo", {})
-    trail = []
+      return None, outputs
+    last = prog.last_use
+    memo = self._memo
+    trail: list = []
     result = None
-    for node in self.g.nodes[start:]:
-      if len(polys) == 1 and not skip and outputs is None:
+    for node in prog.nodes[min(starts):]:
+      if len(polys) == 1 and not skip and not collect:
         (v, p), = polys.items()
-        if p.is_pure and sy.is_const(p.coeffs[0]):
-          key = (v, tuple(None if e is None else e[1] for e in p.emb), node.index)
+        if p.is_pure:
+          key = (v, p.pattern(), node.index)
           if key in memo:
             result = memo[key]
             break
           trail.append(key)
       if node.index in skip:
         continue
-      ins = [polys.get(v) if compat.is_var(v) else None for v in node.invars]
-      if not any(p is not None for p in ins):
+      ins = [polys.get(a) if isinstance(a, Val) else None for a in node.ins]
+      if all(p is None for p in ins):
         continue
       try:
-        outs = self.transfer(node, ins)
-      except Unsupported as e:
+        outs = self._transfer(node, ins)
+      except Block as e:
         result = f"{e} [at {node.where()}]"
         break
-      for v, p in zip(node.outvars, outs):
-        if p is not None:
-          if v in self.g.output_positions:
-            if outputs is None:
-              result = (f"the shift reaches program output #{self.g.output_positions[v][0]}"
-                        f" [from {node.where()}]")
-              break
-            for k in self.g.output_positions[v]:
-              outputs[k] = p
-          polys[v] = p
+      for v, p in zip(node.outs, outs):
+        if p is None:
+          continue
+        pos = prog.output_positions.get(v)
+        if pos:
+          if not collect:
+            result = f"the shift reaches program output #{pos[0]} [from {node.where()}]"
+            break
+          for k in pos:
+            outputs[k] = p
+        polys[v] = p
       if result is not None:
         break
-      last = self._last_use
       for v in [v for v in polys if last.get(v, -1) <= node.index]:
         del polys[v]
       if not polys:
         break
     for key in trail:
       memo[key] = result
-    return result
+    return result, outputs
 
-  def seed_through(self, node: Node, operand: int, poly: sy.Poly) -> list:
-    """Output polys of ``node`` when only ``operand`` carries ``poly``."""
-    ins = [None] * len(node.invars)
-    ins[operand] = poly
-    self.canon = {}
-    return self.transfer(node, ins)
+  # -- loops (called by rules.control) -----------------------------------------
 
-  # -- helpers --------------------------------------------------------------
+  def body(self, node: Node, k: int = 0) -> "Level":
+    return self.an.level(node.subs[k])
 
-  def _canon(self, a: Any) -> sy.Coef:
-    k = _scalar_literal(a)
-    if k is not None:
-      return sy.const(k)
-    if compat.is_var(a) and a in self.canon:
-      return self.canon[a]
-    return sy.atom(id(a))
-
-  def _fit(self, p: Optional[sy.Poly], a: Any, out_shape: tuple) -> Optional[sy.Poly]:
-    if p is None:
-      return None
-    s = shape_of(a)
-    if len(s) != len(out_shape):
-      return sy.Poly(p.sym, (None,) * len(out_shape), p.coeffs)
-    return p
-
-  def _remint(self, emb: tuple, out_shape: tuple) -> sy.Poly:
-    return sy.pure(tuple(None if (e is None or out_shape[d] == 1) else (d, e[1] if e else 1)
-                         for d, e in enumerate(emb)))
-
-  @staticmethod
-  def _varying(d: int) -> tuple:
-    return (("fresh", d), 1)
-
-  # -- transfer functions ---------------------------------------------------
-
-  def transfer(self, node: Node, ins: list) -> list:
-    p = node.prim
-    out_shape = shape_of(node.outvars[0]) if node.outvars else ()
-    name = p.name
-    if compat.is_scan(node.eqn):
-      return self._scan(node, ins)
-    if node.subgraphs:
-      raise Unsupported(f"the shift enters a `{name}` (conditionals and while loops are not analysed)")
-    if p in _UNARY_SAME or p in _SHARDING:
-      self._set_canon(node, self._canon(node.invars[0]))
-      return [ins[0]] + [None] * (len(node.outvars) - 1)
-    if p is lax.neg_p:
-      self._set_canon(node, sy.scale(self._canon(node.invars[0]), -1.0))
-      return [sy.make(ins[0].sym, ins[0].emb, [sy.scale(a, -1.0) for a in ins[0].coeffs])]
-    if p in _ADD:
-      return [self._add(node, ins, out_shape, -1.0 if p is lax.sub_p else 1.0)]
-    if p is lax.mul_p:
-      return [self._mul(node, ins, out_shape)]
-    if p is lax.div_p:
-      if ins[1] is not None:
-        raise Unsupported("the shift reaches a divisor")
-      inv = sy.inverse(self._canon(node.invars[1]))
-      return [self._scale_by(node, ins[0], node.invars[0], node.invars[1], inv, out_shape)]
-    if p is lax.square_p or (p is lax.integer_pow_p and node.params["y"] == 2):
-      x = node.invars[0]
-      c = self._canon(x)
-      self._set_canon(node, sy.mul(c, c))
-      return [sy.poly_mul(ins[0], c, ins[0], c)]
-    if p is lax.integer_pow_p and node.params["y"] == 1:
-      self._set_canon(node, self._canon(node.invars[0]))
-      return [ins[0]]
-    if p is lax.reduce_sum_p:
-      return [self._reduce(node, ins[0])]
-    if p in _LAYOUT or (hasattr(lax, "expand_dims_p") and p is getattr(lax, "expand_dims_p")):
-      return [self._layout(node, ins[0])]
-    if p is lax.dot_general_p:
-      return [self._dot(node, ins)]
-    if p is lax.conv_general_dilated_p:
-      return [self._conv(node, ins)]
-    if p in (lax.slice_p, lax.dynamic_slice_p):
-      if any(q is not None for q in ins[1:]):
-        raise Unsupported("the shift reaches slice indices")
-      return [self._slice(node, ins[0])]
-    if p is lax.gather_p:
-      if ins[1] is not None:
-        raise Unsupported("the shift reaches gather indices")
-      return [self._gather(node, ins[0])]
-    if p in (lax.concatenate_p, lax.pad_p, lax.select_n_p,
-             lax.dynamic_update_slice_p) or p in _CUMULATIVE:
-      return [self._piecewise(node, ins, out_shape)]
-    raise Unsupported(f"the shift reaches `{name}`, which does not ignore it")
-
-  def _scan(self, node: Node, ins: list) -> list:
-    """A pure shift through a scan, with a fixed point on the carries."""
+  def scan_shift(self, node: Node, ins: list) -> list:
+    """Pure shifts through a scan, with a fixed point on the carries."""
     nc, ncar = compat.scan_partition(node.params)
-    body = node.subgraphs[0]
-    bp = self._body(body)
+    body = self.body(node)
+    binv = body.program.invars
     seeds = {}
     for i, p in enumerate(ins):
       if p is None:
         continue
       if not p.is_pure:
-        raise Unsupported("a nonlinear function of the shift enters a scan")
-      emb = p.emb if i < nc + ncar else p.emb[1:]
-      seeds[body.invars[i]] = sy.pure(_pattern(emb))
-    for _ in range(2 + 2 * max((len(shape_of(v)) for v in body.invars), default=0)):
-      outs = bp.collect(seeds)
+        raise Block("a nonlinear function of the shift enters a scan")
+      dims = p.dims if i < nc + ncar else p.dims[1:]
+      seeds[binv[i]] = A.pure(dims)
+    outs: dict = {}
+    for _ in range(2 + 2 * max((len(v.shape) for v in binv), default=0)):
+      outs = body.collect(seeds)
       changed = False
       for j in range(ncar):
         q = outs.get(j)
         if q is None:
           continue
         if not q.is_pure:
-          raise Unsupported("a nonlinear function of the shift is carried by a scan")
-        var = body.invars[nc + j]
+          raise Block("a nonlinear function of the shift is carried by a scan")
+        var = binv[nc + j]
         cur = seeds.get(var)
-        merged = _pattern(q.emb) if cur is None else _merge(cur.emb, q.emb)
-        if cur is None or merged != cur.emb:
-          seeds[var] = sy.pure(merged)
+        merged = q.dims if cur is None else _merge(cur.dims, q.dims)
+        if cur is None or _blocks(merged) != _blocks(cur.dims):
+          seeds[var] = A.pure(merged)
           changed = True
       if not changed:
         break
     else:
-      raise Unsupported("the shift on a scan carry has no fixed point")
+      raise Block("the shift on a scan carry has no fixed point")
     result = []
-    self.canon = getattr(self, "canon", {})
-    for k, v in enumerate(node.outvars):
+    for k in range(len(node.outs)):
       q = outs.get(k)
       if q is None:
         result.append(None)
       elif not q.is_pure:
-        raise Unsupported("a nonlinear function of the shift leaves a scan")
+        raise Block("a nonlinear function of the shift leaves a scan")
       elif k < ncar:
-        result.append(sy.pure(_pattern(q.emb)))
+        result.append(A.pure(q.dims))
       else:
-        result.append(sy.pure(((("stack", 0), 1),) + _pattern(q.emb)))
+        result.append(A.pure(((None, 1),) + q.dims))
     return result
 
-  def _set_canon(self, node: Node, c: sy.Coef) -> None:
-    self.canon[node.outvars[0]] = c
+  # -- obligation 2: zero-sum, backwards --------------------------------------
 
-  def _add(self, node, ins, out_shape, sign):
-    a, b = node.invars[:2]
-    pa, pb = self._fit(ins[0], a, out_shape), self._fit(ins[1], b, out_shape)
-    # A sum is its own atom: matching only ever needs the structure of
-    # reductions and scalings of one value, and expanding residual sums
-    # would grow quadratically along a residual stream.
-    self._set_canon(node, sy.atom(id(node.outvars[0])))
-    if pa is None:
-      return sy.make(pb.sym, pb.emb, [sy.scale(c, sign) for c in pb.coeffs])
-    if pb is None:
-      return pa
-    if pa.same_symbol(pb):
-      return sy.poly_add(pa, pb, sign)
-    if pa.is_pure and pb.is_pure:
-      emb = tuple(None if (x is None and y is None) else self._varying(d)
-                  for d, (x, y) in enumerate(zip(pa.emb, pb.emb)))
-      self._set_canon(node, sy.atom(id(node.outvars[0])))
-      return self._remint(emb, out_shape)
-    raise Unsupported("two different shifts meet in a sum")
+  def needs(self, v: Any, spec: tuple) -> list:
+    """What must hold for ``v`` to sum to zero over ``spec``: LeafNeeds and Blockers."""
+    self.an._seen = set()
+    out: list = []
+    self._walk(v, spec, None, (), out, v, spec)
+    return out
 
-  def _mul(self, node, ins, out_shape):
-    a, b = node.invars
-    pa, pb = self._fit(ins[0], a, out_shape), self._fit(ins[1], b, out_shape)
-    ca, cb = self._canon(a), self._canon(b)
-    self._set_canon(node, sy.mul(ca, cb))
-    if pa is not None and pb is not None:
-      if not pa.same_symbol(pb):
-        raise Unsupported("two different shifts are multiplied")
-      return sy.poly_mul(pa, ca, pb, cb)
-    if pa is None:
-      return self._scale_by(node, pb, b, a, ca, out_shape)
-    return self._scale_by(node, pa, a, b, cb, out_shape)
-
-  def _scale_by(self, node, p, x, other, factor, out_shape):
-    """``x * other`` where only x carries the shift; factor is canon(other)."""
-    p = self._fit(p, x, out_shape)
-    if node.outvars[0] not in self.canon:
-      self._set_canon(node, sy.mul(self._canon(x), factor))
-    if sy.is_const(factor):
-      return sy.poly_scale(p, factor)
-    if p.is_pure:
-      # k·c·y is a new pure shift, varying wherever c or y does.
-      const = self.const._of(other, out_shape)
-      emb = tuple(e if (d in const or e is not None) else self._varying(d)
-                  for d, e in enumerate(p.emb))
-      self._set_canon(node, sy.atom(id(node.outvars[0])))
-      return self._remint(emb, out_shape)
-    return sy.poly_scale(p, factor)
-
-  def _reduce(self, node, p):
-    x = node.invars[0]
-    axes = tuple(node.params["axes"])
-    shape = shape_of(x)
-    n = int(np.prod([shape[a] for a in axes])) if axes else 1
-    tag = ("reduce_sum", axes, shape)
-    emb = tuple(e for d, e in enumerate(p.emb) if d not in axes)
-    if all(p.emb[a] is None for a in axes):
-      self._set_canon(node, sy.wrap(self._canon(x), tag, lambda k: k * n))
-      return sy.make(p.sym, emb, [sy.wrap(c, tag, lambda k: k * n) for c in p.coeffs])
-    if p.is_pure:
-      self._set_canon(node, sy.atom(id(node.outvars[0])))
-      return self._remint(emb, shape_of(node.outvars[0]))
-    raise Unsupported(f"a reduction over axes {axes} along which the shift varies")
-
-  def _layout(self, node, p):
-    x = node.invars[0]
-    prim = node.prim
-    in_shape, out_shape = shape_of(x), shape_of(node.outvars[0])
-    if prim is lax.transpose_p:
-      perm = node.params["permutation"]
-      emb = tuple(p.emb[i] for i in perm)
-    elif prim is lax.broadcast_in_dim_p:
-      bd = node.params["broadcast_dimensions"]
-      emb = [None] * len(out_shape)
-      for i, d in enumerate(bd):
-        emb[d] = p.emb[i] if out_shape[d] == in_shape[i] else None
-      emb = tuple(emb)
-    else:
-      emb = layout.reshape_emb(p.emb, in_shape, out_shape)
-      if emb is None:
-        raise Unsupported(f"a reshape {in_shape}->{out_shape} that mixes the shift's axes")
-    tag = (prim.name, repr(sorted((k, repr(v)) for k, v in node.params.items())), out_shape)
-    self._set_canon(node, sy.wrap(self._canon(x), tag))
-    return sy.make(p.sym, emb, [sy.wrap(c, tag) for c in p.coeffs])
-
-  def _dot(self, node, ins):
-    (lc, rc), (lb, rb) = node.params["dimension_numbers"]
-    if ins[0] is not None and ins[1] is not None:
-      raise Unsupported("the shift reaches both operands of a contraction")
-    side = 0 if ins[0] is not None else 1
-    p = ins[side]
-    if not p.is_pure:
-      raise Unsupported("a nonlinear function of the shift reaches a contraction")
-    ls, rs = shape_of(node.invars[0]), shape_of(node.invars[1])
-    lfree = [d for d in range(len(ls)) if d not in lc and d not in lb]
-    rfree = [d for d in range(len(rs)) if d not in rc and d not in rb]
-    # Output dims: batch, then lhs free, then rhs free. The shift stays
-    # constant along the perturbed operand's free dims where it was; the
-    # other operand's free dims and the batch dims mix it.
-    out = [self._varying(i) for i in range(len(lb))]
-    for d in lfree:
-      out.append(p.emb[d] if side == 0 else self._varying(len(out)))
-    for d in rfree:
-      out.append(p.emb[d] if side == 1 else self._varying(len(out)))
-    self._set_canon(node, sy.atom(id(node.outvars[0])))
-    return self._remint(tuple(out), shape_of(node.outvars[0]))
-
-  def _conv(self, node, ins):
-    if ins[0] is not None and ins[1] is not None:
-      raise Unsupported("the shift reaches both operands of a convolution")
-    p = ins[0] if ins[0] is not None else ins[1]
-    if not p.is_pure:
-      raise Unsupported("a nonlinear function of the shift reaches a convolution")
-    dn = node.params["dimension_numbers"]
-    out_shape = shape_of(node.outvars[0])
-    emb = [self._varying(d) for d in range(len(out_shape))]
-    if ins[1] is not None and node.params.get("batch_group_count", 1) == 1:
-      # A kernel shift constant along its output-feature dim stays constant
-      # along the output channels within one feature group.
-      o_k, o_out = dn.rhs_spec[0], dn.out_spec[1]
-      fg = node.params["feature_group_count"]
-      e = p.emb[o_k]
-      per_group = out_shape[o_out] // fg
-      if e is None:
-        emb[o_out] = None if fg == 1 else (("grp", o_out), per_group)
-      elif per_group % e[1] == 0:
-        emb[o_out] = e
-    self._set_canon(node, sy.atom(id(node.outvars[0])))
-    return self._remint(tuple(emb), out_shape)
-
-  def _slice(self, node, p):
-    x = node.invars[0]
-    in_shape, out_shape = shape_of(x), shape_of(node.outvars[0])
-    cut = [d for d in range(len(in_shape)) if in_shape[d] != out_shape[d]]
-    if all(p.emb[d] is None for d in cut):
-      tag = (node.prim.name, repr(sorted((k, repr(v)) for k, v in node.params.items()
-                                         if k != "slice_sizes")), out_shape)
-      self._set_canon(node, sy.atom(id(node.outvars[0])))
-      return sy.make(p.sym, p.emb, [sy.wrap(c, tag) for c in p.coeffs])
-    if p.is_pure:
-      self._set_canon(node, sy.atom(id(node.outvars[0])))
-      return self._remint(p.emb, out_shape)
-    raise Unsupported("a slice along an axis where the shift varies")
-
-  def _gather(self, node, p):
-    if not p.is_pure:
-      raise Unsupported("a nonlinear function of the shift is gathered")
-    dn = node.params["dimension_numbers"]
-    slice_sizes = node.params["slice_sizes"]
-    x = node.invars[0]
-    in_shape, out_shape = shape_of(x), shape_of(node.outvars[0])
-    batching = tuple(getattr(dn, "operand_batching_dims", ()))
-    kept = [d for d in range(len(in_shape))
-            if d not in dn.collapsed_slice_dims and d not in batching]
-    emb = [self._varying(d) for d in range(len(out_shape))]
-    indexed_const = all(p.emb[d] is None for d in range(len(in_shape))
-                        if d not in kept or slice_sizes[d] != in_shape[d])
-    for od, d in zip(dn.offset_dims, kept):
-      if slice_sizes[d] == in_shape[d]:
-        emb[od] = p.emb[d]
-    if indexed_const:
-      for d in range(len(out_shape)):
-        if d not in dn.offset_dims:
-          emb[d] = None
-    self._set_canon(node, sy.atom(id(node.outvars[0])))
-    return self._remint(tuple(emb), out_shape)
-
-  def _piecewise(self, node, ins, out_shape):
-    """concatenate / pad / select / update-slice / cumsum: pure shifts only."""
-    prim = node.prim
-    data = list(range(len(node.invars)))
-    if prim is lax.select_n_p:
-      if ins[0] is not None:
-        raise Unsupported("the shift reaches a selection predicate")
-      data = data[1:]
-    elif prim is lax.pad_p:
-      if ins[1] is not None:
-        raise Unsupported("the shift reaches a padding value")
-      data = [0]
-    elif prim is lax.dynamic_update_slice_p:
-      if any(q is not None for q in ins[2:]):
-        raise Unsupported("the shift reaches update indices")
-      data = [0, 1]
-    polys = [self._fit(ins[i], node.invars[i], out_shape) for i in data]
-    live = [q for q in polys if q is not None]
-    if not all(q.is_pure for q in live):
-      raise Unsupported(f"a nonlinear function of the shift reaches `{prim.name}`")
-    # Which output dims can the selection pattern vary along?
-    if prim is lax.concatenate_p:
-      moving = {node.params["dimension"]}
-    elif prim is lax.pad_p:
-      moving = {d for d, (lo, hi, it) in enumerate(node.params["padding_config"])
-                if lo or hi or it}
-    elif prim is lax.select_n_p:
-      moving = set(range(len(out_shape))) - set(self.const._of(node.invars[0], out_shape))
-    elif prim in _CUMULATIVE:
-      moving = {node.params["axis"]}
-    else:  # dynamic_update_slice: only axes the update covers partially
-      upd = shape_of(node.invars[1])
-      moving = {d for d in range(len(out_shape)) if upd[d] != out_shape[d]}
-    same = (len(live) == len(polys) and all(q.same_symbol(live[0]) and q.coeffs == live[0].coeffs
-                                            for q in live))
-    emb = []
-    for d in range(len(out_shape)):
-      es = [q.emb[d] for q in live]
-      if all(e is None for e in es) and (same or d not in moving):
-        emb.append(None)
+  def _walk(self, v, spec, use, chain, out, top_var, top_spec) -> None:
+    an = self.an
+    key = (id(self), v if isinstance(v, Val) else id(v), spec, id(use[0]) if use else None, use[1] if use else None)
+    seen = an._seen
+    if key in seen:
+      return
+    seen.add(key)
+    if self.is_zero(v):
+      return
+    if isinstance(v, Lit):
+      out.append(Blocker(v, spec, "a non-zero literal"))
+      return
+    prog = self.program
+    if prog.is_top and (v.kind == "in" and v.index < an.num_leaves or v.kind == "const"):
+      out.append(LeafNeed(v, spec, use, top_var, top_spec, chain))
+      return
+    if v.kind == "const":
+      out.append(Blocker(v, spec, "a constant captured inside a loop body"))
+      return
+    node = v.producer
+    if node is None:
+      if prog.parent is not None:
+        return self._loop_input(v, spec, out)
+      out.append(Blocker(v, spec, "a program input (not a parameter)"))
+      return
+    if node.subs:
+      if compat.is_scan(node.eqn):
+        return self._scan_output(node, v.index, spec, out, v)
+      out.append(Blocker(v, spec, f"the output of a `{node.prim.name}` (conditionals and "
+                                  "while loops are not analysed yet)"))
+      return
+    try:
+      reqs = rule_for(node.prim).zero_sum(node, v.index, spec, self)
+    except Block as e:
+      out.append(Blocker(v, spec, f"{e} [at {node.where()}]"))
+      return
+    for r in reqs:
+      a = node.ins[r.operand]
+      if r.transparent and len(node.ins) == 1:
+        self._walk(a, r.spec, use, chain + (node,), out, top_var, top_spec)
       else:
-        emb.append(self._varying(d))
-    self._set_canon(node, sy.atom(id(node.outvars[0])))
-    return self._remint(tuple(emb), out_shape)
+        self._walk(a, r.spec, (node, r.operand), (), out, v, spec)
 
+  def _loop_input(self, v, spec, out) -> None:
+    node, outer_prog = self.program.parent
+    outer = self.an.level(outer_prog)
+    if not compat.is_scan(node.eqn):
+      out.append(Blocker(v, spec, f"an input of a `{node.prim.name}` body"))
+      return
+    nc, ncar = compat.scan_partition(node.params)
+    i = v.index
+    operand = node.ins[i]
+    if i < nc:
+      return outer._walk(operand, spec, None, (), out, operand, spec)
+    if i < nc + ncar:
+      # Zero-sum carry: its initial value is, and the body keeps it so (the
+      # assumption for this carry is what the seen-set records).
+      outer._walk(operand, spec, None, (), out, operand, spec)
+      ov = self.program.outvars[i - nc]
+      return self._walk(ov, spec, None, (), out, ov, spec)
+    stacked = freeze({d + 1: b for d, b in spec})
+    return outer._walk(operand, stacked, None, (), out, operand, stacked)
 
-_ELEMENTWISE = {lax.add_p, lax.sub_p, lax.mul_p, lax.div_p, lax.neg_p, lax.max_p, lax.min_p,
-                lax.rsqrt_p, lax.sqrt_p, lax.square_p, lax.integer_pow_p}
-
-
-def elementwise_or_layout(p: Any) -> bool:
-  return p in _ELEMENTWISE or p in _LAYOUT or p in _UNARY_SAME
-
-
-def _pattern(emb: tuple) -> tuple:
-  return tuple(None if e is None else (("p", d), e[1]) for d, e in enumerate(emb))
+  def _scan_output(self, node, k, spec, out, v) -> None:
+    body = self.body(node)
+    nc, ncar = compat.scan_partition(node.params)
+    ov = body.program.outvars[k]
+    if k < ncar:
+      return body._walk(ov, spec, None, (), out, ov, spec)
+    if any(d == 0 for d, _ in spec):
+      out.append(Blocker(v, spec, "a scan output normalized over its stacked axis"))
+      return
+    inner = freeze({d - 1: b for d, b in spec})
+    return body._walk(ov, inner, None, (), out, ov, inner)
 
 
 def _merge(a: tuple, b: tuple) -> tuple:
   out = []
-  for d, (x, y) in enumerate(zip(a, b)):
+  for x, y in zip(a, b):
     if x is None and y is None:
       out.append(None)
-    elif x is None or y is None or x[1] == y[1]:
-      out.append((("p", d), (x or y)[1]))
+    elif x is None or y is None:
+      out.append((None, (x or y)[1]))
     else:
-      out.append((("p", d), 1))
+      out.append((None, math.gcd(x[1], y[1])))
   return tuple(out)
 
 
-def seed_poly(shape: tuple, spec: layout.Spec) -> sy.Poly:
-  """The shift of centering a value of ``shape`` over the blocks of ``spec``."""
-  emb = []
-  for d, s in enumerate(shape):
-    b = spec.get(d)
-    if s == 1 or b == s:
-      emb.append(None)
+def _blocks(dims: tuple) -> tuple:
+  return tuple(None if e is None else e[1] for e in dims)
+
+
+def _lit_canon(a: Lit) -> A.Expr:
+  v = np.asarray(a.value)
+  if v.size == 1:
+    k = A.exact(v.reshape(()))
+    if k is not None:
+      return A.const(A.snap(k, v.dtype))
+  return A.atom(("lit", v.dtype.str, v.shape, v.tobytes()), tuple(v.shape))
+
+
+_CONST_SCAN_LIMIT = 1 << 20
+
+
+def _const_facts(v: Val) -> Facts:
+  """Facts of a captured constant, read from its value when it is small."""
+  shape = v.shape
+  base = size_one(shape)
+  c = v.const
+  try:
+    arr = np.asarray(c)
+  except Exception:  # noqa: BLE001 - tracers, deleted buffers: nothing known
+    return Facts(base)
+  if arr.size == 0 or arr.size > _CONST_SCAN_LIMIT or arr.dtype.kind not in "biuf":
+    return Facts(base)
+  const = set(base)
+  for d in range(arr.ndim):
+    if np.array_equal(arr, np.take(arr, [0], axis=d).repeat(arr.shape[d], axis=d)):
+      const.add(d)
+  value = None
+  if len(const) == arr.ndim:
+    value = A.exact(arr.reshape(-1)[0])
+  return Facts(frozenset(const), value)
+
+
+# ----------------------------------------------------------------------------
+# Sites.
+
+_PASS = ("identity", "layout")
+
+
+def find_sites(level: Level) -> list:
+  """Mean reductions whose result is subtracted from the averaged value."""
+  sites: dict = {}
+  prog = level.program
+  for node in prog.nodes:
+    if rule_for(node.prim).name != "reduce_sum" or not isinstance(node.ins[0], Val):
+      continue
+    u = node.ins[0]
+    if not _is_subtracted(level, node.outs[0], _strip(u, _PASS)):
+      continue
+    key = (u, tuple(node.params["axes"]))
+    if key in sites:
+      sites[key] = dataclasses.replace(sites[key], reduces=sites[key].reduces + (node,))
     else:
-      emb.append((("seed", d), b or 1))
-  return sy.pure(tuple(emb))
+      sites[key] = Site((node,), u, tuple(node.params["axes"]), level)
+  return list(sites.values())
+
+
+def _strip(v: Any, kinds: tuple) -> Any:
+  while isinstance(v, Val) and v.producer is not None:
+    node = v.producer
+    if rule_for(node.prim).kind in kinds and len(node.ins) == 1:
+      v = node.ins[0]
+    else:
+      break
+  return v
+
+
+def _is_subtracted(level: Level, mean: Val, root: Any) -> bool:
+  prog = level.program
+  frontier, seen = [mean], set()
+  while frontier:
+    v = frontier.pop()
+    if v in seen:
+      continue
+    seen.add(v)
+    for node, k in prog.consumers.get(v, ()):
+      kind = rule_for(node.prim).kind
+      if rule_for(node.prim).name == "sub" and k == 1:
+        if _strip(node.ins[0], _PASS) is root:
+          return True
+      scalar_scale = kind == "scale" and all(
+          isinstance(a, Lit) or not a.shape or level.facts(a).value is not None
+          for a in node.ins if a is not v)
+      if kind in _PASS or scalar_scale:
+        frontier.append(node.outs[0])
+  return False
+
+
+def nested_sites(level: Level) -> list:
+  """Sites inside conditional or while-loop bodies (reported, not folded)."""
+  out = []
+  for n in level.program.nodes:
+    for sub in n.subs:
+      body = level.an.level(sub)
+      if not compat.is_scan(n.eqn):
+        out += [(n, s) for s in find_sites(body)]
+      out += nested_sites(body)
+  return out
+
+
+def scan_levels(level: Level) -> list:
+  """This level and the scan bodies below it (where sites can fold)."""
+  out = [level]
+  for n in level.program.nodes:
+    if compat.is_scan(n.eqn):
+      out += scan_levels(level.an.level(n.subs[0]))
+  return out
+
+
+def where(v: Any) -> str:
+  """A readable location of a value."""
+  if isinstance(v, Val) and v.producer is not None:
+    return v.producer.where() or f"the output of `{v.producer.prim.name}`"
+  if isinstance(v, Val) and v.kind == "in":
+    return f"program input #{v.index}"
+  return "a constant"
+
+
+__all__ = ["Analyzer", "Blocker", "LeafNeed", "Level", "Site", "call_note", "find_sites",
+           "nested_sites", "scan_levels", "where"]

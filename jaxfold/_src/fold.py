@@ -3,24 +3,26 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import gc
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxfold._src import algebra
 from jaxfold._src import compat
 from jaxfold._src import kernels
 from jaxfold._src import layout
-from jaxfold._src.analysis import Constancy, Propagator, seed_poly, shape_of
-from jaxfold._src.graph import Graph
-from jaxfold._src.planner import Blocker, LeafNeed, Walker, find_sites, nested_sites
-from jaxfold._src.report import Centering, Report, Site
+from jaxfold._src.analysis import Analyzer
+from jaxfold._src.planner import Planner
+from jaxfold._src.program import Program
+from jaxfold._src.report import Report
 from jaxfold._src.rewrite import Plan, evaluate
-from jaxfold._src.symbolic import Unsupported
 
 
 class FoldError(ValueError):
@@ -112,328 +114,55 @@ class Analysis:
     return (self.leaf_specs, tuple((n, i, s) for n, i, s in self.untied))
 
 
-def analyse(apply_fn: Callable, params: Any, args: tuple, opts: FoldOptions) -> Analysis:
+def analyse(apply_fn: Callable, params: Any, args: tuple, opts: FoldOptions,
+            cbwc: bool = False) -> Analysis:
+  """Traces ``apply_fn`` at abstract params/args and plans the fold."""
   paths_leaves = _check_params(params)
   abstract_params = jax.tree_util.tree_map(_abstract, params)
   abstract_args = jax.tree_util.tree_map(_abstract, args)
   closed, out_shape = _trace(apply_fn, abstract_params, abstract_args)
   jaxpr, consts = compat.open_jaxpr(closed)
-  graph = Graph(closed, consts)
   names = [jax.tree_util.keystr(p) for p, _ in paths_leaves]
-  leaf_index = {graph.invars[i]: i for i in range(len(paths_leaves))}
-  planner = _Planner(graph, leaf_index, names, opts)
-  planner.run()
-  return Analysis(jaxpr, consts, jax.tree_util.tree_structure(out_shape), planner.plan(),
-                  planner.leaf_specs(), planner.untied_specs(), planner.report())
+  with algebra.scope(), _no_gc():
+    an = Analyzer(Program(closed), cbwc=cbwc, through_dropout=opts.through_dropout)
+    an.num_leaves = len(names)
+    planner = Planner(an, names, opts).run()
+    plan = _plan(planner, opts)
+    report = planner.report()
+  return Analysis(jaxpr, consts, jax.tree_util.tree_structure(out_shape), plan,
+                  planner.leaf_specs(), planner.untied_specs(), report)
 
 
-class _Planner:
-  """Decides per site; keeps the commitments that later sites must respect."""
+@contextlib.contextmanager
+def _no_gc():
+  """The analysis allocates many small, short-lived objects and no cycles
+  worth collecting mid-way: the collector's pauses are pure overhead."""
+  enabled = gc.isenabled()
+  gc.disable()
+  try:
+    yield
+  finally:
+    if enabled:
+      gc.enable()
 
-  def __init__(self, graph: Graph, leaf_index: dict, names: list, opts: FoldOptions):
-    self.g = graph
-    self.leaf_index = leaf_index
-    self.names = names
-    self.opts = opts
-    self._constancies: dict = {}
-    self.constancy = self.constancy_of(graph)
-    self.prop = Propagator(graph, self.constancy, self.constancy_of)
-    self.walker = Walker(graph, self.constancy_of, set(leaf_index))
-    self.sites = [s for g in self.walker.graphs() for s in find_sites(g)]
-    self.leaf_commit: dict = {}       # var -> spec (in place / constants)
-    self.untie_commit: dict = {}      # (use node index, operand) -> LeafNeed
-    self.aux_commit: dict = {}        # var -> spec
-    self.results: dict = {}           # site index -> (folded, reason, centered, aux)
-    self._vis: dict = {}
-    self._inexact = False
-    self._ties_by_copy = False
 
-  def constancy_of(self, g: Graph) -> Constancy:
-    if g not in self._constancies:
-      self._constancies[g] = Constancy(g, random_is_constant=self.opts.through_dropout)
-    return self._constancies[g]
-
-  @property
-  def random_uses(self) -> int:
-    return sum(c.random_uses for c in self._constancies.values())
-
-  def _top(self, var) -> bool:
-    return var in self.g.producer or var in self.g.invars or var in self.g.const_values
-
-  # -- invisibility checks, cached -------------------------------------------
-
-  def _visible(self, key, seeds_fn):
-    if key not in self._vis:
-      before = self.random_uses
-      seeds, skip = seeds_fn()
-      reason = self.prop.invisible(seeds, skip)
-      self._vis[key] = (reason, self.random_uses > before)
-    reason, used_random = self._vis[key]
-    self._inexact |= used_random and reason is None
-    return reason
-
-  def leaf_visible(self, var, spec):
-    return self._visible(("leaf", var, spec),
-                         lambda: ({var: seed_poly(shape_of(var), dict(spec))}, frozenset()))
-
-  def use_visible(self, need: LeafNeed):
-    node, k = need.use
-    if not self._top(node.outvars[0]):
-      return "an untied copy would be needed inside a loop body"
-
-    def seeds():
-      poly = seed_poly(shape_of(need.var), dict(need.spec))
-      for cnode in reversed(need.chain):
-        poly = self.prop.seed_through(cnode, 0, poly)[0]
-        if poly is None:
-          return {}, frozenset()
-      outs = self.prop.seed_through(node, k, poly)
-      return ({v: p for v, p in zip(node.outvars, outs) if p is not None},
-              frozenset({node.index}))
-    try:
-      return self._visible(("use", node.index, k, need.spec), seeds)
-    except Unsupported as e:  # the use itself does not carry the shift
-      return str(e)
-
-  def aux_visible(self, var, spec):
-    if not self._top(var):
-      return "auxiliary centerings are only inserted outside loop bodies"
-    return self._visible(("aux", var, spec),
-                         lambda: ({var: seed_poly(shape_of(var), dict(spec))}, frozenset()))
-
-  # -- per site ---------------------------------------------------------------
-
-  def _name(self, var) -> str:
-    if var in self.leaf_index:
-      return self.names[self.leaf_index[var]]
-    return f"<captured constant {shape_of(var)}>"
-
-  def evaluate(self, site, assume_aux: dict):
-    shape = shape_of(site.input)
-    before = self.random_uses
-    self._inexact = False
-    needs = self.walker.needs(site.input, layout.full_spec(shape, site.axes), site.graph)
-    self._inexact |= self.random_uses > before
-    actions, blockers = [], []
-    for n in needs:
-      if isinstance(n, Blocker):
-        if assume_aux.get(n.var) == n.spec:
-          actions.append(("aux", n.var, n.spec))
-        else:
-          blockers.append(n)
-        continue
-      var, spec = n.var, n.spec
-      if not jnp.issubdtype(compat.aval(var).dtype, jnp.inexact):
-        blockers.append(Blocker(n.out_var, n.out_spec, f"{self._name(var)} is not a float array"))
-        continue
-      if var in self.leaf_commit:
-        if self.leaf_commit[var] == spec:
-          actions.append(("leaf", var, spec))
-        else:
-          blockers.append(Blocker(n.out_var, n.out_spec,
-                                  f"{self._name(var)} is already centered over other axes for another site"))
-        continue
-      reason = self.leaf_visible(var, spec)
-      if reason is None:
-        actions.append(("leaf", var, spec))
-        continue
-      use_key = (n.use[0].index, n.use[1]) if n.use else None
-      if n.use is not None and var in self.leaf_index and (
-          use_key in self.untie_commit or self.use_visible(n) is None):
-        if self.opts.tie_by_aux() and not self._ties_by_copy:
-          if assume_aux.get(n.out_var) == n.out_spec:
-            actions.append(("aux", n.out_var, n.out_spec))
-          else:
-            blockers.append(Blocker(n.out_var, n.out_spec,
-                                    f"{self._name(var)} is also used where centering it is visible "
-                                    f"({reason}); an auxiliary centering or an untied copy would fold it"))
-        else:
-          actions.append(("untie", n))
-        continue
-      blockers.append(Blocker(n.out_var, n.out_spec,
-                              f"centering {self._name(var)} over {layout.fmt_spec(dict(spec), shape_of(var))} "
-                              f"would change the output: {reason}"))
-    return actions, blockers
-
-  def commit(self, site_idx, site, actions, aux_new=()):
-    centered = []
-    for a in actions:
-      if a[0] == "leaf":
-        _, var, spec = a
-        self.leaf_commit[var] = spec
-        mode = "in place" if var in self.leaf_index else "constant"
-        centered.append(Centering(self._name(var), layout.fmt_spec(dict(spec), shape_of(var)), mode,
-                                  spec=tuple(sorted(dict(spec).items()))))
-      elif a[0] == "untie":
-        n = a[1]
-        self.untie_commit[(n.use[0].index, n.use[1])] = n
-        nbytes = int(np.prod(shape_of(n.var))) * compat.aval(n.var).dtype.itemsize
-        centered.append(Centering(self._name(n.var), layout.fmt_spec(dict(n.spec), shape_of(n.var)),
-                                  "untied copy", nbytes, spec=tuple(sorted(dict(n.spec).items()))))
-      elif a[0] == "aux":
-        self.aux_commit[a[1]] = a[2]
-    aux = any(a[0] == "aux" for a in actions)
-    reason = "input is zero-sum over the normalized axes"
-    reason += " after an auxiliary centering" if aux else (" after centering" if centered else "")
-    if self._inexact:
-      reason += " (INEXACT: a dropout mask was treated as constant, as through_dropout=True asks)"
-    self.results[site_idx] = (True, reason, tuple(dict.fromkeys(centered)), aux, not self._inexact)
-
-  def run(self):
-    failed = {}
-    for i, site in enumerate(self.sites):
-      actions, blockers = self.evaluate(site, {})
-      if blockers:
-        failed[i] = blockers
-      else:
-        self.commit(i, site, actions)
-    if self.opts.auxiliary_centering and failed:
-      self._auxiliary(failed)
-    if self.opts.tie_by_aux() and self.opts.tied_weights == "auto":
-      # Where an auxiliary centering would not pay for itself, a tied
-      # parameter is still worth untying by a centered copy.
-      self._ties_by_copy = True
-      for i in sorted(failed):
-        if i not in self.results:
-          actions, blockers = self.evaluate(self.sites[i], dict(self.aux_commit))
-          if not blockers:
-            self.commit(i, self.sites[i], actions)
-    for i, blockers in failed.items():
-      if i not in self.results:
-        self.results[i] = (False, "input is not zero-sum: " + self._explain(blockers[0]), (), False, True)
-
-  def _auxiliary(self, failed):
-    # A centering inserted at value v (one reduction) pays off when it lets
-    # at least two sites drop theirs.
-    counts = collections.Counter()
-    for blockers in failed.values():
-      for b in {(b.var, b.spec) for b in blockers}:
-        if compat.is_var(b[0]):
-          counts[b] += 1
-    chosen: dict = {}
-    for (var, spec), n in counts.most_common():
-      if n < 2 or self.aux_visible(var, spec) is not None:
-        continue
-      trial = dict(chosen)
-      trial[var] = spec
-      gain = [i for i, bl in failed.items() if i not in self.results and
-              all(trial.get(b.var) == b.spec for b in bl)]
-      if len(gain) >= 2 or (chosen and gain):
-        chosen = trial
-    if not chosen:
-      return
-    for i in sorted(failed):
-      if i in self.results:
-        continue
-      actions, blockers = self.evaluate(self.sites[i], chosen)
-      if not blockers:
-        self.commit(i, self.sites[i], actions)
-
-  # -- outputs -----------------------------------------------------------------
-
-  def plan(self) -> Plan:
-    zero = frozenset(r.path for i, s in enumerate(self.sites) if self.results[i][0] for r in s.reduces)
-    used_aux = self.aux_commit
-    aux = tuple((self.g.var_key(v), tuple(sorted(dict(s).items()))) for v, s in used_aux.items())
-    consts = tuple((self.g.const_keys[v], s) for v, s in self.leaf_commit.items()
-                   if v in self.g.const_keys)
-    untied = tuple((n.use[0].path, n.use[1], self._untied_name(n),
-                    tuple(c.eqn for c in reversed(n.chain))) for n in self.untie_commit.values())
-    epilogues = []
-    leaf_or_const = lambda v: v if (v in self.leaf_index or v in self.g.const_values) else None
-    for i, site in enumerate(self.sites):
-      if self.results[i][0] and site.graph is self.g:
-        ep = kernels.match_epilogue(self.g, site, leaf_or_const)
-        if ep is not None:
-          epilogues.append(ep)
-    return Plan(zero=zero, aux=aux, consts=consts, untied=untied, epilogues=tuple(epilogues),
-                norm_impl=self.opts.norm_impl)
-
-  def _untied_name(self, n: LeafNeed) -> str:
-    # Named by parameter and axes, not by equation position, so the same
-    # folded params serve every input signature (and uses share one copy).
-    return f"{self._name(n.var)}@centered{layout.fmt_spec(dict(n.spec), shape_of(n.var))}"
-
-  def leaf_specs(self) -> tuple:
-    return tuple(sorted((self.leaf_index[v], s) for v, s in self.leaf_commit.items()
-                        if v in self.leaf_index))
-
-  def untied_specs(self) -> tuple:
-    return tuple(sorted({(self._untied_name(n), self.leaf_index[n.var], n.spec)
-                         for n in self.untie_commit.values()}))
-
-  def report(self) -> Report:
-    sites = []
-    for i, s in enumerate(self.sites):
-      folded, reason, centered, aux, exact = self.results[i]
-      sites.append(Site(index=len(sites), where=s.node.module() or s.node.source(),
-                        shape=shape_of(s.input), axes=s.axes, folded=folded, reason=reason,
-                        centered=centered, auxiliary=aux, num_reductions=len(s.reduces),
-                        exact=exact, source=s.node.source()))
-    for loop, s in nested_sites(self.g):
-      sites.append(Site(index=len(sites), where=s.node.module() or s.node.source(),
-                        shape=shape_of(s.input), axes=s.axes, folded=False,
-                        reason=f"inside a `{loop.prim.name}` body, which the analysis does not enter yet",
-                        num_reductions=len(s.reduces), source=s.node.source()))
-    aux = tuple(f"{shape_of(v)} over {layout.fmt_spec(dict(s), shape_of(v))} at "
-                f"{self._where(v)}" for v, s in self.aux_commit.items())
-    copies = {(n.var, n.spec) for n in self.untie_commit.values()}
-    untied = sum(int(np.prod(shape_of(v))) * compat.aval(v).dtype.itemsize for v, _ in copies)
-    return Report(tuple(sites), aux, untied)
-
-  def _explain(self, b: Blocker) -> str:
-    """Names the normalization whose output a blocked value comes from."""
-    j = self._norm_output_of(b.var)
-    if j is None:
-      return b.reason
-    return (f"the value comes from the output of normalization #{j} "
-            f"(γ ⊙ n + β is not zero-mean when γ is non-uniform) [at "
-            f"{self.sites[j].node.where()}]")
-
-  def _norm_output_of(self, v):
-    """The nearest site whose elementwise epilogue produces ``v``, if any."""
-    best, best_d = None, 13
-    for j, site in enumerate(self.sites):
-      d = self._epilogue(j).get(v)
-      if d is not None and d < best_d:
-        best, best_d = j, d
-    return best
-
-  @functools.lru_cache(maxsize=None)
-  def _epilogue(self, j) -> dict:
-    """Values reached from site j's mean by elementwise/layout steps, with depth."""
-    from jaxfold._src.analysis import elementwise_or_layout
-    site = self.sites[j]
-    dist, frontier = {}, [(r.outvars[0], 0) for r in site.reduces]
-    while frontier:
-      v, d = frontier.pop(0)
-      if v in dist or d > 12:
-        continue
-      dist[v] = d
-      for node, _ in self.g.consumers.get(v, []):
-        if elementwise_or_layout(node.prim) and node.prim not in (lax.add_p,) or (
-            node.prim is lax.add_p and d < 12 and self._adds_param(node)):
-          frontier.append((node.outvars[0], d + 1))
-    return dist
-
-  def _adds_param(self, node) -> bool:
-    # γ ⊙ n + β: the β add joins a parameter, not another activation.
-    return any(compat.is_var(a) and (a in self.leaf_index or self._is_param_derived(a))
-               for a in node.invars)
-
-  def _is_param_derived(self, v) -> bool:
-    while compat.is_var(v) and v in self.g.producer:
-      node, _ = self.g.producer[v]
-      if len(node.invars) != 1:
-        return False
-      v = node.invars[0]
-    return v in self.leaf_index
-
-  def _where(self, v) -> str:
-    if v in self.g.producer:
-      node = self.g.producer[v][0]
-      return node.where() or f"the output of `{node.prim.name}`"
-    return "a program input"
+def _plan(planner: Planner, opts: FoldOptions) -> Plan:
+  """The rewrite's instructions, keyed by call-site paths."""
+  sites = planner.folded_sites()
+  zero = frozenset(r.path for s in sites for r in s.reduces)
+  aux = tuple((v.key, s) for v, s in planner.aux_commit.items())
+  consts = tuple((v.key, s) for v, s in planner.leaf_commit.items() if v.kind == "const")
+  untied = tuple((n.use[0].path, n.use[1], planner.untied_name(n),
+                  tuple(c.eqn for c in reversed(n.chain)))
+                 for n in planner.untie_commit.values())
+  epilogues = []
+  if opts.norm_impl != "xla":
+    for s in sites:
+      ep, _ = kernels.prove_epilogue(s)
+      if ep is not None:
+        epilogues.append(ep)
+  return Plan(zero=zero, aux=aux, consts=consts, untied=untied, epilogues=tuple(epilogues),
+              norm_impl=opts.norm_impl)
 
 
 # ----------------------------------------------------------------------------
@@ -455,7 +184,9 @@ class FoldedApply:
     self._tree = params_tree
     self._opts = opts
     self._base = base
-    self._cache = {sig: base}
+    self._cache = {(sig, None): base}
+    self._param_sig = tuple((tuple(x.shape), str(jnp.dtype(x.dtype)))
+                            for x in jax.tree_util.tree_leaves(params_abstract))
     self._center = center_in_forward
     self._example_sig = sig
     functools.update_wrapper(self, apply_fn, updated=())
@@ -475,20 +206,29 @@ class FoldedApply:
     return jax.tree_util.tree_unflatten(
         tree, [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in leaves])
 
-  def analysis_for(self, args: tuple) -> Analysis:
-    sig = _signature(args)
+  def analysis_for(self, args: tuple, leaves: Optional[list] = None) -> Analysis:
+    """The analysis at these arguments (and parameter avals, when given)."""
+    psig = None
+    if leaves is not None:
+      psig = tuple((tuple(np.shape(x)), str(jnp.result_type(x))) for x in leaves)
+      if psig == self._param_sig:
+        psig = None
+    sig = (_signature(args), psig)
     if sig not in self._cache:
-      an = analyse(self._apply_fn, self._params, args, self._opts)
+      params = self._params
+      if psig is not None:
+        params = jax.tree_util.tree_unflatten(self._tree, [_abstract(x) for x in leaves])
+      an = analyse(self._apply_fn, params, args, self._opts, cbwc=self._center)
       if an.param_key != self._base.param_key:
+        what = "parameters of these shapes/dtypes" if psig is not None else "inputs of these shapes"
         raise FoldError(
-            f"inputs with shapes {[s for s in sig[1]]} need different folded parameters than "
-            "the example arguments that fold() was given (a different set of parameters or "
-            "axes can be centered). Call jaxfold.fold again with example arguments of this shape.")
+            f"{what} ({[s for s in sig[0][1]]}) need different folded parameters than the "
+            "example that fold() was given (a different set of parameters or axes can be "
+            "centered). Call jaxfold.fold/cbwc again with arguments of this shape and dtype.")
       self._cache[sig] = an
     return self._cache[sig]
 
   def __call__(self, params, *args):
-    an = self.analysis_for(args)
     extras = {}
     if self._center:
       tree = params
@@ -502,6 +242,7 @@ class FoldedApply:
     leaves, tree_def = jax.tree_util.tree_flatten(tree)
     if tree_def != self._tree:
       raise FoldError(f"params has structure {tree_def}, but the fold was made for {self._tree}")
+    an = self.analysis_for(args, leaves)
     if self._center:
       # CBWC: the stored parameters stay W; the forward pass uses P·W.
       specs = dict(an.leaf_specs)
@@ -644,7 +385,7 @@ def cbwc(params: Any, apply_fn: Callable, *example_args: Any,
     True
   """
   opts = FoldOptions(auxiliary_centering, tied_weights, through_dropout)
-  an = analyse(apply_fn, params, example_args, opts)
+  an = analyse(apply_fn, params, example_args, opts, cbwc=True)
   _, tree = jax.tree_util.tree_flatten(params)
   abstract = jax.tree_util.tree_map(_abstract, params)
   fn = FoldedApply(apply_fn, abstract, tree, opts, an, _signature(example_args), True)

@@ -1,169 +1,166 @@
-"""Running folded norms as the Pallas RMSNorm kernel.
+"""Running folded norms as the Pallas RMSNorm kernel, only where proved equal.
 
-After a fold, a site computes ``y = h * rsqrt(E[h²] + ε) * γ + β`` spread over
-several equations. ``match_epilogue`` recognises that shape in the common
-formulations (flax linen/nnx LayerNorm, hand-written ``x * rsqrt(...)``),
-over the last axis only, and the rewrite then computes ``y`` with one kernel
-call. Anything it does not recognise keeps the XLA expression, which is
-always correct: this is a speed substitution, not a soundness decision.
+After a fold, a site computes ``y = x * rsqrt(Σx²/n + ε) * γ + β`` spread over
+several equations, in whatever formulation the model used. ``prove_epilogue``
+does not match a pattern: it computes the exact canonical form of candidate
+outputs with the site's mean reductions set to zero and accepts one only if
+it *equals* the kernel's formula for some γ, β and the program's own ε
+(same ε placement, the same 1/n, no Bessel correction, no extra scale). Any
+other value keeps XLA's expression, with the reason in ``why_not``.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+from fractions import Fraction
 from typing import Any, Optional
 
-from jax import lax
+import jax.numpy as jnp
+import numpy as np
 
-from jaxfold._src import compat
-from jaxfold._src.analysis import _LAYOUT, _UNARY_SAME, _scalar_literal, shape_of
-from jaxfold._src.graph import Graph
+from jaxfold._src import algebra as A
+from jaxfold._src.analysis import Site
+from jaxfold._src.program import Lit, Val
 
 IMPLS = ("auto", "xla", "pallas", "interpret")
+_MAX_DEPTH = 12
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Epilogue:
   out_path: tuple       # path of the equation that produces y
-  x: Any                # h, γ, β as graph values (resolved across calls)
+  x: Any                # value keys of h, γ, β (see program.Val.key)
   gamma: Any
   beta: Any
   eps: float
   hidden: int
 
 
-def _chain_back(g: Graph, v: Any, ops) -> Any:
-  """Follows single-input layout/convert equations backwards."""
-  while compat.is_var(v) and v in g.producer:
-    node, _ = g.producer[v]
-    if node.prim in ops and len([a for a in node.invars if compat.is_var(a)]) <= 1:
-      v = node.invars[0]
-    else:
-      break
-  return v
+def _vector_param(fid: int, hidden: int, top) -> Optional[Val]:
+  """The Val behind a factor that is a (hidden,)-vector broadcast over rows."""
+  f = A._FACTORS[fid]
+  if f.kind != "view":
+    return None
+  base = A._FACTORS[f.args[0]]
+  v = f.key
+  if base.kind != "atom" or not isinstance(base.key, Val) or base.key.program is not top:
+    return None
+  if int(np.prod(base.shape)) != hidden or v.offset != 0:
+    return None
+  if v.strides[-1] != 1 or any(s != 0 for s in v.strides[:-1]):
+    return None
+  return base.key
 
 
-def _producer(g: Graph, v: Any):
-  return g.producer.get(v, (None, None))[0] if compat.is_var(v) else None
+def _formula(X: A.Expr, shape: tuple, eps: Fraction, gamma: Optional[A.Expr],
+             beta: Optional[A.Expr]) -> A.Expr:
+  r = len(shape)
+  n = shape[-1]
+  ms = A.scale(A.reduce_sum(A.mul(X, X), (r - 1,), shape), Fraction(1, n))
+  red = tuple(shape[:-1])
+  arg = A.view_op(A.add(ms, A.const(eps)), shape,
+                  lambda view: view.broadcast(shape, tuple(range(r - 1))),
+                  ("broadcast", tuple(range(r - 1)))) if red else A.add(ms, A.const(eps))
+  y = A.mul(X, A.app(("rsqrt",), (arg,), shape))
+  if gamma is not None:
+    y = A.mul(y, gamma)
+  if beta is not None:
+    y = A.add(y, beta)
+  return y
 
 
-def _is_square_of(g: Graph, v: Any, x: Any) -> bool:
-  node = _producer(g, v)
-  if node is None:
-    return False
-  strip = lambda a: _chain_back(g, a, _UNARY_SAME)
-  if node.prim is lax.square_p or (node.prim is lax.integer_pow_p and node.params["y"] == 2):
-    return strip(node.invars[0]) is x
-  if node.prim is lax.mul_p:
-    return strip(node.invars[0]) is x and strip(node.invars[1]) is x
-  return False
+def _match(C: A.Expr, X: A.Expr, shape: tuple, top) -> Optional[tuple]:
+  """(eps, γ factor, β factor, γ Val, β Val) when C is the kernel's formula."""
+  (xf,), = X.terms.keys()
+  hidden = shape[-1]
+  terms = list(C.terms.items())
+  if not 1 <= len(terms) <= 2 or any(c != 1 for _, c in terms):
+    return None
+  main = [m for m, _ in terms if xf in m]
+  if len(main) != 1:
+    return None
+  rest = [f for f in main[0] if f != xf]
+  rs = [f for f in rest if A._FACTORS[f].kind == "app" and A._FACTORS[f].key == ("rsqrt",)]
+  if len(rs) != 1 or main[0].count(xf) != 1:
+    return None
+  arg = A._FACTORS[rs[0]].args[0]
+  eps = arg.const_value
+  if eps <= 0:
+    return None
+  others = [f for f in rest if f != rs[0]]
+  if len(others) > 1:
+    return None
+  g_val = _vector_param(others[0], hidden, top) if others else None
+  if others and g_val is None:
+    return None
+  b_terms = [m for m, _ in terms if xf not in m]
+  b_val = None
+  if b_terms:
+    if len(b_terms[0]) != 1:
+      return None
+    b_val = _vector_param(b_terms[0][0], hidden, top)
+    if b_val is None:
+      return None
+  gamma = A._single(others[0]) if others else None
+  beta = A._single(b_terms[0][0]) if b_terms else None
+  return eps, gamma, beta, g_val, b_val
 
 
-def match_epilogue(g: Graph, site, leaf_or_const) -> Optional[Epilogue]:
-  """The RMSNorm computation left at a folded site, if it has a known shape."""
+def _size(v) -> int:
+  try:
+    return int(np.prod(v.shape))
+  except TypeError:
+    return 1 << 62
+
+
+def prove_epilogue(site: Site) -> tuple:
+  """(Epilogue or None, reason): the kernel may replace a folded site's
+  output only when its canonical form equals the kernel's formula."""
+  level = site.level
+  top = level.an.top.program
   x = site.input
-  rank = len(shape_of(x))
-  if site.axes != (rank - 1,):
-    return None
-  zeroed = {r.outvars[0] for r in site.reduces}
-  # 1. The second moment: reduce_sum(x²) → scaled → [max(0, · - 0)] → + ε → rsqrt.
-  inv, eps = None, None
-  for node in g.nodes:
-    if (node.prim is lax.reduce_sum_p and tuple(node.params["axes"]) == site.axes
-        and _is_square_of(g, node.invars[0], x)):
-      v = node.outvars[0]
-      while True:
-        users = g.consumers.get(v, [])
-        if len(users) != 1:
-          break
-        u, _ = users[0]
-        other = [a for a in u.invars if a is not v]
-        if u.prim in _LAYOUT or u.prim in _UNARY_SAME:
-          v = u.outvars[0]
-        elif u.prim in (lax.div_p, lax.mul_p) and other and _scalar_literal(other[0]) is not None:
-          v = u.outvars[0]
-        elif u.prim is lax.max_p and other and _scalar_literal(other[0]) == 0.0:
-          v = u.outvars[0]
-        elif u.prim is lax.sub_p and u.invars[0] is v and _from_zeroed(g, u.invars[1], zeroed):
-          v = u.outvars[0]
-        elif u.prim is lax.add_p and other and _scalar_literal(other[0]) is not None and eps is None:
-          eps = _scalar_literal(other[0])
-          v = u.outvars[0]
-        elif u.prim is lax.rsqrt_p and eps is not None:
-          inv = u.outvars[0]
-          break
-        else:
-          break
-      if inv is not None:
-        break
-  if inv is None:
-    return None
-  # 2. The centered value n = x - mean (mean is the zeroed reduction).
-  n = None
-  for u, _ in g.consumers.get(x, []):
-    if u.prim is lax.sub_p and u.invars[0] is x and _from_zeroed(g, u.invars[1], zeroed):
-      n = u.outvars[0]
-  if n is None:
-    return None
-  inv_like = lambda a: _chain_back(g, a, _LAYOUT | _UNARY_SAME) is inv
-  param = lambda a: leaf_or_const(_chain_back(g, a, _LAYOUT | _UNARY_SAME))
-  # 3. y = n * inv * γ (+ β), with the products in either order.
-  users = g.consumers.get(n, [])
-  if len(users) != 1 or users[0][0].prim is not lax.mul_p:
-    return None
-  m1 = users[0][0]
-  other = m1.invars[1] if m1.invars[0] is n else m1.invars[0]
-  gamma = None
-  if inv_like(other):
-    prod = m1.outvars[0]
-    nxt = g.consumers.get(prod, [])
-    if len(nxt) == 1 and nxt[0][0].prim is lax.mul_p:
-      m2 = nxt[0][0]
-      o = m2.invars[1] if m2.invars[0] is prod else m2.invars[0]
-      if param(o) is not None:
-        gamma, prod = param(o), m2.outvars[0]
-  else:  # n * (inv * γ)
-    node = _producer(g, other)
-    if node is None or node.prim is not lax.mul_p:
-      return None
-    a, b = node.invars
-    if inv_like(a) and param(b) is not None:
-      gamma = param(b)
-    elif inv_like(b) and param(a) is not None:
-      gamma = param(a)
-    else:
-      return None
-    prod = m1.outvars[0]
-  beta, out = None, prod
-  nxt = g.consumers.get(prod, [])
-  if len(nxt) == 1 and nxt[0][0].prim is lax.add_p:
-    o = nxt[0][0].invars[1] if nxt[0][0].invars[0] is prod else nxt[0][0].invars[0]
-    if param(o) is not None:
-      beta, out = param(o), nxt[0][0].outvars[0]
-  if shape_of(out) != shape_of(x):
-    return None
-  hidden = shape_of(x)[-1]
-  for p in (gamma, beta):
-    if p is not None and shape_of(p) not in ((hidden,), (1,) * (rank - 1) + (hidden,)):
-      return None
-  return Epilogue(g.producer[out][0].path, x, gamma, beta, float(eps), hidden)
-
-
-def _from_zeroed(g: Graph, v: Any, zeroed: set) -> bool:
-  """v is a removed mean, possibly rescaled, broadcast or converted."""
-  while compat.is_var(v):
-    if v in zeroed:
-      return True
-    node = _producer(g, v)
-    if node is None:
-      return False
-    if node.prim in _LAYOUT or node.prim in _UNARY_SAME:
-      v = node.invars[0]
-    elif node.prim in (lax.div_p, lax.mul_p, lax.square_p):
-      v = node.invars[0]
-    else:
-      return False
-  return False
+  shape = tuple(x.shape)
+  rank = len(shape)
+  if level.program is not top:
+    return None, "the norm is inside a loop body"
+  if site.axes != (rank - 1,) or not all(isinstance(d, int) for d in shape):
+    return None, "the kernel normalizes the last axis of a fixed shape only"
+  if np.dtype(x.dtype) not in (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16)):
+    return None, f"the kernel computes in float32, less precise than this norm's {np.dtype(x.dtype).name}"
+  prog = level.program
+  zero = {r.outs[0]: A.ZERO for r in site.reduces}
+  X = A.atom(("kernel-x", x), shape)
+  best = None
+  with A.scope(), level.assuming({**zero, x: X}):
+    frontier = collections.deque([(x, 0)])
+    seen = set()
+    while frontier:
+      v, d = frontier.popleft()
+      if v in seen or d > _MAX_DEPTH:
+        continue
+      seen.add(v)
+      if v is not x and tuple(v.shape) == shape and v.producer is not None:
+        try:
+          C = level.canon(v)
+          m = _match(C, X, shape, top)
+          if m is not None:
+            eps, gamma, beta, g_val, b_val = m
+            if C == _formula(X, shape, eps, gamma, beta):
+              best = Epilogue(v.producer.path, x.key, g_val.key if g_val else None,
+                              b_val.key if b_val else None, float(eps), shape[-1])
+        except A.Unrepresentable:
+          pass
+      for node, _ in prog.consumers.get(v, ()):
+        # Only steps whose other operands are small (γ, β, ε, the reduced
+        # statistics): a full-size second operand (a residual) ends the norm.
+        if all(a in seen or isinstance(a, Lit) or _size(a) < _size(x) for a in node.ins):
+          for o in node.outs:
+            frontier.append((o, d + 1))
+  if best is None:
+    return None, ("no value after the norm equals x·rsqrt(Σx²/n + ε)·γ + β exactly (e.g. a "
+                  "Bessel-corrected or rescaled variance); XLA's expression is kept")
+  return best, ""
 
 
 def use_kernel(impl: str, shape, dtype) -> Optional[bool]:

@@ -1,408 +1,390 @@
-"""Finds normalization sites and decides, per site, what to center.
+"""Decides, per normalization site, what to center; typed actions and results.
 
-A *site* is a mean reduction whose result is subtracted from the value it
-averaged (the centering step of a LayerNorm/GroupNorm, in any formulation).
-It folds when its input provably sums to zero over the reduced axes once the
-chosen parameters are centered, and every centering is invisible at the
-program's outputs.
+Three parts: the *site decision* (``decide``: the needs of one site become
+actions or blockers, respecting earlier commitments), the *auxiliary choice*
+(``choose_auxiliary``: where one inserted centering removes at least two
+reductions) and the *explanation* (``explain``: a blocker in the user's
+terms). ``Planner.run`` strings them together; ``fold.py`` only orchestrates.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import Any, Optional
+from typing import Optional, Union
 
-from jax import lax
+import jax.numpy as jnp
+import numpy as np
 
-from jaxfold._src import compat
 from jaxfold._src import layout
-from jaxfold._src.analysis import (_ADD, _CUMULATIVE, _LAYOUT, _SHARDING, _UNARY_SAME,
-                                   _scalar_literal, shape_of)
-from jaxfold._src.graph import Graph, Node
+from jaxfold._src.analysis import (DROPOUT_NOTE, Analyzer, Blocker, LeafNeed, Level, Site,
+                                   find_sites, nested_sites, scan_levels, where)
+from jaxfold._src.program import Val
+from jaxfold._src.report import Centering, Report, Site as ReportSite
+from jaxfold._src.rules import rule_for
+from jaxfold._src.rules.base import freeze
 
 
 # ----------------------------------------------------------------------------
-# What a site needs.
+# Typed actions and results.
 
 
 @dataclasses.dataclass(frozen=True)
-class LeafNeed:
-  """Parameter leaf ``leaf`` must sum to zero over ``spec``; ``use`` is the
-  equation (and operand) through which the walk reached it."""
-  var: Any
+class CenterLeaf:
+  """Center a parameter leaf (or captured constant) in place over ``spec``."""
+  var: Val
   spec: tuple
-  use: Optional[tuple]       # (node, operand index) or None for a direct use
-  out_var: Any               # the value whose zero-sum the use provides
-  out_spec: tuple
-  chain: tuple               # layout nodes between the leaf and the use
 
 
 @dataclasses.dataclass(frozen=True)
-class Blocker:
-  var: Any
+class UntieUse:
+  """Give one use of a tied parameter its own centered copy."""
+  need: LeafNeed
+
+
+@dataclasses.dataclass(frozen=True)
+class AuxCenter:
+  """Insert an explicit centering of a value over ``spec``."""
+  var: Val
   spec: tuple
+
+
+Action = Union[CenterLeaf, UntieUse, AuxCenter]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """The outcome for one site."""
+  folded: bool
   reason: str
+  centered: tuple = ()          # report.Centering, what this site itself needed
+  auxiliary: bool = False
+  exact: bool = True
 
 
-_DROPOUT = ("a random mask (dropout) that varies along the normalized axes makes the input "
-            "not zero-mean; jaxfold.cbwc(..., through_dropout=True) folds it anyway, inexactly "
-            "[at {}]")
+def _spec_dict(spec: tuple) -> dict:
+  return dict(spec)
 
 
-def _freeze(spec: dict) -> tuple:
-  return tuple(sorted(spec.items()))
+def _nbytes(v: Val) -> int:
+  return int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
 
 
-class Walker:
-  """Backwards: what must be centered for ``var`` to be zero-sum over ``spec``.
+class Planner:
+  """Runs the site decisions and keeps the commitments later sites respect."""
 
-  Walks across scan boundaries: a body's consts/xs map to the scan operands
-  (xs gain the stacked axis), and a carry is zero-sum when its initial value
-  is and the body preserves it (a coinductive fixed point).
-  """
+  def __init__(self, an: Analyzer, names: list, options):
+    self.an = an
+    self.top = an.top
+    self.names = names
+    self.opts = options
+    self.sites = [s for lv in scan_levels(self.top) for s in find_sites(lv)]
+    self.leaf_commit: dict = {}       # Val -> spec
+    self.untie_commit: dict = {}      # (use node id, operand) -> LeafNeed
+    self.aux_commit: dict = {}        # Val -> spec
+    self.decisions: dict = {}         # site index -> Decision
+    self._vis: dict = {}
+    self._inexact = False
+    self._ties_by_copy = False
 
-  def __init__(self, graph: Graph, constancy_of, leaf_vars: set):
-    self.g = graph
-    self.const_of = constancy_of
-    self.leaves = leaf_vars
-    self.parent: dict = {}      # body graph -> (scan node, enclosing graph)
-    self.body: dict = {}        # scan node -> body graph
-    self._index(graph)
+  # -- invisibility (obligation 1), cached --------------------------------------
 
-  def _index(self, g: Graph) -> None:
-    for n in g.nodes:
-      if compat.is_scan(n.eqn):
-        self.parent[n.subgraphs[0]] = (n, g)
-        self.body[n] = n.subgraphs[0]
-        self._index(n.subgraphs[0])
+  def _visible(self, key, seeds_fn) -> Optional[str]:
+    if key not in self._vis:
+      before = self.an.random_uses
+      try:
+        seeds, skip = seeds_fn()
+        reason = self.top.invisible(seeds, skip)
+      except Exception as e:  # noqa: BLE001 - a rule that cannot decide blocks
+        reason = f"{type(e).__name__}: {e}"
+      self._vis[key] = (reason, self.an.random_uses > before)
+    reason, used_random = self._vis[key]
+    self._inexact |= used_random and reason is None
+    return reason
 
-  def graphs(self) -> list:
-    return [self.g] + list(self.body.values())
+  def leaf_visible(self, var: Val, spec: tuple) -> Optional[str]:
+    return self._visible(("leaf", var, spec), lambda: ({var: seed_poly(var.shape, spec)}, frozenset()))
 
-  def needs(self, var: Any, spec: dict, g: Optional[Graph] = None) -> list:
-    self._seen: set = set()
-    out: list = []
-    self._walk(g or self.g, var, spec, None, (), out, var, spec)
-    return out
+  def use_visible(self, need: LeafNeed) -> Optional[str]:
+    node, k = need.use
+    if node.program is not self.top.program:
+      return "an untied copy would be needed inside a loop body"
+    if self.an.cbwc and node.custom_calls:
+      c = node.custom_calls[-1]
+      return f"the use is inside {c.kind} `{c.name}`, whose custom rule CBWC keeps"
 
-  def _walk(self, g, v, spec, use, chain, out, top_var, top_spec):
-    key = (id(g), v, _freeze(spec), use[0].index if use else None)
-    if key in self._seen:
+    def seeds():
+      poly = seed_poly(need.var.shape, need.spec)
+      for cnode in reversed(need.chain):
+        poly = self.top.seed_through(cnode, 0, poly)[0]
+        if poly is None:
+          return {}, frozenset()
+      outs = self.top.seed_through(node, k, poly)
+      return ({v: p for v, p in zip(node.outs, outs) if p is not None}, frozenset({node.index}))
+    return self._visible(("use", id(node), k, need.spec), seeds)
+
+  def aux_visible(self, var: Val, spec: tuple) -> Optional[str]:
+    if var.program is not self.top.program:
+      return "auxiliary centerings are only inserted outside loop bodies"
+    if self.an.cbwc and var.producer is not None and var.producer.custom_calls:
+      return "the value is inside a custom-derivative function, whose rule CBWC keeps"
+    return self._visible(("aux", var, spec), lambda: ({var: seed_poly(var.shape, spec)}, frozenset()))
+
+  # -- names -----------------------------------------------------------------
+
+  def name(self, var: Val) -> str:
+    if var.kind == "in" and var.program.is_top and var.index < len(self.names):
+      return self.names[var.index]
+    return f"<captured constant {var.shape}>"
+
+  def is_leaf(self, var: Val) -> bool:
+    return var.kind == "in" and var.index < len(self.names)
+
+  # -- site decision -----------------------------------------------------------
+
+  def decide(self, site: Site, assume_aux: dict) -> tuple:
+    """(actions, blockers) for one site given the commitments so far."""
+    before = self.an.random_uses
+    self._inexact = False
+    if self.an.cbwc and any(r.custom_calls for r in site.reduces):
+      c = site.node.custom_calls[-1]
+      return [], [Blocker(site.input, (), f"the norm is inside {c.kind} `{c.name}` (called at "
+                                          f"{c.source}); CBWC keeps its custom rule")]
+    try:
+      needs = site.level.needs(site.input, freeze(layout.full_spec(site.input.shape, site.axes)))
+    except Exception as e:  # noqa: BLE001 - fail closed with the cause
+      return [], [Blocker(site.input, (), f"{type(e).__name__}: {e}")]
+    self._inexact |= self.an.random_uses > before
+    actions, blockers = [], []
+    for n in needs:
+      if isinstance(n, Blocker):
+        if assume_aux.get(n.var) == n.spec:
+          actions.append(AuxCenter(n.var, n.spec))
+        else:
+          blockers.append(n)
+        continue
+      self._decide_leaf(n, assume_aux, actions, blockers)
+    return actions, blockers
+
+  def _decide_leaf(self, n: LeafNeed, assume_aux, actions, blockers) -> None:
+    var, spec = n.var, n.spec
+    if not jnp.issubdtype(var.dtype, jnp.inexact):
+      blockers.append(Blocker(n.out_var, n.out_spec, f"{self.name(var)} is not a float array"))
       return
-    self._seen.add(key)
-    const = self.const_of(g)
-    if _is_zero(g, v):
-      return
-    if compat.is_literal(v):
-      out.append(Blocker(v, _freeze(spec), "a non-zero literal"))
-      return
-    if g is self.g and (v in self.leaves or v in g.const_values):
-      out.append(LeafNeed(v, _freeze(spec), use, top_var, _freeze(top_spec), chain))
-      return
-    if g is not self.g and v in g.const_values:
-      out.append(Blocker(v, _freeze(spec), "a constant captured inside a loop body"))
-      return
-    prod = g.producer.get(v)
-    if prod is None and g in self.parent:
-      return self._scan_input(g, v, spec, out)
-    if prod is None:
-      out.append(Blocker(v, _freeze(spec), "a program input (not a parameter)"))
-      return
-    if compat.is_scan(prod[0].eqn):
-      return self._scan_output(g, prod, spec, out, v)
-    node, _ = prod
-    p = node.prim
-    rec = lambda a, s, layout_step=False: self._walk(
-        g, a, s, use if layout_step else (node, node.invars.index(a)),
-        (chain + (node,)) if layout_step else (),
-        out, top_var if layout_step else v, top_spec if layout_step else spec)
-    out_shape = shape_of(v)
-    if p in _UNARY_SAME or p in _SHARDING:
-      return rec(node.invars[0], spec, layout_step=True)
-    if p is lax.neg_p:
-      return rec(node.invars[0], spec)
-    if p in _ADD:
-      for a in node.invars:
-        s = self._through_broadcast(a, spec, out_shape)
-        if s is None:
-          out.append(Blocker(v, _freeze(spec), f"`{p.name}` broadcasts an operand along the normalized axes [at {node.where()}]"))
-          return
-        rec(a, s)
-      return
-    if p in (lax.mul_p, lax.div_p):
-      a, b = node.invars
-      if set(spec) <= const._of(b, out_shape):
-        s = self._through_broadcast(a, spec, out_shape)
-        if s is not None:
-          return rec(a, s)
-      if p is lax.mul_p and set(spec) <= const._of(a, out_shape):
-        s = self._through_broadcast(b, spec, out_shape)
-        if s is not None:
-          return rec(b, s)
-      if any(compat.is_var(x) and const.from_key(x) for x in (a, b)):
-        out.append(Blocker(v, _freeze(spec), _DROPOUT.format(node.where())))
+    if var in self.leaf_commit:
+      if self.leaf_commit[var] == spec:
+        actions.append(CenterLeaf(var, spec))
       else:
-        out.append(Blocker(v, _freeze(spec), f"a product that varies along the normalized axes [at {node.where()}]"))
+        blockers.append(Blocker(n.out_var, n.out_spec,
+                                f"{self.name(var)} is already centered over other axes for "
+                                "another site"))
       return
-    if p in _LAYOUT:
-      s = self._layout_back(node, spec)
-      if s is None:
-        out.append(Blocker(v, _freeze(spec), f"`{p.name}` mixes the normalized axes [at {node.where()}]"))
-        return
-      return rec(node.invars[0], s, layout_step=True)
-    if p is lax.reduce_sum_p:
-      axes = node.params["axes"]
-      kept = [d for d in range(len(shape_of(node.invars[0]))) if d not in axes]
-      return rec(node.invars[0], {kept[d]: b for d, b in spec.items()})
-    if p in (lax.slice_p, lax.dynamic_slice_p):
-      ins = shape_of(node.invars[0])
-      if all(ins[d] == out_shape[d] for d in spec):
-        return rec(node.invars[0], spec)
-    if p is lax.concatenate_p and node.params["dimension"] not in spec:
-      for a in node.invars:
-        rec(a, spec)
+    reason = self.leaf_visible(var, spec)
+    if reason is None:
+      actions.append(CenterLeaf(var, spec))
       return
-    if p is lax.pad_p:
-      cfg = node.params["padding_config"]
-      # The padded region holds the padding value: zero-sum needs it to be 0.
-      if all(tuple(cfg[d]) == (0, 0, 0) for d in spec) and (
-          _is_zero(g, node.invars[1]) or all(tuple(c) == (0, 0, 0) for c in cfg)):
-        return rec(node.invars[0], spec)
-    if p is lax.select_n_p and set(spec) <= const._of(node.invars[0], out_shape):
-      for a in node.invars[1:]:
-        rec(a, spec)
+    if n.use is not None and self.is_leaf(var) and (
+        (id(n.use[0]), n.use[1]) in self.untie_commit or self.use_visible(n) is None):
+      if self.opts.tie_by_aux() and not self._ties_by_copy:
+        if assume_aux.get(n.out_var) == n.out_spec:
+          actions.append(AuxCenter(n.out_var, n.out_spec))
+        else:
+          blockers.append(Blocker(n.out_var, n.out_spec,
+                                  f"{self.name(var)} is also used where centering it is visible "
+                                  f"({reason}); an auxiliary centering or an untied copy would "
+                                  "fold it"))
+      else:
+        actions.append(UntieUse(n))
       return
-    if p is lax.select_n_p and compat.is_var(node.invars[0]) and const.from_key(node.invars[0]):
-      out.append(Blocker(v, _freeze(spec), _DROPOUT.format(node.where())))
-      return
-    if p is lax.dynamic_update_slice_p:
-      us = shape_of(node.invars[1])
-      if all(us[d] == out_shape[d] for d in spec):
-        rec(node.invars[0], spec)
-        rec(node.invars[1], spec)
-        return
-    if p in _CUMULATIVE and node.params["axis"] not in spec:
-      return rec(node.invars[0], spec)
-    if p is lax.gather_p:
-      s = self._gather_back(node, spec)
-      if s is not None:
-        return rec(node.invars[0], s)
-    if p is lax.dot_general_p:
-      r = self._dot_back(node, spec)
-      if r is not None:
-        side, s = r
-        return rec(node.invars[side], s)
-    if p is lax.conv_general_dilated_p:
-      s = self._conv_back(node, spec)
-      if s is not None:
-        return rec(node.invars[1], s)
-      out.append(Blocker(v, _freeze(spec), f"a convolution whose output cannot be centered over {layout.fmt_spec(spec, out_shape)} (grouped/depthwise feature groups smaller than the normalization's groups?) [at {node.where()}]"))
-      return
-    out.append(Blocker(v, _freeze(spec), _describe(node)))
+    blockers.append(Blocker(n.out_var, n.out_spec,
+                            f"centering {self.name(var)} over "
+                            f"{layout.fmt_spec(_spec_dict(spec), var.shape)} would change the "
+                            f"output: {reason}"))
 
-  # -- loops -------------------------------------------------------------------
+  def commit(self, i: int, actions: list) -> None:
+    centered = []
+    for a in actions:
+      if isinstance(a, CenterLeaf):
+        self.leaf_commit[a.var] = a.spec
+        mode = "in place" if self.is_leaf(a.var) else "constant"
+        centered.append(Centering(self.name(a.var),
+                                  layout.fmt_spec(_spec_dict(a.spec), a.var.shape), mode,
+                                  spec=a.spec))
+      elif isinstance(a, UntieUse):
+        n = a.need
+        self.untie_commit[(id(n.use[0]), n.use[1])] = n
+        centered.append(Centering(self.name(n.var),
+                                  layout.fmt_spec(_spec_dict(n.spec), n.var.shape),
+                                  "untied copy", _nbytes(n.var), spec=n.spec))
+      else:
+        self.aux_commit[a.var] = a.spec
+    aux = any(isinstance(a, AuxCenter) for a in actions)
+    reason = "input is zero-sum over the normalized axes"
+    reason += " after an auxiliary centering" if aux else (" after centering" if centered else "")
+    if self._inexact:
+      reason += DROPOUT_NOTE
+    self.decisions[i] = Decision(True, reason, tuple(dict.fromkeys(centered)), aux,
+                                 not self._inexact)
 
-  def _scan_input(self, body, v, spec, out):
-    node, outer = self.parent[body]
-    nc, ncar = compat.scan_partition(node.params)
-    i = body.invars.index(v)
-    operand = node.invars[i]
-    if i < nc:
-      return self._walk(outer, operand, spec, None, (), out, operand, spec)
-    if i < nc + ncar:
-      # Zero-sum carry: the initial value is, and the body keeps it so (the
-      # assumption for this carry is what the seen-set records).
-      self._walk(outer, operand, spec, None, (), out, operand, spec)
-      j = i - nc
-      return self._walk(body, body.outvars[j], spec, None, (), out, body.outvars[j], spec)
-    stacked = {d + 1: b for d, b in spec.items()}
-    return self._walk(outer, operand, stacked, None, (), out, operand, stacked)
+  def run(self) -> "Planner":
+    failed = {}
+    for i, site in enumerate(self.sites):
+      actions, blockers = self.decide(site, {})
+      if blockers:
+        failed[i] = blockers
+      else:
+        self.commit(i, actions)
+    if self.opts.auxiliary_centering and failed:
+      self.choose_auxiliary(failed)
+    if self.opts.tie_by_aux() and self.opts.tied_weights == "auto":
+      # Where an auxiliary centering would not pay for itself, a tied
+      # parameter is still worth untying by a centered copy.
+      self._ties_by_copy = True
+      for i in sorted(failed):
+        if i not in self.decisions:
+          actions, blockers = self.decide(self.sites[i], dict(self.aux_commit))
+          if not blockers:
+            self.commit(i, actions)
+    for i, blockers in failed.items():
+      if i not in self.decisions:
+        self.decisions[i] = Decision(False, "input is not zero-sum: " + self.explain(blockers[0]))
+    return self
 
-  def _scan_output(self, g, prod, spec, out, v):
-    node, k = prod
-    body = self.body[node]
-    nc, ncar = compat.scan_partition(node.params)
-    if k < ncar:
-      return self._walk(body, body.outvars[k], spec, None, (), out, body.outvars[k], spec)
-    if 0 in spec:
-      out.append(Blocker(v, _freeze(spec), "a scan output normalized over its stacked axis"))
+  # -- auxiliary choice ----------------------------------------------------------
+
+  def choose_auxiliary(self, failed: dict) -> None:
+    """One inserted centering (one reduction) pays off when it lets at least
+    two sites drop theirs."""
+    counts = collections.Counter()
+    for blockers in failed.values():
+      for b in {(b.var, b.spec) for b in blockers}:
+        if isinstance(b[0], Val) and b[1]:
+          counts[b] += 1
+    chosen: dict = {}
+    for (var, spec), n in counts.most_common():
+      if n < 2 or self.aux_visible(var, spec) is not None:
+        continue
+      trial = dict(chosen)
+      trial[var] = spec
+      gain = [i for i, bl in failed.items() if i not in self.decisions and
+              all(trial.get(b.var) == b.spec for b in bl)]
+      if len(gain) >= 2 or (chosen and gain):
+        chosen = trial
+    if not chosen:
       return
-    inner = {d - 1: b for d, b in spec.items()}
-    return self._walk(body, body.outvars[k], inner, None, (), out, body.outvars[k], inner)
+    for i in sorted(failed):
+      if i in self.decisions:
+        continue
+      actions, blockers = self.decide(self.sites[i], chosen)
+      if not blockers:
+        self.commit(i, actions)
 
-  # -- mapping a spec backwards through one equation -----------------------
+  # -- explanation -------------------------------------------------------------
 
-  @staticmethod
-  def _through_broadcast(a, spec, out_shape):
-    s = shape_of(a)
-    if not s:
-      return None if not (compat.is_literal(a) and _scalar_literal(a) == 0.0) else {}
-    if any(s[d] != out_shape[d] for d in spec):
+  def explain(self, b: Blocker) -> str:
+    """Names the normalization whose output a blocked value comes from."""
+    j = self._norm_output_of(b.var)
+    if j is None:
+      return b.reason
+    return (f"the value comes from the output of normalization #{j} "
+            f"(γ ⊙ n + β is not zero-mean when γ is non-uniform) [at "
+            f"{self.sites[j].node.where()}]")
+
+  def _norm_output_of(self, v) -> Optional[int]:
+    """The nearest site whose elementwise epilogue produces ``v``, if any."""
+    if not isinstance(v, Val):
       return None
-    return dict(spec)
+    best, best_d = None, 13
+    for j, site in enumerate(self.sites):
+      d = self._epilogue(j).get(v)
+      if d is not None and d < best_d:
+        best, best_d = j, d
+    return best
 
-  @staticmethod
-  def _layout_back(node, spec):
-    x = node.invars[0]
-    ins, outs = shape_of(x), shape_of(node.outvars[0])
-    p = node.prim
-    if p is lax.transpose_p:
-      perm = node.params["permutation"]
-      return {perm[d]: b for d, b in spec.items()}
-    if p is lax.broadcast_in_dim_p:
-      bd = node.params["broadcast_dimensions"]
-      res = {}
-      for d, b in spec.items():
-        if d not in bd or ins[bd.index(d)] != outs[d]:
-          return None
-        res[bd.index(d)] = b
-      return res
-    return layout.reshape_spec_back(spec, ins, outs)
+  def _epilogue(self, j: int) -> dict:
+    cache = self.__dict__.setdefault("_epi", {})
+    if j in cache:
+      return cache[j]
+    site = self.sites[j]
+    prog = site.level.program
+    dist, frontier = {}, collections.deque((r.outs[0], 0) for r in site.reduces)
+    while frontier:
+      v, d = frontier.popleft()
+      if v in dist or d > 12:
+        continue
+      dist[v] = d
+      for node, _ in prog.consumers.get(v, ()):
+        rule = rule_for(node.prim)
+        if rule.kind or rule.name in ("sub", "neg", "integer_pow", "rsqrt", "sqrt") or (
+            rule.name == "add" and self._adds_param(node)):
+          frontier.append((node.outs[0], d + 1))
+    cache[j] = dist
+    return dist
 
-  @staticmethod
-  def _gather_back(node, spec):
-    dn = node.params["dimension_numbers"]
-    sizes = node.params["slice_sizes"]
-    ins = shape_of(node.invars[0])
-    batching = tuple(getattr(dn, "operand_batching_dims", ()))
-    kept = [d for d in range(len(ins)) if d not in dn.collapsed_slice_dims and d not in batching]
-    res = {}
-    for d, b in spec.items():
-      if d not in dn.offset_dims:
-        return None
-      od = kept[list(dn.offset_dims).index(d)]
-      if sizes[od] != ins[od]:
-        return None
-      res[od] = b
-    return res
+  def _adds_param(self, node) -> bool:
+    # γ ⊙ n + β: the β add joins a parameter, not another activation.
+    for a in node.ins:
+      while isinstance(a, Val) and a.producer is not None and len(a.producer.ins) == 1:
+        a = a.producer.ins[0]
+      if isinstance(a, Val) and self.is_leaf(a):
+        return True
+    return False
 
-  @staticmethod
-  def _dot_back(node, spec):
-    (lc, rc), (lb, rb) = node.params["dimension_numbers"]
-    ls, rs = shape_of(node.invars[0]), shape_of(node.invars[1])
-    lfree = [d for d in range(len(ls)) if d not in lc and d not in lb]
-    rfree = [d for d in range(len(rs)) if d not in rc and d not in rb]
-    nb = len(lb)
-    owner = {}
-    for i, d in enumerate(lfree):
-      owner[nb + i] = (0, d)
-    for i, d in enumerate(rfree):
-      owner[nb + len(lfree) + i] = (1, d)
-    sides = {owner.get(d, (None,))[0] for d in spec}
-    if None in sides:
-      return None
-    # Zero-sum over a subset of the axes implies it over all of them, so a
-    # spec spanning both operands is narrowed to the right operand's part
-    # (where a layer keeps its weights); the shift check then decides.
-    side = 1 if 1 in sides else 0
-    return side, {owner[d][1]: b for d, b in spec.items() if owner[d][0] == side}
+  # -- results ---------------------------------------------------------------
 
-  @staticmethod
-  def _conv_back(node, spec):
-    dn = node.params["dimension_numbers"]
-    o_out, o_k = dn.out_spec[1], dn.rhs_spec[0]
-    # Narrowing to the channel axis is sound: zero-sum over a subset of the
-    # reduced axes implies zero-sum over all of them.
-    if o_out not in spec or node.params.get("batch_group_count", 1) != 1:
-      return None
-    block = spec[o_out]
-    n_out = shape_of(node.outvars[0])[o_out]
-    fg = node.params["feature_group_count"]
-    if (n_out // fg) % block:
-      return None
-    return {o_k: block}
+  def report(self) -> Report:
+    sites = []
+    for i, s in enumerate(self.sites):
+      d = self.decisions[i]
+      sites.append(ReportSite(index=len(sites), where=_site_where(s.node), shape=s.input.shape,
+                              axes=s.axes, folded=d.folded, reason=d.reason,
+                              centered=d.centered, auxiliary=d.auxiliary,
+                              num_reductions=len(s.reduces), exact=d.exact,
+                              source=s.node.source()))
+    for loop, s in nested_sites(self.top):
+      sites.append(ReportSite(index=len(sites), where=_site_where(s.node), shape=s.input.shape,
+                              axes=s.axes, folded=False,
+                              reason=f"inside a `{loop.prim.name}` body, which the analysis "
+                                     "does not enter yet",
+                              num_reductions=len(s.reduces), source=s.node.source()))
+    aux = tuple(f"{v.shape} over {layout.fmt_spec(_spec_dict(s), v.shape)} at {where(v)}"
+                for v, s in self.aux_commit.items())
+    copies = {(n.var, n.spec) for n in self.untie_commit.values()}
+    return Report(tuple(sites), aux, sum(_nbytes(v) for v, _ in copies))
 
+  def untied_name(self, n: LeafNeed) -> str:
+    # Named by parameter and axes, not by equation position, so the same
+    # folded params serve every input signature (and uses share one copy).
+    return f"{self.name(n.var)}@centered{layout.fmt_spec(_spec_dict(n.spec), n.var.shape)}"
 
-def _is_zero(graph: Graph, v: Any) -> bool:
-  """A structural zero: a 0 literal, possibly broadcast, reshaped or converted."""
-  while True:
-    if compat.is_literal(v):
-      return _scalar_literal(v) == 0.0
-    prod = graph.producer.get(v)
-    if prod is None or prod[0].prim not in _LAYOUT | _UNARY_SAME:
-      return False
-    v = prod[0].invars[0]
+  def leaf_specs(self) -> tuple:
+    return tuple(sorted((v.index, s) for v, s in self.leaf_commit.items() if self.is_leaf(v)))
+
+  def untied_specs(self) -> tuple:
+    return tuple(sorted({(self.untied_name(n), n.var.index, n.spec)
+                         for n in self.untie_commit.values()}))
+
+  def folded_sites(self) -> list:
+    return [s for i, s in enumerate(self.sites) if self.decisions[i].folded]
 
 
-def _describe(node: Node) -> str:
-  return f"the output of `{node.prim.name}`, which is not provably zero-sum [at {node.where()}]"
+def _site_where(node) -> str:
+  text = node.module() or node.source()
+  if node.calls:
+    from jaxfold._src.program import call_note
+    text += " " + call_note(node.calls)
+  return text
 
 
-# ----------------------------------------------------------------------------
-# Sites.
-
-
-@dataclasses.dataclass
-class SiteInfo:
-  reduces: list           # reduce_sum nodes computing the site's mean
-  input: Any              # the value averaged (in the reduction's layout)
-  axes: tuple
-  node: Node              # first reduction, for locations
-  graph: Graph
-
-
-def find_sites(graph: Graph) -> list[SiteInfo]:
-  """Mean reductions whose result is subtracted from the averaged value."""
-  sites: dict = {}
-  for node in graph.nodes:
-    if node.prim is not lax.reduce_sum_p:
-      continue
-    u = _strip(graph, node.invars[0])
-    if not _is_subtracted(graph, node.outvars[0], _strip_layout(graph, u)):
-      continue
-    key = (u, tuple(node.params["axes"]))
-    if key in sites:
-      sites[key].reduces.append(node)
+def seed_poly(shape: tuple, spec: tuple):
+  """The shift of centering a value of ``shape`` over the blocks of ``spec``."""
+  from jaxfold._src import algebra as A
+  blocks = dict(spec)
+  dims = []
+  for d, s in enumerate(shape):
+    b = blocks.get(d)
+    if s == 1 or b == s:
+      dims.append(None)
     else:
-      sites[key] = SiteInfo([node], u, tuple(node.params["axes"]), node, graph)
-  return list(sites.values())
-
-
-def nested_sites(graph: Graph) -> list[tuple[Node, SiteInfo]]:
-  """Sites inside conditional or while-loop bodies (reported, not folded)."""
-  out = []
-  for n in graph.nodes:
-    for g in n.subgraphs:
-      if not compat.is_scan(n.eqn):
-        out += [(n, s) for s in find_sites(g)]
-      out += nested_sites(g)
-  return out
-
-
-def _strip(graph: Graph, v: Any) -> Any:
-  while compat.is_var(v) and v in graph.producer:
-    node, _ = graph.producer[v]
-    if node.prim in _UNARY_SAME:
-      v = node.invars[0]
-    else:
-      break
-  return v
-
-
-def _strip_layout(graph: Graph, v: Any) -> Any:
-  while compat.is_var(v) and v in graph.producer:
-    node, _ = graph.producer[v]
-    if node.prim in _UNARY_SAME or node.prim is lax.reshape_p:
-      v = node.invars[0]
-    else:
-      break
-  return v
-
-
-def _is_subtracted(graph: Graph, mean: Any, root: Any) -> bool:
-  frontier, seen = [mean], set()
-  while frontier:
-    v = frontier.pop()
-    if v in seen:
-      continue
-    seen.add(v)
-    for node, k in graph.consumers.get(v, []):
-      p = node.prim
-      if p is lax.sub_p and k == 1:
-        if _strip_layout(graph, node.invars[0]) is root:
-          return True
-      if p in _UNARY_SAME or p in _LAYOUT or (p in (lax.div_p, lax.mul_p) and
-                                               any(_scalar_literal(a) is not None or not shape_of(a)
-                                                   for a in node.invars if a is not v)):
-        frontier.append(node.outvars[0])
-  return False
+      dims.append((None, b or 1))
+  return A.pure(tuple(dims))

@@ -1,11 +1,14 @@
 """Re-traces a jaxpr with a fold plan applied.
 
 The folded program is produced by interpreting the original jaxpr under the
-caller's trace (so ``jit``/``make_jaxpr`` rebuild it), with three changes:
-removed mean reductions yield a symbolic ``Zero`` that simplifies away
-(``h - 0 = h``, ``0 * y = 0``), auxiliary centerings are inserted after the
-values the plan names, and untied parameter copies replace a leaf at one use.
-Equations the plan does not touch are bound unchanged, sub-jaxprs included.
+caller's trace (so ``jit``/``make_jaxpr`` rebuild it), with these changes,
+all keyed by the call-site paths of ``program.Program``: removed mean
+reductions yield a symbolic ``Zero`` that each primitive's rule simplifies
+away (``h - 0 = h``, ``0 * y = 0``), auxiliary centerings are inserted after
+the values the plan names, captured constants are centered, untied copies
+replace a parameter at one use, and proven epilogues run as the RMSNorm
+kernel. A call whose body the plan does not touch is bound unchanged, so
+its custom differentiation rules are kept.
 """
 
 from __future__ import annotations
@@ -23,12 +26,12 @@ from jaxfold._src import layout
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """Everything the rewrite needs, keyed by equation paths (see graph.Node)."""
+  """Everything the rewrite needs, keyed by paths (see program.Val.key)."""
   zero: frozenset = frozenset()               # paths of reduce_sum to remove
-  aux: tuple = ()                             # ((var_key, spec), ...)
-  consts: tuple = ()                          # ((const_key, spec), ...)
-  untied: tuple = ()                          # ((use_path, operand, name, chain eqns), ...)
-  epilogues: tuple = ()                       # kernels.Epilogue of folded sites
+  aux: tuple = ()                             # ((val key, spec), ...)
+  consts: tuple = ()                          # ((const key, spec), ...)
+  untied: tuple = ()                          # ((use path, operand, name, chain eqns), ...)
+  epilogues: tuple = ()                       # kernels.Epilogue of proven sites
   norm_impl: str = "auto"                     # see kernels.IMPLS
 
   @property
@@ -48,55 +51,64 @@ class Zero:
     return jnp.zeros(self.aval.shape, self.aval.dtype)
 
 
-def _fit(x, aval):
-  x = jnp.asarray(x)
-  if x.dtype != aval.dtype:
-    x = x.astype(aval.dtype)
-  if x.shape != tuple(aval.shape):
-    x = jnp.broadcast_to(x, aval.shape)
-  return x
+class _Eqn:
+  """An equation seen through the interface rule facets use (``node.outs``...)."""
+  __slots__ = ("eqn",)
+
+  def __init__(self, eqn):
+    self.eqn = eqn
+
+  @property
+  def prim(self):
+    return self.eqn.primitive
+
+  @property
+  def params(self):
+    return self.eqn.params
+
+  @property
+  def ins(self):
+    return [_Aval(a.aval) for a in self.eqn.invars]
+
+  @property
+  def outs(self):
+    return [_Aval(v.aval) for v in self.eqn.outvars]
 
 
-_ZERO_PRESERVING = {lax.neg_p, lax.convert_element_type_p, lax.reshape_p, lax.broadcast_in_dim_p,
-                    lax.transpose_p, lax.squeeze_p, lax.reduce_sum_p, lax.copy_p,
-                    lax.slice_p, lax.dynamic_slice_p}
+class _Aval:
+  __slots__ = ("aval",)
+
+  def __init__(self, aval):
+    self.aval = aval
+
+  @property
+  def shape(self):
+    return tuple(self.aval.shape)
+
+  @property
+  def dtype(self):
+    return self.aval.dtype
 
 
 def _simplify(eqn, invals) -> list | None:
-  """Outputs of ``eqn`` when some inputs are Zero, or None to materialise."""
-  p = eqn.primitive
+  """Outputs of ``eqn`` when some inputs are Zero (its rule's facet), or None."""
+  from jaxfold._src.rules import rule_for
   zeros = [isinstance(v, Zero) for v in invals]
-  out_aval = eqn.outvars[0].aval
-  if p in _ZERO_PRESERVING and zeros[0]:
-    return [Zero(out_aval)]
-  if p is lax.mul_p or p is lax.dot_general_p:
-    return [Zero(out_aval)]
-  if p is lax.div_p and zeros[0]:
-    return [Zero(out_aval)]
-  if p in (lax.square_p,) or (p is lax.integer_pow_p and eqn.params["y"] > 0):
-    return [Zero(out_aval)]
-  if p is lax.add_p:
-    if all(zeros):
-      return [Zero(out_aval)]
-    live = invals[0] if zeros[1] else invals[1]
-    return [_fit(live, out_aval)]
-  if p is lax.sub_p:
-    if all(zeros):
-      return [Zero(out_aval)]
-    return [_fit(invals[0], out_aval)] if zeros[1] else [_fit(-invals[1], out_aval)]
-  return None
+  fn = rule_for(eqn.primitive).simplify(_Eqn(eqn), zeros)
+  return None if fn is None else list(fn(invals))
 
 
 def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
-             extras: dict, prefix: tuple = (), env: dict | None = None) -> list:
+             extras: dict, prefix: tuple = (), values: dict | None = None) -> list:
   """Evaluates ``jaxpr`` with ``plan`` applied under the current trace.
 
-  ``env`` is shared with the enclosing levels, so a kernel substitution can
-  read values the analysis resolved across call boundaries.
+  ``values`` maps value keys to what they evaluated to, across call levels,
+  so a kernel substitution reads the operands its proof names.
   """
   jaxpr, inner_consts = compat.open_jaxpr(jaxpr)
   consts = list(consts) if consts else inner_consts
-  env = {} if env is None else env
+  values = {} if values is None else values
+  env: dict = {}
   kernels_at = {e.out_path: e for e in plan.epilogues} if plan.norm_impl != "xla" else {}
   aux = dict(plan.aux)
   centered = dict(plan.consts)
@@ -106,16 +118,19 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
   def read(a):
     return compat.literal_value(a) if compat.is_literal(a) else env[a]
 
-  def write(v, val):
+  def write(v, val, key):
+    if key in aux:
+      val = _aux(val, aux[key])
     if compat.is_var(v):
       env[v] = val
+    values[key] = val
 
   for i, (v, c) in enumerate(zip(compat.constvars(jaxpr), consts)):
     key = (prefix, "const", i)
-    write(v, layout.center(jnp.asarray(c), dict(centered[key])) if key in centered else c)
+    write(v, layout.center(jnp.asarray(c), dict(centered[key])) if key in centered else c, key)
   for i, (v, a) in enumerate(zip(jaxpr.invars, args)):
-    key = (prefix, "in", i)
-    write(v, _aux(a, aux[key]) if key in aux else a)
+    if prefix == () or compat.is_var(v):
+      write(v, a, (prefix, "in", i))
 
   for i, eqn in enumerate(jaxpr.eqns):
     path = prefix + (i,)
@@ -125,18 +140,20 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
         name, chain = untied[(path, k)]
         val = extras[name]
         for ceqn in chain:
-          val = compat.bind_eqn(ceqn, [val] + [read(a) for a in ceqn.invars[1:]])[0]
+          val = compat.bind_eqn(ceqn, [val])[0]
         invals[k] = val
-    if path in kernels_at and (outs := _kernel(kernels_at[path], eqn, env, plan)) is not None:
+    outs = None
+    if path in kernels_at:
+      outs = _kernel(kernels_at[path], eqn, values, plan)
+    if outs is not None:
       pass
     elif path in plan.zero:
       outs = [Zero(eqn.outvars[0].aval)]
     elif path in touched and compat.is_call(eqn):
-      outs = _call(eqn, invals, plan, extras, path, env if not compat.is_remat(eqn) else dict(env))
+      outs = _call(eqn, invals, plan, extras, path, values)
     elif path in touched and compat.is_scan(eqn):
       outs = _scan(eqn, invals, plan, extras, path)
     else:
-      outs = None
       if any(isinstance(v, Zero) for v in invals):
         outs = _simplify(eqn, invals)
         if outs is None:
@@ -144,8 +161,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
       if outs is None:
         outs = compat.bind_eqn(eqn, invals)
     for k, (v, val) in enumerate(zip(eqn.outvars, outs)):
-      key = (path, "out", k)
-      write(v, _aux(val, aux[key]) if key in aux else val)
+      write(v, val, (path, "out", k))
   return [v.materialize() if isinstance(v, Zero) else v
           for v in (read(a) for a in jaxpr.outvars)]
 
@@ -155,18 +171,18 @@ def _aux(x, spec):
   return layout.center(x, dict(spec))
 
 
-def _kernel(ep, eqn, env, plan):
+def _kernel(ep, eqn, values, plan):
   from jaxfold._src import kernels
-  x = env.get(ep.x)
+  x = values.get(ep.x)
   if x is None or isinstance(x, Zero):
     return None
   interpret = kernels.use_kernel(plan.norm_impl, x.shape, x.dtype)
   if interpret is None:
     return None
-  if any(v is not None and v not in env for v in (ep.gamma, ep.beta)):
+  if any(k is not None and k not in values for k in (ep.gamma, ep.beta)):
     return None
-  gamma = env[ep.gamma] if ep.gamma is not None else None
-  beta = env[ep.beta] if ep.beta is not None else None
+  gamma = values[ep.gamma] if ep.gamma is not None else None
+  beta = values[ep.beta] if ep.beta is not None else None
   return [kernels.run_kernel(ep, x, gamma, beta, eqn.outvars[0].aval, interpret)]
 
 
@@ -176,9 +192,11 @@ def _scan(eqn, invals, plan, extras, path):
   inner, consts = compat.open_jaxpr(eqn.params["jaxpr"])
   invals = [v.materialize() if isinstance(v, Zero) else v for v in invals]
   closed, init, xs = invals[:nc], invals[nc:nc + ncar], invals[nc + ncar:]
+  body_prefix = path + (0,)
 
   def body(carry, x):
-    outs = evaluate(inner, consts, list(closed) + list(carry) + list(x), plan, extras, path + (0,))
+    outs = evaluate(inner, consts, list(closed) + list(carry) + list(x), plan, extras,
+                    body_prefix)
     return outs[:ncar], outs[ncar:]
 
   carry, ys = lax.scan(body, list(init), list(xs), length=eqn.params["length"],
@@ -186,12 +204,16 @@ def _scan(eqn, invals, plan, extras, path):
   return list(carry) + list(ys)
 
 
-def _call(eqn, invals, plan, extras, path, env):
+def _call(eqn, invals, plan, extras, path, values):
+  """A touched call: its body is interpreted at this call site (a remat
+  boundary is kept; values inside it stay inside it)."""
   body = compat.call_jaxpr_of(eqn)
   inner, consts = compat.open_jaxpr(body)
   invals = [v.materialize() if isinstance(v, Zero) else v for v in invals]
-  run = lambda *a: evaluate(inner, consts, a, plan, extras, path, env)
   if compat.is_remat(eqn):
+    run = lambda *a: evaluate(inner, consts, a, plan, extras, path, dict(values))
     run = jax.checkpoint(run, prevent_cse=eqn.params.get("prevent_cse", True),
                          policy=eqn.params.get("policy"))
+  else:
+    run = lambda *a: evaluate(inner, consts, a, plan, extras, path, values)
   return run(*invals)

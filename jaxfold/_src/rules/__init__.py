@@ -5,6 +5,7 @@ primitive's rule, or the fail-closed default for primitives without one.
 """
 
 from jaxfold._src.rules import contraction as contraction  # noqa: F401 (registers)
+from jaxfold._src.rules import control as control  # noqa: F401
 from jaxfold._src.rules import elementwise as elementwise  # noqa: F401
 from jaxfold._src.rules import reduction as reduction  # noqa: F401
 from jaxfold._src.rules import structural as structural  # noqa: F401

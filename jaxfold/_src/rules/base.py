@@ -92,6 +92,10 @@ class Rule:
   # Whether the primitive's JVP is the derivative of what it computes; CBWC
   # gradients equal the original's only across such primitives.
   differentiable: bool = True
+  # "identity" (each output is its operand's value), "layout" (re-indexes
+  # one operand), "scale" (multiplies by another operand) or "": lets site
+  # detection see through formulations, never used for soundness.
+  kind: str = ""
   # Parameter variants the fuzzer must generate, e.g. ("int target", "float narrowing").
   variants: tuple = ()
 
@@ -100,7 +104,9 @@ DEFAULT = Rule("default", ())
 _REGISTRY: dict = {}
 
 
-def register(rule: Rule) -> Rule:
+def register(rule: Rule, kind: str = "") -> Rule:
+  if kind:
+    rule = dataclasses.replace(rule, kind=kind)
   for p in rule.primitives:
     if p is None:
       continue

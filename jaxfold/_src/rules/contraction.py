@@ -96,6 +96,11 @@ def _dot_zero_sum(node, k, spec, ctx):
 
 
 def _dot_canon(node, ins, ctx):
+  # Distributing over sums is exact but rarely needed (nothing cancels
+  # across a contraction's operands); past single terms the value stands
+  # for itself, which keeps canonical forms of deep models small.
+  if len(ins[0].terms) > 1 or len(ins[1].terms) > 1:
+    return [ctx.atom(node.outs[0])]
   return [A.bilinear(_tag(node), ins[0], ins[1], node.outs[0].shape)]
 
 

@@ -164,9 +164,22 @@ def _add_zero_sum(node, k, spec, ctx):
       continue
     s = operand_spec(a, spec, out_shape)
     if s is None:
-      raise Block(f"`{node.prim.name}` broadcasts an operand along the normalized axes")
+      # Summing a value broadcast along some normalized dims multiplies its
+      # sum over the others by their size: it must be zero-sum over those.
+      s = _broadcast_spec(a, spec, out_shape)
+      if s is None:
+        raise Block(f"`{node.prim.name}` adds an operand broadcast along every normalized axis "
+                    "(a bias or offset that no centering can make zero-sum)")
     needs.append(Need(i, s))
   return needs
+
+
+def _broadcast_spec(a, spec, out_shape):
+  s = tuple(a.shape)
+  if len(s) != len(out_shape):
+    return None
+  kept = tuple((d, b) for d, b in spec if s[d] == out_shape[d])
+  return kept or None
 
 
 def _add_simplify(sign):
@@ -265,7 +278,7 @@ DROPOUT = ("a random mask (dropout) that varies along the normalized axes makes 
 register(Rule("mul", (lax.mul_p,), facts=_arith_facts(lambda a, b: a * b),
               canon=lambda node, ins, ctx: [A.mul(ins[0], ins[1])], shift=_mul_shift,
               zero_sum=_mul_zero_sum, simplify=_zero_out,
-              variants=("constant factor", "per-token factor", "varying factor", "same shift")))
+              variants=("constant factor", "per-token factor", "varying factor", "same shift")), kind="scale")
 
 
 def _is_float(dtype) -> bool:
@@ -316,7 +329,7 @@ register(Rule("div", (lax.div_p,), facts=_div_facts, canon=_div_canon, shift=_di
               zero_sum=_div_zero_sum,
               simplify=lambda node, zeros: (lambda ins: [ctx_zero(node.outs[0])]) if zeros[0] and _is_float(node.outs[0].dtype) else None,
               variants=("constant divisor", "rounded reciprocal", "per-token divisor",
-                        "shift in divisor")))
+                        "shift in divisor")), kind="scale")
 
 
 # ----------------------------------------------------------------------------
@@ -376,8 +389,15 @@ def _cmp(fn):
   return lambda *v: Fraction(int(bool(fn(*v))))
 
 
-register(Rule("max", (lax.max_p,), facts=_arith_facts(max),
-              canon=lambda node, ins, ctx: [A.app(("max",), ins, node.outs[0].shape, commutative=True)],
+def _max_canon(node, ins, ctx):
+  """``max(0, v) = v`` for a provably non-negative ``v`` (a clamped variance)."""
+  for a, b in ((ins[0], ins[1]), (ins[1], ins[0])):
+    if a.is_const and a.const_value <= 0 and A.nonneg(b):
+      return [A.lift(b, node.outs[0].shape)]
+  return [A.app(("max",), ins, node.outs[0].shape, commutative=True)]
+
+
+register(Rule("max", (lax.max_p,), facts=_arith_facts(max), canon=_max_canon,
               shift=_block_nonlinear, zero_sum=_block_zero_sum))
 register(Rule("min", (lax.min_p,), facts=_arith_facts(min),
               canon=lambda node, ins, ctx: [A.app(("min",), ins, node.outs[0].shape, commutative=True)],
@@ -557,7 +577,7 @@ register(Rule("convert_element_type", (lax.convert_element_type_p,), facts=_conv
               canon=_convert_canon, shift=_convert_shift, zero_sum=_convert_zero_sum,
               simplify=_convert_simplify,
               variants=("widening", "narrowing within tolerance", "narrowing beyond tolerance",
-                        "int target")))
+                        "int target")), kind="identity")
 
 
 def _rp_kind(node, ctx) -> str:
@@ -595,7 +615,7 @@ register(Rule("reduce_precision", _prims("reduce_precision_p"),
               facts=lambda node, ins, ctx: [Facts(ins[0].const, None, ins[0].random)],
               canon=_rp_canon, shift=_rp_shift, zero_sum=_rp_zero_sum,
               simplify=lambda node, zeros: (lambda ins: [ctx_zero(node.outs[0])]) if zeros[0] else None,
-              variants=("wide format", "narrow format")))
+              variants=("wide format", "narrow format")), kind="identity")
 
 
 def _identity_rule(name, prims, differentiable=True):
@@ -621,7 +641,7 @@ def _identity_rule(name, prims, differentiable=True):
     return None
 
   register(Rule(name, prims, facts=facts, canon=canon, shift=shift, zero_sum=zero_sum,
-                simplify=simplify, differentiable=differentiable,
+                simplify=simplify, differentiable=differentiable, kind="identity",
                 variants=("several operands",) if name == "optimization_barrier" else ()))
 
 

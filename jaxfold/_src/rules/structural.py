@@ -85,7 +85,7 @@ def _transpose_zero_sum(node, k, spec, ctx):
 
 register(Rule("transpose", (lax.transpose_p,), facts=_transpose_facts,
               canon=_canon_view(lambda n: (lambda v: v.transpose(n.params["permutation"])), _tag),
-              shift=_transpose_shift, zero_sum=_transpose_zero_sum, simplify=_only_operand_zero))
+              shift=_transpose_shift, zero_sum=_transpose_zero_sum, simplify=_only_operand_zero), kind="layout")
 
 
 def _bcast_facts(node, ins, ctx):
@@ -130,7 +130,7 @@ def _bcast_zero_sum(node, k, spec, ctx):
 
 register(Rule("broadcast_in_dim", (lax.broadcast_in_dim_p,), facts=_bcast_facts,
               canon=_canon_view(_bcast_op, _tag), shift=_bcast_shift, zero_sum=_bcast_zero_sum,
-              simplify=_only_operand_zero, variants=("new dims", "size-1 expansion")))
+              simplify=_only_operand_zero, variants=("new dims", "size-1 expansion")), kind="layout")
 
 
 def _reshape_check(node):
@@ -179,7 +179,7 @@ def _reshape_canon(node, ins, ctx):
 
 register(Rule("reshape", (lax.reshape_p,), facts=_reshape_facts, canon=_reshape_canon,
               shift=_reshape_shift, zero_sum=_reshape_zero_sum, simplify=_only_operand_zero,
-              variants=("split", "merge", "grouped")))
+              variants=("split", "merge", "grouped")), kind="layout")
 
 
 def _squeeze_kept(node) -> list:
@@ -208,7 +208,7 @@ def _squeeze_zero_sum(node, k, spec, ctx):
 
 register(Rule("squeeze", (lax.squeeze_p,), facts=_squeeze_facts,
               canon=_canon_view(lambda n: (lambda v: v.reshape(n.outs[0].shape)), _tag),
-              shift=_squeeze_shift, zero_sum=_squeeze_zero_sum, simplify=_only_operand_zero))
+              shift=_squeeze_shift, zero_sum=_squeeze_zero_sum, simplify=_only_operand_zero), kind="layout")
 
 
 # ----------------------------------------------------------------------------
@@ -434,14 +434,29 @@ def _concat_shift(node, ins, ctx):
   if not all(p.is_pure for p in live):
     raise Block("a nonlinear function of the shift is concatenated")
   keep = frozenset(range(len(out_shape))) - {dim}
-  return [_piecewise_pure(live, keep, out_shape)]
+  out = _piecewise_pure(live, keep, out_shape)
+  # Along the concatenation, the result is constant on aligned blocks that
+  # divide every piece and every piece's own block.
+  sizes = [a.shape[dim] for a in node.ins]
+  blocks = [p.dims[dim][1] if p is not None and p.dims[dim] is not None else n
+            for p, n in zip(ins, sizes)]
+  if all(isinstance(n, int) for n in sizes):
+    b = math.gcd(*sizes, *blocks)
+    if b > 1:
+      dims = list(out.dims)
+      dims[dim] = (None, b)
+      out = A.pure(tuple(dims))
+  return [out]
 
 
 def _concat_zero_sum(node, k, spec, ctx):
   dim = node.params["dimension"]
-  if any(d == dim for d, _ in spec):
-    raise Block("a concatenation along the normalized axes")
-  return [Need(i, spec, transparent=True) for i, a in enumerate(node.ins) if not ctx.is_zero(a)]
+  block = dict(spec).get(dim)
+  if block is not None and not all(a.shape[dim] % block == 0 for a in node.ins):
+    # Pieces that are whole groups keep each group inside one operand.
+    raise Block("a concatenation along the normalized axes whose pieces are not whole groups")
+  return [Need(i, spec, transparent=block is None) for i, a in enumerate(node.ins)
+          if not ctx.is_zero(a)]
 
 
 def _concat_facts(node, ins, ctx):
