@@ -65,6 +65,13 @@ _F32 = jnp.float32
 # Elements one program keeps on chip in the forward pass; 4096 fp32 values in
 # registers over 4-8 warps is the sweet spot used by Triton's layer norm.
 _BLOCK_ELEMS = 4096
+# The backward pass holds x, dy (and dres) per element plus the dscale/dbias
+# accumulators: half the forward block and ~8 elements per thread. With the
+# forward's 4096-element blocks ptxas settles on 64 registers and spills 4-8
+# bytes for hidden 768/1000 (sm_80 and sm_90a; tests/test_pallas_kernels/test_aot.py).
+_BWD_BLOCK_ELEMS = 2048
+_FWD_ELEMS_PER_THREAD = 16
+_BWD_ELEMS_PER_THREAD = 8
 # Target number of programs for the backward pass: enough to fill an H100
 # (132 SMs) several times, few enough that the float32 partial sums of
 # dscale/dbias (programs x hidden) stay small.
@@ -143,15 +150,15 @@ def _largest_pow2_divisor(n: int) -> int:
     return n & -n
 
 
-def _tiling(n_rows: int, hidden: int, masked: bool) -> tuple[int, int]:
-    """(block_rows, block_cols) of a forward program.
+def _tiling(n_rows: int, hidden: int, masked: bool, block_elems: int = _BLOCK_ELEMS) -> tuple[int, int]:
+    """(block_rows, block_cols) of a program (one loop step in the backward pass).
 
     Triton blocks must be powers of two, so the row is padded to
     ``next_pow2(hidden)`` and masked. The unmasked (Mosaic) body needs blocks
     that exactly tile the array: full ``hidden`` and a divisor of ``n_rows``.
     """
     cols = pl.next_power_of_2(hidden) if masked else hidden
-    target = max(1, _BLOCK_ELEMS // pl.next_power_of_2(hidden))
+    target = max(1, block_elems // pl.next_power_of_2(hidden))
     rows = min(target, pl.next_power_of_2(n_rows))
     if not masked:
         rows = min(rows, _largest_pow2_divisor(n_rows))
@@ -166,15 +173,26 @@ def _bwd_steps(n_rows: int, block_rows: int, masked: bool) -> int:
     return steps
 
 
-def _num_warps(block_elems: int) -> int:
-    # ~16 elements per thread, between 1 and 8 warps.
-    return int(min(max(block_elems // 512, 1), 8))
+def bwd_grid(n_rows: int, hidden: int, masked: bool = True) -> tuple[int, int, int]:
+    """(block_rows, steps, programs) of the backward kernel.
+
+    Each program loops ``steps`` times over ``block_rows`` rows and writes one
+    float32 partial row of dscale (and dbias): ``programs x hidden`` each.
+    """
+    br, _ = _tiling(n_rows, hidden, masked, _BWD_BLOCK_ELEMS)
+    steps = _bwd_steps(n_rows, br, masked)
+    return br, steps, pl.cdiv(n_rows, br * steps)
 
 
-def _call(kernel, *, grid, in_specs, out_specs, out_shape, st: _Static, block_elems: int, name: str):
+def _num_warps(block_elems: int, elems_per_thread: int) -> int:
+    # ~elems_per_thread elements per thread, between 1 and 8 warps.
+    return int(min(max(block_elems // (32 * elems_per_thread), 1), 8))
+
+
+def _call(kernel, *, grid, in_specs, out_specs, out_shape, st: _Static, num_warps: int, name: str):
     params = None
     if not st.interpret:
-        params = pallas_api(st.backend).compiler_params(num_warps=_num_warps(block_elems), num_stages=None)
+        params = pallas_api(st.backend).compiler_params(num_warps=num_warps, num_stages=None)
     call = pl.pallas_call(
         kernel,
         grid=grid,
@@ -313,7 +331,7 @@ def _forward(x, residual, scale, bias, st: _Static):
     )
     outs = _call(
         kernel, grid=(pl.cdiv(n_rows, br),), in_specs=in_specs, out_specs=out_specs,
-        out_shape=out_shape, st=st, block_elems=br * hp,
+        out_shape=out_shape, st=st, num_warps=_num_warps(br * hp, _FWD_ELEMS_PER_THREAD),
         name="fused_add_rms_norm_fwd" if has_res else "rms_norm_fwd",
     )(*inputs)
     if has_res:
@@ -328,10 +346,9 @@ def _backward(xn, scale, rstd, dy, dres, has_bias: bool, dx_dtype, st: _Static):
     """
     n_rows, hidden = xn.shape
     masked = st.backend == "triton"
-    br, hp = _tiling(n_rows, hidden, masked)
-    steps = _bwd_steps(n_rows, br, masked)
+    br, steps, n_prog = bwd_grid(n_rows, hidden, masked)
+    hp = _tiling(n_rows, hidden, masked)[1]
     rpp = br * steps
-    n_prog = pl.cdiv(n_rows, rpp)
     tile = pl.BlockSpec((rpp, hp), lambda i: (i, 0))
     vec = pl.BlockSpec((hp,), lambda i: (0,))
     rows = pl.BlockSpec((rpp,), lambda i: (i,))
@@ -350,7 +367,7 @@ def _backward(xn, scale, rstd, dy, dres, has_bias: bool, dx_dtype, st: _Static):
     )
     outs = _call(
         kernel, grid=(n_prog,), in_specs=in_specs, out_specs=out_specs,
-        out_shape=out_shape, st=st, block_elems=br * hp,
+        out_shape=out_shape, st=st, num_warps=_num_warps(br * hp, _BWD_ELEMS_PER_THREAD),
         name="fused_add_rms_norm_bwd" if has_dres else "rms_norm_bwd",
     )(*inputs)
     dscale = outs[1].sum(axis=0)

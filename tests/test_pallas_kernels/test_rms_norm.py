@@ -129,6 +129,35 @@ def test_fused_add_rms_norm_forward_and_grads(shape, dtype, res_dtype):
         _close(got, want, tol, what)
 
 
+@pytest.mark.parametrize("backend", ["triton", "mosaic_gpu"])
+def test_backward_loop_over_several_row_blocks(monkeypatch, backend):
+    """Few backward programs, each looping over several row blocks (the layout of
+    large inputs), with a ragged last program (masked body) or exact tiling."""
+    mod = sys.modules["pallas_kernels.rms_norm"]
+    monkeypatch.setattr(mod, "_BWD_TARGET_PROGRAMS", 2)
+    shape = (37, 130) if backend == "triton" else (64, 128)
+    br, steps, n_prog = mod.bwd_grid(shape[0], shape[1], masked=backend == "triton")
+    assert steps > 1 and n_prog >= 2, (br, steps, n_prog)
+    x, scale, bias, ct, res, ct_h = _inputs(shape, jnp.float32, seed=5)
+
+    @jax.jit
+    def run(x, res, scale, bias, ct, ct_h):
+        f = lambda x, r, s, b: pk.add_rms_norm(x, r, s, b, eps=EPS, interpret=True, backend=backend)
+        (y, h), vjp = jax.vjp(f, x, res, scale, bias)
+        g = jax.vjp(lambda x, s, b: pk.rms_norm(x, s, b, eps=EPS, interpret=True, backend=backend),
+                    x, scale, bias)[1](ct)
+        return (y, h, *vjp((ct, ct_h)), *g)
+
+    got = run(x, res, scale, bias, ct, ct_h)
+    (ry, rh), rvjp = jax.vjp(lambda x, r, s, b: pk.fused_add_rms_norm_reference(x, r, s, b, eps=EPS),
+                             x, res, scale, bias)
+    rg = jax.vjp(lambda x, s, b: pk.rms_norm_reference(x, s, b, eps=EPS), x, scale, bias)[1](ct)
+    want = (ry, rh, *rvjp((ct, ct_h)), *rg)
+    names = ("y", "h", "dx", "dres", "dscale", "dbias", "rms dx", "rms dscale", "rms dbias")
+    for g, w, what in zip(got, want, names):
+        _close(g, w, 2e-5, what)
+
+
 def test_exactly_tiled_body_matches():
     """backend='mosaic_gpu' selects the unmasked (exactly tiled) body; in
     interpret mode it runs on CPU on every jax version."""
