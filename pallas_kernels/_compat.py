@@ -16,6 +16,11 @@ Known differences (checked against jax 0.10.2 and 0.11.2):
   compiler params are given, ``jax_pallas_use_mosaic_gpu=True``). jax 0.11
   registers no ``pl.pallas_call`` lowering for Mosaic GPU params (kernels
   must use ``plgpu.kernel``), so that backend is reported unavailable there.
+* Kernel choice per lowering platform (:func:`platform_dependent`),
+  ``jax.experimental.topologies.get_topology_desc(platform="cuda",
+  target_config=...)`` and the Triton custom-call target are the same in
+  0.10.2 and 0.11; ``pallas.triton.CUSTOM_CALL_TARGET_NAME`` is exported
+  from 0.11 on.
 * Masked loads/stores: ``jax.experimental.pallas.triton.load/store`` (0.10,
   0.11); older jax had ``pl.load(ref, idx, mask=...)``.
 
@@ -145,6 +150,141 @@ def pallas_api(backend: str) -> PallasAPI:
     return PallasAPI(backend, True, "", mgpu_params, load, store)
 
 
-def default_platform() -> str:
-    """``"gpu"``, ``"cpu"`` or ``"tpu"``: the platform jit would run on."""
-    return jax.default_backend()
+# --------------------------------------------------------------------------
+# Kernel choice by lowering platform
+# --------------------------------------------------------------------------
+def platform_dependent(*args: Any, cuda: Callable[..., Any], default: Callable[..., Any]) -> Any:
+    """``cuda(*args)`` when lowered for CUDA, ``default(*args)`` elsewhere.
+
+    ``jax.lax.platform_dependent`` (jax 0.10 and 0.11) stages both branches
+    into a ``cond`` whose lowering keeps only the branch of the platform being
+    lowered (``branches_platforms``), so a Pallas GPU kernel in the ``cuda``
+    branch never reaches the CPU compiler. ROCm takes ``default``: the
+    kernels have not been compiled or checked for it.
+    """
+    return jax.lax.platform_dependent(*args, cuda=cuda, default=default)
+
+
+def triton_custom_call_target() -> str:
+    """The custom-call target of compiled Pallas Triton kernels in HLO."""
+    try:
+        from jax.experimental.pallas import triton as plt
+
+        return plt.CUSTOM_CALL_TARGET_NAME  # jax >= 0.11
+    except (ImportError, AttributeError):
+        return "__gpu$xla.gpu.triton"  # jax 0.10 (same string)
+
+
+def export_disabled_checks() -> list:
+    """``jax.export`` safety checks to disable for artifacts holding the kernels.
+
+    ``jax.export`` refuses custom calls without a stability guarantee, and
+    Triton IR has none: an exported CUDA artifact with the kernel is only
+    valid for the jax/jaxlib that wrote it.
+    """
+    from jax import export
+
+    return [export.DisabledSafetyCheck.custom_call(triton_custom_call_target())]
+
+
+# --------------------------------------------------------------------------
+# Deviceless CUDA compilation (pallas_kernels.aot)
+# --------------------------------------------------------------------------
+def cuda_topology(target_config: str):
+    """A one-device CUDA ``TopologyDescription`` built from a target config.
+
+    Needs the ``jax-cuda12-plugin``/``jax-cuda12-pjrt`` wheels of the running
+    jax (``pip install -e ".[gpu-aot]"``); no GPU, driver or CUDA runtime.
+    Raises ``RuntimeError`` with the reason when compiling for CUDA is not
+    possible here.
+
+    Why the re-registration below: on a host without a CUDA runtime the
+    plugin's ``initialize()`` fails its runtime-version check -- unless
+    ``JAX_PLATFORMS`` excludes CUDA, or ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK`` is
+    set -- and then registers no CUDA topology factory. Compile-only use never
+    touches the runtime, so we rerun ``initialize()`` with the check skipped
+    (only when no CUDA backend exists, so a real GPU setup is left alone).
+    """
+    from jax._src import xla_bridge as xb  # private, guarded: registry of topology factories
+    from jax.experimental import topologies
+
+    try:
+        xb._discover_and_register_pjrt_plugins()
+        if "cuda" not in xb._topology_factories and "cuda" not in xb._backends:
+            import os
+
+            try:
+                from jax_plugins import xla_cuda12 as plugin  # the jax-cuda12-plugin wheel
+            except ImportError as e:
+                raise RuntimeError(
+                    "the CUDA PJRT plugin is not installed: pip install -e \".[gpu-aot]\" "
+                    f"(jax-cuda12-plugin=={jax.__version__}, jax-cuda12-pjrt, nvidia-cuda-nvcc-cu12): {e}"
+                ) from None
+            prev = os.environ.get("JAX_SKIP_CUDA_CONSTRAINTS_CHECK")
+            os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+            try:
+                plugin.initialize()
+            finally:
+                if prev is None:
+                    del os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"]
+                else:
+                    os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = prev
+    except RuntimeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure means "cannot compile for CUDA here"
+        raise RuntimeError(f"cannot register the CUDA PJRT plugin: {type(e).__name__}: {e}") from e
+    try:
+        return topologies.get_topology_desc(platform="cuda", target_config=target_config, topology="1x1x1")
+    except Exception as e:  # noqa: BLE001
+        raise RuntimeError(f"cannot build a CUDA topology: {type(e).__name__}: {e}") from e
+
+
+# --------------------------------------------------------------------------
+# Lowering a kernel for CUDA only, also inside multi-platform lowerings
+# --------------------------------------------------------------------------
+# In a multi-platform lowering (jax.export(..., platforms=("cpu", "cuda"))) the
+# kept branches of a platform_dependent are lowered in a context that still
+# lists *all* platforms, so pl.pallas_call lowers its CPU rule too and raises
+# ("Only interpret mode is supported on CPU backend"; jax 0.10.2 and 0.11).
+# `cuda_only(f)` stages f as one primitive whose lowering narrows the module
+# context to CUDA. It is only ever lowered inside the cuda branch of
+# platform_dependent, so the narrowing is exact. No AD rules: it is used inside
+# custom_vjp forward/backward rules only.
+_cuda_only_p = None
+
+
+def _cuda_only_primitive():
+    global _cuda_only_p
+    if _cuda_only_p is not None:
+        return _cuda_only_p
+    from jax._src import core  # private, guarded by the tests of every supported jax
+    from jax._src.interpreters import batching, mlir
+
+    p = core.Primitive("pallas_kernels_cuda_only")
+    p.multiple_results = True
+    p.def_impl(lambda *args, jaxpr: jax.jit(core.jaxpr_as_fun(jaxpr))(*args))
+    p.def_abstract_eval(lambda *args, jaxpr: jaxpr.out_avals)
+
+    def lowering(ctx, *args, jaxpr):
+        narrowed = ctx.replace(module_context=ctx.module_context.replace(platforms=("cuda",)))
+        return mlir.lower_fun(core.jaxpr_as_fun(jaxpr), multiple_results=True)(narrowed, *args)
+
+    def batcher(args, dims, *, jaxpr):
+        fn = jax.vmap(core.jaxpr_as_fun(jaxpr), in_axes=tuple(dims))
+        outs = cuda_only(fn)(*args)
+        return outs, [0] * len(outs)
+
+    mlir.register_lowering(p, lowering)
+    batching.primitive_batchers[p] = batcher
+    _cuda_only_p = p
+    return p
+
+
+def cuda_only(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (flat array args -> list of arrays), lowered with CUDA as the only platform."""
+    def wrapped(*args):
+        p = _cuda_only_primitive()
+        closed = jax.make_jaxpr(lambda *a: list(fn(*a)))(*args)
+        return p.bind(*args, jaxpr=closed)
+
+    return wrapped

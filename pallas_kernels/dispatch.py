@@ -39,7 +39,7 @@ class Rule:
 
 
 DEFAULT_RULES: tuple[Rule, ...] = (
-    Rule("*", min_hidden=256, max_hidden=16384, min_rows=1024),
+    Rule("*", min_hidden=256, max_hidden=8192, min_rows=1024),  # 8192 = rms_norm.MAX_HIDDEN
 )
 
 _rules: tuple[Rule, ...] = DEFAULT_RULES

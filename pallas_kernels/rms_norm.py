@@ -18,11 +18,23 @@ Implementation notes
   the array). It runs in interpret mode only: compiling it through Mosaic GPU
   fails (see ``_NOT_IMPLEMENTED``), so for compiled use it raises a clear
   ``RuntimeError`` and auto-selection picks Triton.
-* ``interpret=None`` (default): on GPU the kernel runs if
-  :func:`pallas_kernels.dispatch.choose` says so, else the XLA expression;
-  on CPU/TPU always the XLA expression :func:`rms_norm_reference`.
-  ``interpret=True``: always the kernel, in Pallas interpret mode (CPU CI).
-  ``interpret=False``: always the compiled kernel (GPU only).
+* The kernel is chosen **per lowering platform**, not by
+  ``jax.default_backend()``: the kernel path is a
+  ``jax.lax.platform_dependent`` whose ``cuda`` branch is the Pallas kernel
+  and whose default branch (CPU, TPU, ROCm) is :func:`rms_norm_reference`.
+  Only the branch of the platform being lowered reaches the compiler, so the
+  same jitted function compiles to the kernel for an H100 (also ahead of
+  time on a CPU-only host, see :mod:`pallas_kernels.aot`) and to the XLA
+  expression for the CPU, and ``jax.export`` with several platforms works.
+
+  - ``interpret=True``: the kernel in Pallas interpret mode on every
+    platform (CPU tests).
+  - ``interpret=False``: the compiled kernel wherever it can lower (CUDA)
+    and the shape/dtype is :func:`supports`-ed; the XLA expression on other
+    platforms and for unsupported shapes.
+  - ``interpret=None`` (default): like ``False``, but only where
+    :func:`pallas_kernels.dispatch.choose` says the kernel wins; the XLA
+    expression otherwise.
 
 Example:
     >>> import jax.numpy as jnp
@@ -36,24 +48,38 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+import math
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+import numpy as np
 
 from pallas_kernels import dispatch
-from pallas_kernels._compat import BACKENDS, default_platform, pallas_api
+from pallas_kernels import _compat
+from pallas_kernels._compat import BACKENDS, pallas_api
 
 _F32 = jnp.float32
 # Elements one program keeps on chip in the forward pass; 4096 fp32 values in
 # registers over 4-8 warps is the sweet spot used by Triton's layer norm.
 _BLOCK_ELEMS = 4096
+# The backward pass holds x, dy (and dres) per element plus the dscale/dbias
+# accumulators: half the forward block and ~8 elements per thread. With the
+# forward's 4096-element blocks ptxas settles on 64 registers and spills 4-8
+# bytes for hidden 768/1000 (sm_80 and sm_90a; tests/test_pallas_kernels/test_aot.py).
+_BWD_BLOCK_ELEMS = 2048
+_FWD_ELEMS_PER_THREAD = 16
+_BWD_ELEMS_PER_THREAD = 8
 # Target number of programs for the backward pass: enough to fill an H100
 # (132 SMs) several times, few enough that the float32 partial sums of
 # dscale/dbias (programs x hidden) stay small.
 _BWD_TARGET_PROGRAMS = 1024
+# Names of the compiled kernels (the kernel names in XLA's thunk sequence and
+# PTX): forward kernels are one launch per normalized site.
+FWD_KERNELS = ("rms_norm_fwd", "fused_add_rms_norm_fwd")
+BWD_KERNELS = ("rms_norm_bwd", "fused_add_rms_norm_bwd")
 
 
 # --------------------------------------------------------------------------
@@ -62,7 +88,7 @@ _BWD_TARGET_PROGRAMS = 1024
 def rms_norm_reference(
     x: jax.Array, scale: jax.Array, bias: Optional[jax.Array] = None, *, eps: float
 ) -> jax.Array:
-    """Pure-jnp RMSNorm with float32 accumulation; output in ``x.dtype``.
+    """Pure-jnp RMSNorm accumulated in float32 (float64 for float64 input); output in ``x.dtype``.
 
     Example:
         >>> import jax.numpy as jnp
@@ -70,11 +96,12 @@ def rms_norm_reference(
         >>> [round(float(v), 4) for v in y[0]]
         [0.8485, 1.1314]
     """
-    xf = x.astype(_F32)
+    acc = jnp.promote_types(x.dtype, _F32)
+    xf = x.astype(acc)
     ms = jnp.mean(xf * xf, axis=-1, keepdims=True)
-    y = xf * lax.rsqrt(ms + eps) * scale.astype(_F32)
+    y = xf * lax.rsqrt(ms + eps) * scale.astype(acc)
     if bias is not None:
-        y = y + bias.astype(_F32)
+        y = y + bias.astype(acc)
     return y.astype(x.dtype)
 
 
@@ -98,7 +125,8 @@ def fused_add_rms_norm_reference(
         ([[2.0, 2.0]], [[1.0, 1.0]])
     """
     h_dtype = jnp.result_type(x.dtype, residual.dtype)
-    h = (x.astype(_F32) + residual.astype(_F32)).astype(h_dtype)
+    acc = jnp.promote_types(h_dtype, _F32)
+    h = (x.astype(acc) + residual.astype(acc)).astype(h_dtype)
     y = rms_norm_reference(h, scale, bias, eps=eps).astype(x.dtype)
     return y, h
 
@@ -122,15 +150,15 @@ def _largest_pow2_divisor(n: int) -> int:
     return n & -n
 
 
-def _tiling(n_rows: int, hidden: int, masked: bool) -> tuple[int, int]:
-    """(block_rows, block_cols) of a forward program.
+def _tiling(n_rows: int, hidden: int, masked: bool, block_elems: int = _BLOCK_ELEMS) -> tuple[int, int]:
+    """(block_rows, block_cols) of a program (one loop step in the backward pass).
 
     Triton blocks must be powers of two, so the row is padded to
     ``next_pow2(hidden)`` and masked. The unmasked (Mosaic) body needs blocks
     that exactly tile the array: full ``hidden`` and a divisor of ``n_rows``.
     """
     cols = pl.next_power_of_2(hidden) if masked else hidden
-    target = max(1, _BLOCK_ELEMS // pl.next_power_of_2(hidden))
+    target = max(1, block_elems // pl.next_power_of_2(hidden))
     rows = min(target, pl.next_power_of_2(n_rows))
     if not masked:
         rows = min(rows, _largest_pow2_divisor(n_rows))
@@ -145,16 +173,27 @@ def _bwd_steps(n_rows: int, block_rows: int, masked: bool) -> int:
     return steps
 
 
-def _num_warps(block_elems: int) -> int:
-    # ~16 elements per thread, between 1 and 8 warps.
-    return int(min(max(block_elems // 512, 1), 8))
+def bwd_grid(n_rows: int, hidden: int, masked: bool = True) -> tuple[int, int, int]:
+    """(block_rows, steps, programs) of the backward kernel.
+
+    Each program loops ``steps`` times over ``block_rows`` rows and writes one
+    float32 partial row of dscale (and dbias): ``programs x hidden`` each.
+    """
+    br, _ = _tiling(n_rows, hidden, masked, _BWD_BLOCK_ELEMS)
+    steps = _bwd_steps(n_rows, br, masked)
+    return br, steps, pl.cdiv(n_rows, br * steps)
 
 
-def _call(kernel, *, grid, in_specs, out_specs, out_shape, st: _Static, block_elems: int, name: str):
+def _num_warps(block_elems: int, elems_per_thread: int) -> int:
+    # ~elems_per_thread elements per thread, between 1 and 8 warps.
+    return int(min(max(block_elems // (32 * elems_per_thread), 1), 8))
+
+
+def _call(kernel, *, grid, in_specs, out_specs, out_shape, st: _Static, num_warps: int, name: str):
     params = None
     if not st.interpret:
-        params = pallas_api(st.backend).compiler_params(num_warps=_num_warps(block_elems), num_stages=None)
-    return pl.pallas_call(
+        params = pallas_api(st.backend).compiler_params(num_warps=num_warps, num_stages=None)
+    call = pl.pallas_call(
         kernel,
         grid=grid,
         in_specs=in_specs,
@@ -164,6 +203,10 @@ def _call(kernel, *, grid, in_specs, out_specs, out_shape, st: _Static, block_el
         compiler_params=params,
         name=name,
     )
+    # Compiled kernels are only reached through the cuda branch of
+    # platform_dependent; cuda_only keeps a multi-platform export from also
+    # lowering them for the CPU.
+    return call if st.interpret else _compat.cuda_only(call)
 
 
 # --------------------------------------------------------------------------
@@ -288,7 +331,8 @@ def _forward(x, residual, scale, bias, st: _Static):
     )
     outs = _call(
         kernel, grid=(pl.cdiv(n_rows, br),), in_specs=in_specs, out_specs=out_specs,
-        out_shape=out_shape, st=st, block_elems=br * hp, name="rms_norm_fwd",
+        out_shape=out_shape, st=st, num_warps=_num_warps(br * hp, _FWD_ELEMS_PER_THREAD),
+        name="fused_add_rms_norm_fwd" if has_res else "rms_norm_fwd",
     )(*inputs)
     if has_res:
         return outs[0], outs[1], outs[2]
@@ -302,10 +346,9 @@ def _backward(xn, scale, rstd, dy, dres, has_bias: bool, dx_dtype, st: _Static):
     """
     n_rows, hidden = xn.shape
     masked = st.backend == "triton"
-    br, hp = _tiling(n_rows, hidden, masked)
-    steps = _bwd_steps(n_rows, br, masked)
+    br, steps, n_prog = bwd_grid(n_rows, hidden, masked)
+    hp = _tiling(n_rows, hidden, masked)[1]
     rpp = br * steps
-    n_prog = pl.cdiv(n_rows, rpp)
     tile = pl.BlockSpec((rpp, hp), lambda i: (i, 0))
     vec = pl.BlockSpec((hp,), lambda i: (0,))
     rows = pl.BlockSpec((rpp,), lambda i: (i,))
@@ -324,7 +367,8 @@ def _backward(xn, scale, rstd, dy, dres, has_bias: bool, dx_dtype, st: _Static):
     )
     outs = _call(
         kernel, grid=(n_prog,), in_specs=in_specs, out_specs=out_specs,
-        out_shape=out_shape, st=st, block_elems=br * hp, name="rms_norm_bwd",
+        out_shape=out_shape, st=st, num_warps=_num_warps(br * hp, _BWD_ELEMS_PER_THREAD),
+        name="fused_add_rms_norm_bwd" if has_dres else "rms_norm_bwd",
     )(*inputs)
     dscale = outs[1].sum(axis=0)
     dbias = outs[2].sum(axis=0) if has_bias else None
@@ -442,18 +486,56 @@ def resolve_backend(backend: Optional[str], interpret: bool) -> str:
     return backend
 
 
-def _plan(shape, dtype, interpret: Optional[bool], backend: Optional[str]) -> Optional[tuple[str, bool]]:
-    """None for the XLA path, else (backend, interpret) for the kernel path."""
-    if interpret is None:
-        if default_platform() != "gpu" or dispatch.choose(shape, dtype) == "xla":
-            return None
-        interpret = False
-    elif not interpret and default_platform() != "gpu":
-        raise RuntimeError(
-            f"interpret=False needs a GPU (platform is {default_platform()!r}); "
-            "use interpret=True or interpret=None (XLA fallback)"
-        )
-    return resolve_backend(backend, interpret), bool(interpret)
+# Input dtypes the kernels are compiled and checked for (float32 accumulation).
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+# Widest row the kernels keep on chip without register spills on sm_80/sm_90a:
+# at 16384 the backward kernel spills (dscale/dbias accumulators + x + dy per thread)
+# (checked by ptxas in tests/test_pallas_kernels/test_aot.py).
+MAX_HIDDEN = 8192
+
+
+def unsupported_reason(shape: Sequence[int], dtype) -> Optional[str]:
+    """Why the compiled kernel cannot handle ``shape``/``dtype``, or None.
+
+    Example:
+        >>> unsupported_reason((8, 768), "bfloat16") is None
+        True
+        >>> unsupported_reason((8, 768), "float64")
+        'dtype float64 is not one of float32, bfloat16, float16'
+    """
+    name = np.dtype(dtype).name
+    if name not in SUPPORTED_DTYPES:
+        return f"dtype {name} is not one of {', '.join(SUPPORTED_DTYPES)}"
+    if len(shape) == 0 or math.prod(int(d) for d in shape) == 0:
+        return f"shape {tuple(shape)} is empty or has no hidden axis"
+    if int(shape[-1]) > MAX_HIDDEN:
+        return f"hidden size {int(shape[-1])} > {MAX_HIDDEN} (a row must fit on chip)"
+    return None
+
+
+def supports(shape: Sequence[int], dtype) -> bool:
+    """Whether the compiled kernel can handle an input of ``shape``/``dtype`` at all.
+
+    Cheap (no tracing). ``interpret=False`` uses the kernel exactly where this
+    holds (on CUDA); :func:`pallas_kernels.choose` additionally says where it
+    is expected to be faster than XLA.
+
+    Example:
+        >>> supports((4, 128, 768), "bfloat16"), supports((4, 16384), "float32")
+        (True, False)
+    """
+    return unsupported_reason(shape, dtype) is None
+
+
+def _mode(shape, dtype, interpret: Optional[bool]) -> str:
+    """"interpret" | "kernel" (CUDA: kernel, elsewhere: XLA) | "xla"."""
+    if interpret:
+        return "interpret"
+    if not supports(shape, dtype):
+        return "xla"
+    if interpret is None and dispatch.choose(shape, dtype) != "pallas":
+        return "xla"
+    return "kernel"
 
 
 def _check(x, scale, bias):
@@ -481,9 +563,18 @@ def rms_norm(
       x: ``(..., hidden)`` float32/bfloat16/float16.
       scale, bias: ``(hidden,)``; bias optional.
       eps: added to the mean square.
-      interpret: None = kernel on GPU when :func:`dispatch.choose` picks it,
-        XLA elsewhere; True = kernel in interpret mode; False = compiled kernel.
+      interpret: decided per lowering platform (see the module docstring):
+        ``True`` = the kernel in Pallas interpret mode everywhere;
+        ``False`` = the compiled kernel when lowered for CUDA (if
+        :func:`supports` the shape/dtype), the XLA expression
+        :func:`rms_norm_reference` for CPU/TPU/ROCm; ``None`` (auto) = like
+        ``False`` where :func:`pallas_kernels.choose` picks the kernel, else
+        the XLA expression on every platform.
       backend: "triton" | "mosaic_gpu" | None (auto, Triton preferred).
+
+    Gradients: the kernel path has a custom VJP (Pallas backward kernel); the
+    XLA path is differentiated by JAX. Forward-mode AD (``jax.jvp``) is not
+    available on the kernel path (``custom_vjp``).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -493,12 +584,20 @@ def rms_norm(
         True
     """
     _check(x, scale, bias)
-    plan = _plan(x.shape, x.dtype, interpret, backend)
-    if plan is None:
+    mode = _mode(x.shape, x.dtype, interpret)
+    if mode == "xla":
         return rms_norm_reference(x, scale, bias, eps=eps)
-    st = _Static(float(eps), plan[0], plan[1], jnp.dtype(x.dtype).name, None, None)
-    x2 = x.reshape(-1, x.shape[-1])
-    return _rms_core(x2, scale, bias, st).reshape(x.shape)
+    st = _Static(float(eps), resolve_backend(backend, mode == "interpret"), mode == "interpret",
+                 jnp.dtype(x.dtype).name, None, None)
+    shape = x.shape
+
+    def kernel(x, scale, bias):
+        return _rms_core(x.reshape(-1, shape[-1]), scale, bias, st).reshape(shape)
+
+    if mode == "interpret":
+        return kernel(x, scale, bias)
+    return _compat.platform_dependent(
+        x, scale, bias, cuda=kernel, default=functools.partial(rms_norm_reference, eps=eps))
 
 
 def fused_add_rms_norm(
@@ -515,7 +614,9 @@ def fused_add_rms_norm(
 
     The normalized output has ``x.dtype``; the new residual has
     ``result_type(x, residual)`` (e.g. bf16 x + f32 residual -> f32 stream).
-    Dispatch arguments as in :func:`rms_norm`.
+    Dispatch arguments (``interpret``, ``backend``) as in :func:`rms_norm`:
+    on CUDA one kernel reads ``x`` and ``residual`` and writes both outputs;
+    elsewhere the XLA expression :func:`fused_add_rms_norm_reference`.
 
     Example:
         >>> import jax.numpy as jnp
@@ -526,14 +627,26 @@ def fused_add_rms_norm(
     _check(x, scale, bias)
     if residual.shape != x.shape:
         raise ValueError(f"residual shape {residual.shape} != x shape {x.shape}")
-    plan = _plan(x.shape, x.dtype, interpret, backend)
-    if plan is None:
+    mode = _mode(x.shape, x.dtype, interpret)
+    if mode == "xla":
         return fused_add_rms_norm_reference(x, residual, scale, bias, eps=eps)
     h_dtype = jnp.result_type(x.dtype, residual.dtype)
     st = _Static(
-        float(eps), plan[0], plan[1], jnp.dtype(x.dtype).name, jnp.dtype(residual.dtype).name, jnp.dtype(h_dtype).name
+        float(eps), resolve_backend(backend, mode == "interpret"), mode == "interpret",
+        jnp.dtype(x.dtype).name, jnp.dtype(residual.dtype).name, jnp.dtype(h_dtype).name,
     )
     shape = x.shape
-    x2, r2 = x.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1])
-    y, h = _fused_core(x2, r2, scale, bias, st)
-    return y.reshape(shape), h.reshape(shape)
+
+    def kernel(x, residual, scale, bias):
+        y, h = _fused_core(x.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1]), scale, bias, st)
+        return y.reshape(shape), h.reshape(shape)
+
+    if mode == "interpret":
+        return kernel(x, residual, scale, bias)
+    return _compat.platform_dependent(
+        x, residual, scale, bias, cuda=kernel, default=functools.partial(fused_add_rms_norm_reference, eps=eps))
+
+
+# The fused residual add + RMSNorm under its short name (what a pre-LN block's
+# "h = x + residual; y = norm(h)" is rewritten to): ``(normed, sum)``.
+add_rms_norm = fused_add_rms_norm

@@ -129,6 +129,35 @@ def test_fused_add_rms_norm_forward_and_grads(shape, dtype, res_dtype):
         _close(got, want, tol, what)
 
 
+@pytest.mark.parametrize("backend", ["triton", "mosaic_gpu"])
+def test_backward_loop_over_several_row_blocks(monkeypatch, backend):
+    """Few backward programs, each looping over several row blocks (the layout of
+    large inputs), with a ragged last program (masked body) or exact tiling."""
+    mod = sys.modules["pallas_kernels.rms_norm"]
+    monkeypatch.setattr(mod, "_BWD_TARGET_PROGRAMS", 2)
+    shape = (37, 130) if backend == "triton" else (64, 128)
+    br, steps, n_prog = mod.bwd_grid(shape[0], shape[1], masked=backend == "triton")
+    assert steps > 1 and n_prog >= 2, (br, steps, n_prog)
+    x, scale, bias, ct, res, ct_h = _inputs(shape, jnp.float32, seed=5)
+
+    @jax.jit
+    def run(x, res, scale, bias, ct, ct_h):
+        f = lambda x, r, s, b: pk.add_rms_norm(x, r, s, b, eps=EPS, interpret=True, backend=backend)
+        (y, h), vjp = jax.vjp(f, x, res, scale, bias)
+        g = jax.vjp(lambda x, s, b: pk.rms_norm(x, s, b, eps=EPS, interpret=True, backend=backend),
+                    x, scale, bias)[1](ct)
+        return (y, h, *vjp((ct, ct_h)), *g)
+
+    got = run(x, res, scale, bias, ct, ct_h)
+    (ry, rh), rvjp = jax.vjp(lambda x, r, s, b: pk.fused_add_rms_norm_reference(x, r, s, b, eps=EPS),
+                             x, res, scale, bias)
+    rg = jax.vjp(lambda x, s, b: pk.rms_norm_reference(x, s, b, eps=EPS), x, scale, bias)[1](ct)
+    want = (ry, rh, *rvjp((ct, ct_h)), *rg)
+    names = ("y", "h", "dx", "dres", "dscale", "dbias", "rms dx", "rms dscale", "rms dbias")
+    for g, w, what in zip(got, want, names):
+        _close(g, w, 2e-5, what)
+
+
 def test_exactly_tiled_body_matches():
     """backend='mosaic_gpu' selects the unmasked (exactly tiled) body; in
     interpret mode it runs on CPU on every jax version."""
@@ -156,9 +185,87 @@ def test_errors():
         pk.rms_norm(x, jnp.ones(8), eps=EPS, interpret=True, backend="cuda")
     with pytest.raises(ValueError, match="scale"):
         pk.rms_norm(x, jnp.ones(7), eps=EPS)
-    if jax.default_backend() != "gpu":
-        with pytest.raises(RuntimeError, match="GPU"):
-            pk.rms_norm(x, jnp.ones(8), eps=EPS, interpret=False)
+
+
+def test_compiled_mode_off_cuda_is_the_xla_expression():
+    """interpret=False is decided per lowering platform: on the CPU it lowers the
+    reference expression (the kernel is staged only in the CUDA branch)."""
+    x, scale, bias, ct, res, _ = _inputs((4, 256), jnp.float32)
+    f = jax.jit(lambda x, s, b: pk.rms_norm(x, s, b, eps=EPS, interpret=False))
+    np.testing.assert_array_equal(f(x, scale, bias), jax.jit(
+        lambda x, s, b: pk.rms_norm_reference(x, s, b, eps=EPS))(x, scale, bias))
+    jaxpr = str(jax.make_jaxpr(f)(x, scale, bias))
+    assert "platform_index" in jaxpr and "pallas_call" in jaxpr
+    assert "pallas_call" not in f.lower(x, scale, bias).as_text()
+    # Gradients flow through the branch (the XLA one on the CPU).
+    g = jax.grad(lambda x, s, b: (pk.rms_norm(x, s, b, eps=EPS, interpret=False) * ct).sum(), argnums=(0, 1, 2))
+    gr = jax.grad(lambda x, s, b: (pk.rms_norm_reference(x, s, b, eps=EPS) * ct).sum(), argnums=(0, 1, 2))
+    for a, b_ in zip(jax.jit(g)(x, scale, bias), gr(x, scale, bias)):
+        _close(a, b_, 1e-6, "grad")
+    y, h = jax.jit(lambda x, r: pk.fused_add_rms_norm(x, r, scale, eps=EPS, interpret=False))(x, res)
+    ry, rh = pk.fused_add_rms_norm_reference(x, res, scale, eps=EPS)
+    _close(y, ry, 1e-6, "fused y")
+    _close(h, rh, 0.0, "fused h")
+
+
+def test_export_for_cpu_and_cuda():
+    """jax.export with both platforms: one artifact, kernel in the CUDA branch, runs on CPU.
+
+    Lowering for CUDA needs no CUDA plugin, so this runs in every environment."""
+    from jax import export
+
+    def f(x, r, s):
+        return pk.add_rms_norm(x, r, s, eps=EPS, interpret=False)
+
+    x = jax.random.normal(jax.random.key(1), (64, 256), jnp.bfloat16)
+    s = jnp.linspace(0.5, 1.5, 256)
+    exp = export.export(jax.jit(f), platforms=("cpu", "cuda"),
+                        disabled_checks=pk.export_disabled_checks())(x, x, s)
+    assert exp.platforms == ("cpu", "cuda")
+    text = exp.mlir_module()
+    assert text.count("__gpu$xla.gpu.triton") == 1, "the kernel is lowered once, in the CUDA branch"
+    exp2 = export.deserialize(exp.serialize())
+    got = exp2.call(x, x, s)
+    want = pk.fused_add_rms_norm_reference(x, x, s, eps=EPS)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+    # A training step: the CUDA branches hold the forward and the backward kernel.
+    def loss(x, r, s, b):
+        y, h = pk.add_rms_norm(x, r, s, b, eps=EPS, interpret=False)
+        return (y.astype(jnp.float32) ** 2).sum() + (h.astype(jnp.float32) * 0.5).sum()
+
+    def ref_loss(x, r, s, b):
+        y, h = pk.fused_add_rms_norm_reference(x, r, s, b, eps=EPS)
+        return (y.astype(jnp.float32) ** 2).sum() + (h.astype(jnp.float32) * 0.5).sum()
+
+    x32, b = x.astype(jnp.float32), jnp.full((256,), 0.1)
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    exp = export.export(jax.jit(grad), platforms=("cpu", "cuda"),
+                        disabled_checks=pk.export_disabled_checks())(x32, x32, s, b)
+    text = exp.mlir_module()
+    assert text.count("__gpu$xla.gpu.triton") == 2
+    assert "fused_add_rms_norm_fwd" in text and "fused_add_rms_norm_bwd" in text
+    got = export.deserialize(exp.serialize()).call(x32, x32, s, b)
+    want = jax.grad(ref_loss, argnums=(0, 1, 2, 3))(x32, x32, s, b)
+    for g, w in zip(got, want):
+        _close(g, w, 1e-6, "exported grad")
+
+
+def test_supports():
+    assert pk.supports((2, 3, 768), jnp.bfloat16) and pk.supports((1, 1), "float16")
+    assert pk.supports((8, pk.MAX_HIDDEN), jnp.float32)
+    assert not pk.supports((8, pk.MAX_HIDDEN + 1), jnp.float32)
+    assert not pk.supports((8, 64), jnp.float64) and not pk.supports((8, 64), jnp.int32)
+    assert not pk.supports((0, 64), jnp.float32) and not pk.supports((), jnp.float32)
+    assert "hidden size" in pk.unsupported_reason((2, 10**5), jnp.float32)
+    # Unsupported shapes take the XLA expression, even with interpret=False.
+    def staged(shape):
+        x = jax.ShapeDtypeStruct(shape, jnp.float32)
+        return "pallas_call" in str(jax.make_jaxpr(
+            lambda x: pk.rms_norm(x, jnp.ones(shape[-1]), eps=EPS, interpret=False))(x))
+
+    assert staged((2, 8)) and not staged((2, 2 * pk.MAX_HIDDEN))
 
 
 def test_backend_availability_is_explicit():

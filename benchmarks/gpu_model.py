@@ -1,0 +1,368 @@
+"""A MODEL, not a measurement: HBM traffic of LayerNorm vs RMSNorm vs fused add+RMSNorm on H100/A100.
+
+No GPU is involved. For every norm site of a pre-LN transformer (a residual add feeding a
+norm: ``h = x + residual; y = norm(h)``, returning ``(y, h)``) at GPT-2 small/medium shapes
+in bfloat16, four implementations are compared:
+
+* ``LayerNorm (XLA)``: flax ``nn.LayerNorm`` (what the original model runs);
+* ``RMSNorm (XLA)``: :func:`pallas_kernels.rms_norm_reference` (the folded model, XLA path);
+* ``RMSNorm (Pallas)``: the add in XLA, then the Pallas kernel ``pallas_kernels.rms_norm``;
+* ``add+RMSNorm (Pallas)``: the fused kernel ``pallas_kernels.add_rms_norm`` (one launch).
+
+Two numbers per implementation, forward only and forward + backward (``train``: the VJP
+w.r.t. the residual stream, scale and bias):
+
+1. **analytic**: a hand-written list of launches, each reading its inputs and writing its
+   outputs exactly once (an ideal XLA implementation for the XLA rows; the Pallas rows
+   are exactly what the kernels move, including the backward kernel's float32 partial
+   sums of dscale/dbias);
+2. **compiled**: the program compiled ahead of time for the target (``pallas_kernels.aot``:
+   JAX's CUDA plugin against ``pallas_kernels/targets/*.txtpb``, on this CPU-only host)
+   and, for every launch of XLA's thunk sequence, the bytes of its HLO operands + results.
+   Launch counts are XLA's, bytes assume each launch touches each operand/result once in
+   HBM (no L2 reuse, no re-reads).
+
+Modelled time = bytes / peak HBM bandwidth (3.35 TB/s H100 SXM, 2.0 TB/s A100; the brief's
+round numbers), i.e. a lower bound that ignores launch latency (~2-5 us per launch on a
+real GPU, which is why launch counts are listed), tails and achieved bandwidth. Per-model
+numbers multiply a site by the model's number of norm sites (2 per block + the final norm,
+each fed by a residual add; the first by the token + position embedding add).
+
+Usage (from the repository root; needs the ``gpu-aot`` extra for the compiled columns)::
+
+    python benchmarks/gpu_model.py                       # writes results/gpu_model.{md,png}
+    python benchmarks/gpu_model.py --sizes 8x1024 --no-compile   # analytic only
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import math
+import os
+import sys
+import time
+from typing import Callable, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as `python benchmarks/gpu_model.py` from a source tree
+    sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import pallas_kernels as pk  # noqa: E402
+from pallas_kernels import aot  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+MODELS = {"gpt2": dict(hidden=768, layers=12), "gpt2-medium": dict(hidden=1024, layers=24)}
+PEAK_BW = {"h100": 3.35e12, "a100": 2.0e12}  # bytes/s, modelled peak
+EPS = 1e-5
+DTYPE = jnp.bfloat16
+VARIANTS = ("LayerNorm (XLA)", "RMSNorm (XLA)", "RMSNorm (Pallas)", "add+RMSNorm (Pallas)")
+PASSES = ("fwd", "train")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------
+# The programs (one norm site)
+# --------------------------------------------------------------------------
+def _layer_norm(h, s, b):
+    import flax.linen as nn  # as in the HF Flax GPT-2 (bf16 compute dtype, f32 params)
+
+    return nn.LayerNorm(epsilon=EPS, dtype=DTYPE).apply({"params": {"scale": s, "bias": b}}, h)
+
+
+SITE: dict[str, Callable] = {
+    "LayerNorm (XLA)": lambda x, r, s, b: (_layer_norm(x + r, s, b), x + r),
+    "RMSNorm (XLA)": lambda x, r, s, b: (pk.rms_norm_reference(x + r, s, b, eps=EPS), x + r),
+    "RMSNorm (Pallas)": lambda x, r, s, b: (pk.rms_norm(x + r, s, b, eps=EPS, interpret=False), x + r),
+    "add+RMSNorm (Pallas)": lambda x, r, s, b: pk.add_rms_norm(x, r, s, b, eps=EPS, interpret=False),
+}
+
+
+def program(variant: str, pass_: str) -> Callable:
+    site = SITE[variant]
+    if pass_ == "fwd":
+        return site
+
+    def train(x, r, s, b, dy, dh):
+        # d/dx == d/dresidual (the residual stream's gradient), so differentiate w.r.t. x only.
+        out, vjp = jax.vjp(lambda x, s, b: site(x, r, s, b), x, s, b)
+        return out, vjp((dy, dh))
+
+    return train
+
+
+def program_args(rows: int, hidden: int, pass_: str):
+    a = jax.ShapeDtypeStruct((rows, hidden), DTYPE)
+    p = jax.ShapeDtypeStruct((hidden,), jnp.float32)
+    return (a, a, p, p) if pass_ == "fwd" else (a, a, p, p, a, a)
+
+
+# --------------------------------------------------------------------------
+# Analytic model (hand-written launch lists)
+# --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    name: str
+    read: int  # bytes
+    written: int  # bytes
+
+
+def _bwd_programs(rows: int, hidden: int) -> int:
+    """Programs of the Pallas backward kernel (its float32 dscale/dbias partial rows)."""
+    return sys.modules["pallas_kernels.rms_norm"].bwd_grid(rows, hidden)[2]
+
+
+def analytic(variant: str, pass_: str, rows: int, hidden: int) -> list[Launch]:
+    A = rows * hidden * jnp.dtype(DTYPE).itemsize  # one bf16 activation
+    P = hidden * 4  # one f32 parameter vector
+    S = rows * 4  # one f32 per-row statistic
+    Q = _bwd_programs(rows, hidden) * hidden * 4  # f32 partial sums of one parameter gradient
+    add = Launch("add", 2 * A, A)
+    if variant in ("LayerNorm (XLA)", "RMSNorm (XLA)"):
+        stats = 2 * S if variant.startswith("Layer") else S  # mean + rstd vs rstd
+        fwd = [add, Launch("norm", A + 2 * P, A + (stats if pass_ == "train" else 0))]
+        if pass_ == "fwd":
+            return fwd
+        # dx = dh + norm_bwd(dy) in one kernel; dscale/dbias column sums in another.
+        return fwd + [Launch("norm_bwd_dx", 3 * A + stats + P, A), Launch("norm_bwd_dparams", 2 * A + stats, 2 * P)]
+    if variant == "RMSNorm (Pallas)":
+        fwd = [add, Launch("rms_norm_fwd", A + 2 * P, A + S)]
+        if pass_ == "fwd":
+            return fwd
+        return fwd + [Launch("rms_norm_bwd", 2 * A + S + P, A + 2 * Q), Launch("add (residual grad)", 2 * A, A),
+                      Launch("sum dscale partials", Q, P), Launch("sum dbias partials", Q, P)]
+    fwd = [Launch("fused_add_rms_norm_fwd", 2 * A + 2 * P, 2 * A + S)]
+    if pass_ == "fwd":
+        return fwd
+    return fwd + [Launch("fused_add_rms_norm_bwd", 3 * A + S + P, A + 2 * Q),
+                  Launch("sum dscale partials", Q, P), Launch("sum dbias partials", Q, P)]
+
+
+# --------------------------------------------------------------------------
+# Compiled (AOT) model
+# --------------------------------------------------------------------------
+@dataclasses.dataclass
+class Compiled:
+    launches: list[Launch]
+    kernels: list  # aot.Kernel
+
+
+def compiled(variant: str, pass_: str, rows: int, hidden: int, target: str) -> Compiled:
+    c = aot.compile(program(variant, pass_), *program_args(rows, hidden, pass_), target=target)
+    return Compiled([Launch(k.name, k.operand_bytes, k.result_bytes) for k in c.kernels], c.kernels)
+
+
+# --------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------
+def _mb(b: float) -> str:
+    return f"{b / 1e6:.2f}"
+
+
+def _us(b: float, target: str) -> float:
+    return b / PEAK_BW[target] * 1e6
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> list[str]:
+    out = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    for r in rows:
+        out.append("| " + " | ".join(str(r.get(c, "")) for c in columns) + " |")
+    return out
+
+
+def kernel_table(targets: list[str], rows: int = 16384, hidden: int = 4096) -> list[dict]:
+    """Registers/spills/shared memory of the four Pallas kernels at rows x hidden bf16."""
+    out = []
+    for target in targets:
+        t = aot.target(target)
+        for kind, fn in (("rms_norm", "RMSNorm (Pallas)"), ("fused_add_rms_norm", "add+RMSNorm (Pallas)")):
+            c = aot.compile(program(fn, "train"), *program_args(rows, hidden, "train"), target=target)
+            for k in c.kernels:
+                if k.name not in (f"{kind}_fwd", f"{kind}_bwd"):
+                    continue
+                info = c.ptxas(k.name) if aot.ptxas_path() else None
+                threads = math.prod(k.threads)
+                blocks_per_sm = None
+                if info is not None and info.registers:
+                    blocks_per_sm = min(t.registers_per_core_limit // (info.registers * threads),
+                                        t.threads_per_core_limit // threads)
+                out.append({
+                    "target": f"{target} ({t.arch})", "kernel": k.name, "grid": k.grid[0], "threads": threads,
+                    "dyn. smem B": k.shared_memory,
+                    "registers": info.registers if info else "n/a",
+                    "spill st/ld B": f"{info.spill_stores}/{info.spill_loads}" if info else "n/a",
+                    "blocks/SM (regs)": blocks_per_sm if blocks_per_sm is not None else "n/a",
+                    "MB moved": _mb(k.bytes), "modelled us @ peak": f"{_us(k.bytes, target):.1f}",
+                })
+    return out
+
+
+def plot(path: str, records: list[dict], size: str, targets: list[str]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib not installed: no PNG written")
+        return
+    fig, axes = plt.subplots(1, len(PASSES), figsize=(6 * len(PASSES), 4.2), squeeze=False)
+    colors = ("#8c8c8c", "#4c72b0", "#55a868", "#c44e52")
+    groups = [(m, t) for m in MODELS for t in targets]
+    for ax, pass_ in zip(axes[0], PASSES):
+        width = 0.8 / len(VARIANTS)
+        for vi, variant in enumerate(VARIANTS):
+            vals = []
+            for m, t in groups:
+                r = next((r for r in records if r["model"] == m and r["size"] == size and r["pass"] == pass_
+                          and r["variant"] == variant), None)
+                vals.append(r[f"step_ms_{t}"] if r else 0.0)
+            ax.bar([g + (vi - (len(VARIANTS) - 1) / 2) * width for g in range(len(groups))], vals, width,
+                   label=variant, color=colors[vi])
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels([f"{m}\n{t}" for m, t in groups], fontsize=8)
+        ax.set_ylabel("modelled ms per step, all norm sites")
+        ax.set_title(f"{pass_}: bf16, batch x seq {size}", fontsize=10)
+        ax.legend(fontsize=7)
+    fig.suptitle("MODEL (not measured): compiled-HLO HBM bytes / peak bandwidth", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    log(f"wrote {path}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--sizes", default="1x1024,8x1024,32x1024", help="batch x seq list")
+    ap.add_argument("--targets", default="h100,a100")
+    ap.add_argument("--no-compile", action="store_true", help="analytic columns only")
+    ap.add_argument("--plot-size", default="8x1024", help="batch x seq shown in the plot")
+    ap.add_argument("--out", default=os.path.join(RESULTS, "gpu_model.md"))
+    args = ap.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    targets = [t for t in args.targets.split(",") if t]
+    sizes = [tuple(int(v) for v in s.lower().split("x")) for s in args.sizes.split(",") if s]
+    reason = "--no-compile" if args.no_compile else aot.unavailable_reason()
+    t0 = time.time()
+
+    records = []
+    for model in models:
+        hidden, layers = MODELS[model]["hidden"], MODELS[model]["layers"]
+        sites = 2 * layers + 1
+        for b, s in sizes:
+            rows = b * s
+            for pass_ in PASSES:
+                base = {}
+                for variant in VARIANTS:
+                    an = analytic(variant, pass_, rows, hidden)
+                    rec = {"model": model, "size": f"{b}x{s}", "pass": pass_, "variant": variant, "sites": sites,
+                           "an_launches": len(an), "an_bytes": sum(x.read + x.written for x in an)}
+                    for t in targets:
+                        if reason is None:
+                            c = compiled(variant, pass_, rows, hidden, t)
+                            rec[f"launches_{t}"] = len(c.launches)
+                            rec[f"read_{t}"] = sum(x.read for x in c.launches)
+                            rec[f"written_{t}"] = sum(x.written for x in c.launches)
+                            rec[f"bytes_{t}"] = rec[f"read_{t}"] + rec[f"written_{t}"]
+                            rec[f"kernels_{t}"] = [k.name for k in c.kernels]
+                        else:
+                            rec[f"bytes_{t}"] = rec["an_bytes"]
+                        rec[f"site_us_{t}"] = _us(rec[f"bytes_{t}"], t)
+                        rec[f"step_ms_{t}"] = rec[f"site_us_{t}"] * sites / 1e3
+                    base = base or rec
+                    for t in targets:
+                        rec[f"vs_ln_{t}"] = rec[f"bytes_{t}"] / base[f"bytes_{t}"]
+                    records.append(rec)
+                    log(f"{model} {b}x{s} {pass_} {variant}: analytic {len(an)} launches "
+                        f"{_mb(rec['an_bytes'])} MB" + ("" if reason else
+                        f"; compiled {rec[f'launches_{targets[0]}']} launches {_mb(rec[f'bytes_{targets[0]}'])} MB"))
+
+    # ---- table -------------------------------------------------------------
+    ts = " / ".join(targets)
+    src = ["analytic"] + (targets if reason is None else [])
+    cols = ["model", "b x s", "pass", "variant", f"launches/site ({' / '.join(src)})",
+            f"MB/site ({' / '.join(src)})"]
+    cols += [f"us/site {t}" for t in targets] + [f"ms/step {t}" for t in targets] + [f"bytes vs LayerNorm ({ts})"]
+    rows_md = []
+    for r in records:
+        row = {"model": r["model"], "b x s": r["size"], "pass": r["pass"], "variant": r["variant"]}
+        row[cols[4]] = " / ".join([str(r["an_launches"])] + [str(r[f"launches_{t}"]) for t in src[1:]])
+        row[cols[5]] = " / ".join([_mb(r["an_bytes"])] + [_mb(r[f"bytes_{t}"]) for t in src[1:]])
+        for t in targets:
+            row[f"us/site {t}"] = f"{r[f'site_us_{t}']:.1f}"
+            row[f"ms/step {t}"] = f"{r[f'step_ms_{t}']:.3f}"
+        row[cols[-1]] = " / ".join(f"{r[f'vs_ln_{t}']:.3f}" for t in targets)
+        rows_md.append(row)
+    table = markdown_table(rows_md, cols)
+
+    kernels_md: list[str] = []
+    if reason is None:
+        kernels_md = markdown_table(kernel_table(targets), [
+            "target", "kernel", "grid", "threads", "dyn. smem B", "registers", "spill st/ld B",
+            "blocks/SM (regs)", "MB moved", "modelled us @ peak"])
+
+    launches_md: list[str] = []
+    if reason is None:
+        m0, (b0, s0) = models[0], sizes[-1]
+        launches_md = [f"## Compiled launches per site ({m0}, {b0}x{s0})", ""]
+        for r in records:
+            if r["model"] == m0 and r["size"] == f"{b0}x{s0}":
+                for t in targets:
+                    launches_md.append(f"- {t}, {r['pass']}, {r['variant']}: " + ", ".join(r[f"kernels_{t}"]))
+
+    print("\n".join(table))
+    if kernels_md:
+        print()
+        print("\n".join(kernels_md))
+
+    now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    cmd = "python " + " ".join([os.path.relpath(os.path.abspath(__file__), ROOT)] + list(argv or sys.argv[1:]))
+    lines = [
+        "# GPU model: LayerNorm vs RMSNorm vs fused add+RMSNorm (a MODEL, not a measurement)", "",
+        f"- host: CPU only ({os.cpu_count()} cores), jax {jax.__version__}; no GPU was used",
+        f"- date: {now}; {time.time() - t0:.0f} s",
+        f"- command: `{cmd}`",
+        "- compiled columns: " + ("XLA's launches and HLO operand + result bytes of programs compiled ahead of "
+                                  "time for `pallas_kernels/targets/{h100,a100}.txtpb` (`pallas_kernels.aot`)"
+                                  if reason is None else f"not available ({reason}); bytes are analytic"),
+        "- modelled time = bytes / peak HBM bandwidth (H100 3.35 TB/s, A100 2.0 TB/s): a lower bound that "
+        "ignores launch latency, tails and achieved bandwidth",
+        "- one site = a residual add feeding a norm, returning (normed, sum), bf16 activations, f32 scale "
+        "and bias; `train` = forward + VJP w.r.t. the residual stream, scale and bias; per step = site x "
+        "(2 x layers + 1) norm sites (25 for gpt2, 49 for gpt2-medium); b x s = rows = batch x sequence",
+        "- `bytes vs LayerNorm`: a row's bytes (compiled if available) over the LayerNorm (XLA) row's of the "
+        "same model, size, pass and target",
+        "- analytic launch lists: XLA rows = one kernel per op group (add; norm; norm backward dx incl. the "
+        "residual gradient; dscale/dbias column sums) without XLA's cross-op multi-output fusion, so XLA's "
+        "compiled training step can move fewer bytes than this naive schedule; Pallas rows = exactly what "
+        "the kernels read and write (incl. the backward kernel's f32 dscale/dbias partial rows) plus XLA's adds",
+        "",
+        *table, "",
+    ]
+    if launches_md:
+        lines += [*launches_md, ""]
+    if kernels_md:
+        lines += ["## Pallas kernels at 16384 x 4096 bf16 (fwd + bwd program)", "",
+                  "Registers and spills from the CUDA wheel's `ptxas -v` on XLA's PTX; `blocks/SM (regs)` "
+                  "= resident blocks per SM allowed by the register file and thread limit (static, not an "
+                  "occupancy measurement).", "", *kernels_md, ""]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    png = os.path.splitext(args.out)[0] + ".png"
+    plot(png, records, args.plot_size, targets)
+    lines += [f"![modelled ms per step]({os.path.basename(png)})", ""]
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines))
+    log(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
