@@ -164,7 +164,13 @@ def prove_epilogue(site: Site) -> tuple:
 
 
 def use_kernel(impl: str, shape, dtype) -> Optional[bool]:
-  """None: keep XLA; else the ``interpret`` flag for pallas_kernels.rms_norm."""
+  """None: keep XLA; else the ``interpret`` flag for pallas_kernels.rms_norm.
+
+  ``"pallas"`` means the kernel wherever it lowers: pallas_kernels picks it
+  per lowering platform (CUDA) and XLA's expression elsewhere, so a fold
+  compiled ahead of time for a GPU from a CPU host carries the kernel.
+  ``"auto"`` does so only on a GPU host where the kernel is expected to win.
+  """
   import jax
   if impl == "xla":
     return None
