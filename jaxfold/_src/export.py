@@ -14,15 +14,32 @@ size and sequence length.  When the program does not support symbolic shapes
 prove in range, ...) ``export`` retries with a symbolic batch only and then
 with the concrete example shapes, warning each time.
 
+The bytes are a small container around the ``jax.export`` serialization::
+
+    b"JAXFOLDX" | header length (uint64 LE) | header (JSON) | SHA-256 of the header | program
+
+The header records the program's SHA-256 and size, the versions that wrote it
+and caller metadata (``meta=``: model name, the valid range of token ids, the
+number of positions, ... — what ``jaxfold serve`` validates requests against).
+:func:`load_exported` checks all of it before ``jax.export`` parses a byte, so a
+flipped bit, a truncated download or a foreign file is one clear
+:class:`jaxfold.IntegrityError` instead of a wrong answer or a parser crash.
+
 Example:
-    >>> blob = jaxfold.export(folded, ids)                  # symbolic ("batch", "seq")
+    >>> blob = jaxfold.export(folded, ids, meta={"model": "gpt2-tiny"})  # symbolic ("batch", "seq")
     >>> open("model.jaxexport", "wb").write(blob)
-    >>> fn = jaxfold.load_exported(open("model.jaxexport", "rb").read())
+    >>> fn = jaxfold.load_exported("model.jaxexport")       # a path, or the bytes
     >>> logits = fn(ids_of_any_batch_and_length)
+    >>> fn.meta["model"]
+    'gpt2-tiny'
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import struct
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
@@ -32,12 +49,19 @@ import numpy as np
 from jax import export as jax_export
 
 from jaxfold._src.fold import FoldedParams
+from jaxfold._src.integrity import IntegrityError, IsADirectory, NotFoundError, versions
 
 # Artifacts exported with params as an argument carry FoldedParams in their
 # input tree; registered once, under a stable name.
 jax_export.register_namedtuple_serialization(FoldedParams, serialized_name="jaxfold.FoldedParams")
 
-__all__ = ["export", "load_exported", "ExportWarning", "exported_signature"]
+__all__ = ["export", "load_exported", "ExportWarning", "exported_signature", "read_artifact",
+           "wrap_artifact", "MAGIC", "ARTIFACT_VERSION"]
+
+MAGIC = b"JAXFOLDX"
+ARTIFACT_VERSION = 1
+_LEN = struct.Struct("<Q")
+_MAX_HEADER = 16 * 2**20
 
 
 class ExportWarning(UserWarning):
@@ -79,7 +103,7 @@ def _check_symbolic(symbolic) -> tuple:
 
 def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = ("batch", "seq"),
            params_as_argument: bool = False, platforms: Optional[Sequence[str]] = None,
-           check: bool = True, rtol: float = 1e-4) -> bytes:
+           check: bool = True, rtol: float = 1e-4, meta: Optional[dict] = None) -> bytes:
   """Serializes ``folded.apply_fn(folded.params, *args)`` with ``jax.export``.
 
   Args:
@@ -99,6 +123,14 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
     check: run the exported program on the example arguments (when they are
       concrete arrays) and compare with ``folded.apply_fn``; raises
       ``AssertionError`` on a relative difference above ``rtol``.
+    meta: JSON-serializable metadata stored in the artifact's header (read
+      back as ``load_exported(...).meta``).  ``jaxfold serve`` validates
+      requests against ``meta["inputs"]`` — one dict per positional argument
+      with ``name`` and, for integer inputs, ``low``/``high`` (valid values are
+      ``low <= v < high``, e.g. ``0`` and the vocabulary size) — and
+      ``meta["max_seq"]`` (the longest sequence, e.g. the position-table size);
+      ``meta["seq_padding"] = "causal"`` tells it that right-padding a sequence
+      leaves the outputs at earlier positions unchanged.
 
   Returns:
     The serialized artifact (``bytes``), loadable with :func:`load_exported`.
@@ -143,7 +175,7 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
                     stacklevel=2)
     break
 
-  blob = bytes(exported.serialize())
+  blob = wrap_artifact(bytes(exported.serialize()), meta, params_as_argument=params_as_argument)
   if check and all(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree_util.tree_leaves(example_args)):
     fn_loaded = load_exported(blob)
     got = fn_loaded(params, *example_args) if params_as_argument else fn_loaded(*example_args)
@@ -161,8 +193,11 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
 class _Loaded:
   """Callable wrapper around a deserialized ``jax.export.Exported``."""
 
-  def __init__(self, exported):
+  def __init__(self, exported, header: Optional[dict] = None, source: str = "<bytes>"):
     self.exported = exported
+    self.header = dict(header or {})
+    self.meta = dict(self.header.get("meta") or {})
+    self.source = source
     self._call = jax.jit(exported.call)
 
   @property
@@ -181,17 +216,122 @@ class _Loaded:
     return f"<exported jaxfold program ({ins}) on {', '.join(self.exported.platforms)}>"
 
 
-def load_exported(data: bytes) -> Callable[..., Any]:
-  """Deserializes an artifact from :func:`export` into a jitted callable.
+def wrap_artifact(program: bytes, meta: Optional[dict] = None, *,
+                  params_as_argument: bool = False) -> bytes:
+  """Puts a ``jax.export`` serialization in jaxfold's hashed container."""
+  header = {
+      "format": "jaxfold-export", "format_version": ARTIFACT_VERSION,
+      "params_as_argument": bool(params_as_argument),
+      "payload_bytes": len(program), "payload_sha256": hashlib.sha256(program).hexdigest(),
+      "written_by": versions(), "meta": dict(meta or {}),
+  }
+  try:
+    raw = json.dumps(header, sort_keys=True, allow_nan=False).encode()
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"export: meta must be JSON-serializable (str/int/float/bool/None, lists, "
+                    f"dicts; finite numbers): {e}") from None
+  return MAGIC + _LEN.pack(len(raw)) + raw + hashlib.sha256(raw).digest() + program
+
+
+_REEXPORT = "re-export it (`jaxfold export ...` or jaxfold.export) or copy it again from a good source"
+
+
+def read_artifact(data: bytes, source: str = "<bytes>") -> tuple[dict, bytes]:
+  """Checks the container and returns ``(header, jax.export serialization)``;
+  :class:`IntegrityError` naming ``source`` on any damage."""
+  n = len(data)
+  lead = len(MAGIC) + _LEN.size
+  if n < lead or data[:len(MAGIC)] != MAGIC:
+    if n == 0:
+      raise IntegrityError(f"{source} is empty (0 bytes): {_REEXPORT}")
+    if n < lead and MAGIC.startswith(bytes(data[:len(MAGIC)])):
+      raise IntegrityError(f"{source} is truncated ({n} bytes): {_REEXPORT}")
+    raise IntegrityError(
+        f"{source} is not a jaxfold artifact (it does not start with the jaxfold header): it is "
+        "another kind of file, damaged at the start, a raw jax.export serialization or an "
+        "artifact of jaxfold 0.1 (no content hash). Re-export it with `jaxfold export`; a raw "
+        "jax.export serialization you trust loads with load_exported(..., verify=False)")
+  (hlen,) = _LEN.unpack_from(data, len(MAGIC))
+  if hlen > _MAX_HEADER:
+    raise IntegrityError(f"{source}: the header length field is damaged ({hlen} bytes): {_REEXPORT}")
+  if n < lead + hlen + 32:
+    raise IntegrityError(f"{source} is truncated ({n} bytes, its header alone needs "
+                         f"{lead + hlen + 32}): {_REEXPORT}")
+  raw = bytes(data[lead:lead + hlen])
+  if hashlib.sha256(raw).digest() != bytes(data[lead + hlen:lead + hlen + 32]):
+    raise IntegrityError(f"{source}: the header does not match its SHA-256 (damaged): {_REEXPORT}")
+  try:
+    header = json.loads(raw)
+  except ValueError as e:
+    raise IntegrityError(f"{source}: the header is not valid JSON ({e}): {_REEXPORT}") from None
+  version = header.get("format_version")
+  by = (header.get("written_by") or {}).get("jaxfold", "?")
+  if header.get("format") != "jaxfold-export" or not isinstance(version, int):
+    raise IntegrityError(f"{source}: the header does not describe a jaxfold artifact: {_REEXPORT}")
+  if version > ARTIFACT_VERSION:
+    raise IntegrityError(f"{source} was written by jaxfold {by} (artifact format {version}); this "
+                         f"jaxfold reads format <= {ARTIFACT_VERSION}: upgrade jaxfold")
+  program = data[lead + hlen + 32:]
+  want = header.get("payload_bytes")
+  if len(program) != want:
+    what = "truncated" if len(program) < (want or 0) else "longer than written (trailing bytes)"
+    raise IntegrityError(f"{source} is {what}: its program has {len(program)} bytes, {want} were "
+                         f"written: {_REEXPORT}")
+  if hashlib.sha256(program).hexdigest() != header.get("payload_sha256"):
+    raise IntegrityError(f"{source}: the program does not match its SHA-256 (corrupted, e.g. flipped "
+                         f"bits): {_REEXPORT}")
+  return header, bytes(program)
+
+
+def _deserialize(program: bytes, source: str, header: dict):
+  try:
+    return jax_export.deserialize(bytearray(program))
+  except Exception as e:  # noqa: BLE001 - flatbuffers/jax raise many types on foreign input
+    by = header.get("written_by") or {}
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    hint = (f"it was written with jax {by.get('jax')}, this is jax {jax.__version__}: use a jax "
+            "that can read it or re-export it with this one" if by else
+            "it is not a jax.export serialization or is damaged")
+    raise IntegrityError(f"{source}: jax.export cannot read the program ({type(e).__name__}: "
+                         f"{first}); {hint}") from None
+
+
+def load_exported(data: bytes | str | os.PathLike, *, verify: bool = True) -> Callable[..., Any]:
+  """Loads an artifact from :func:`export` (its bytes or its path) into a jitted callable.
 
   Needs only jax: not the model's code, not jaxfold's analysis.  The callable
   takes ``*args`` (or ``params, *args`` for ``params_as_argument=True``
-  artifacts) and has ``.in_avals``, ``.out_avals`` and ``.exported``.
+  artifacts) and has ``.in_avals``, ``.out_avals``, ``.exported``, ``.meta``
+  (the ``meta=`` given to :func:`export`) and ``.header``.
+
+  The container is checked first (:class:`jaxfold.IntegrityError` naming the
+  file on a truncated, damaged or foreign file).  ``verify=False`` also accepts
+  a raw ``jax.export`` serialization (no hash: nothing is verified).
+
+  Example:
+    >>> fn = jaxfold.load_exported("model.jaxexport")
+    >>> logits = fn(ids)
   """
-  if isinstance(data, str):
-    raise TypeError("load_exported takes the artifact's bytes; read the file with "
-                    "open(path, 'rb').read()")
-  return _Loaded(jax_export.deserialize(bytearray(data)))
+  source = "<bytes>"
+  if isinstance(data, (str, os.PathLike)):
+    source = os.path.abspath(os.fspath(data))
+    if os.path.isdir(source):
+      raise IsADirectory(f"{source} is a directory: a saved fold loads with "
+                              "jaxfold.load_fold; load_exported takes an artifact file")
+    try:
+      with open(source, "rb") as f:
+        data = f.read()
+    except FileNotFoundError:
+      raise NotFoundError(f"{source} does not exist: write an artifact with `jaxfold export "
+                              "--model NAME --out FILE` or jaxfold.export") from None
+  elif not isinstance(data, (bytes, bytearray, memoryview)):
+    raise TypeError(f"load_exported takes the artifact's bytes or its path, got "
+                    f"{type(data).__name__}")
+  data = bytes(data)
+  if not verify and not data.startswith(MAGIC):
+    return _Loaded(_deserialize(data, source, {}), {}, source)
+  header, program = read_artifact(data, source)
+  return _Loaded(_deserialize(program, source, header), header, source)
 
 
 def exported_signature(fn: Any) -> list:
