@@ -398,9 +398,10 @@ def cmd_fold(args) -> int:
   spec = _spec(args.model)
   out = args.out or f"folded-{args.model.replace('/', '_')}"
   out = os.path.abspath(out)
-  if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not args.force:
-    raise CLIError(f"--out: {out} already exists and is not empty; choose another --out "
-                   "or pass --force to overwrite")
+  try:   # before any work: the same checks save_fold makes again when it commits
+    serialization._check_target(out, args.force)
+  except FileExistsError as e:
+    raise CLIError(f"--out: {e}") from None
   params, source = _params_for(spec, args, args.batch, args.seq)
   apply_fn = spec.apply_fn()
   example = _example_args(spec, args.batch, args.seq, abstract=True)
@@ -415,13 +416,20 @@ def cmd_fold(args) -> int:
       "device": device_string(), "fold_seconds": t_fold,
       "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
   }
+  written: list = []
   with _Step(f"saving to {out}"):
-    serialization.save_fold(folded, out, meta=meta, overwrite=args.force)
-    written = _save_safetensors(folded, spec, out)
+    try:
+      # The safetensors files go into the same temporary directory, so the
+      # whole fold (no stale untied copy) replaces the old one in one rename.
+      serialization.save_fold(folded, out, meta=meta, overwrite=args.force,
+                              extra_files=lambda tmp: written.extend(
+                                  _save_safetensors(folded, spec, tmp)))
+    except FileExistsError as e:
+      raise CLIError(f"--out: {e}") from None
   print(folded.report)
   print()
   print(f"saved fold of {spec.name} to {out}")
-  for name in ["params/", "report.json", "meta.json", "fold.json"] + written:
+  for name in ["params/", "report.json", "meta.json", "fold.json", "manifest.json"] + written:
     print(f"  {os.path.join(out, name)}")
   return 0
 

@@ -32,6 +32,7 @@ import os
 import secrets
 import shutil
 import tempfile
+import threading
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -209,6 +210,13 @@ def _barrier(name: str) -> None:
   multihost_utils.sync_global_devices(name)
 
 
+# orbax's checkpointers share process-wide state (signal contracts, a step
+# directory registry): concurrent saves from threads of one process time out or
+# collide inside orbax, so they take turns here.  Processes need no such lock:
+# each writes its own temporary directory and the commit is a rename.
+_ORBAX_LOCK = threading.RLock()
+
+
 def _umask() -> int:
   mask = os.umask(0o022)
   os.umask(mask)
@@ -290,7 +298,7 @@ def save_fold(folded: Any, directory: str | os.PathLike, *, meta: Optional[dict]
     os.chmod(tmp, 0o777 & ~_umask())   # mkdtemp's 0700 would become the fold's mode
   err: Optional[BaseException] = None
   try:
-    with ocp.StandardCheckpointer() as ckptr:
+    with _ORBAX_LOCK, ocp.StandardCheckpointer() as ckptr:
       ckptr.save(os.path.join(tmp, "params"), params)
       ckptr.wait_until_finished()
     if lead:
@@ -388,7 +396,7 @@ def _abstract_of(x: Any) -> jax.ShapeDtypeStruct:
 def _restore_params(path: str, target: Any = None) -> Any:
   import orbax.checkpoint as ocp
 
-  with ocp.StandardCheckpointer() as ckptr:
+  with _ORBAX_LOCK, ocp.StandardCheckpointer() as ckptr:
     if target is not None:
       return ckptr.restore(path, jax.tree_util.tree_map(_abstract_of, target))
     try:
