@@ -403,8 +403,11 @@ def _restore_params(path: str, target: Any = None) -> Any:
       meta = ckptr.metadata(path)
       tree = getattr(meta, "item_metadata", meta)
       tree = getattr(tree, "tree", tree)
+      # Whole arrays on this process's first device, whatever sharding (and
+      # number of processes) they were saved with.
+      device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
       abstract = jax.tree_util.tree_map(
-          lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree,
+          lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=device), tree,
           is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"))
       return ckptr.restore(path, abstract)
     except Exception:  # noqa: BLE001 - older orbax: restore as saved
