@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 
+import jax
 import numpy as np
 import pytest
 
@@ -175,6 +176,10 @@ def test_artifact_header_records_hash_versions_and_meta(saved):
   assert blob.startswith(jexport.MAGIC)
   assert header["payload_sha256"] == integrity.sha256_bytes(program)
   assert header["written_by"]["jax"] and header["written_by"]["jaxfold"] == jaxfold.__version__
+  assert len(program) < header["weights"]["bytes"] / 2   # weights beside it, not baked in
+  tensors = header["weights"]["tensors"]    # one hashed entry per parameter tensor
+  assert len(tensors) == len(jax.tree_util.tree_leaves(folded.params))
+  assert all(len(t["sha256"]) == 64 and t["name"] for t in tensors)
   fn = jaxfold.load_exported(blob)
   assert fn.meta == {"model": spec.name}
   args = spec.example_inputs(3, 5)
@@ -185,12 +190,17 @@ def test_artifact_header_records_hash_versions_and_meta(saved):
 
 def _faults(blob):
   n = len(blob)
+  header, program = jexport.read_artifact(blob)
+  weights = header["weights"]["bytes"]
   flip_program = bytearray(blob)
-  flip_program[n - n // 3] ^= 0x01
+  flip_program[n - weights - len(program) // 2] ^= 0x01
+  flip_weight = bytearray(blob)
+  flip_weight[n - weights // 2] ^= 0x01
   flip_header = bytearray(blob)
   flip_header[len(jexport.MAGIC) + 8 + 5] ^= 0x20
   return {
-      "flip-program": (bytes(flip_program), "SHA-256"),
+      "flip-program": (bytes(flip_program), "the program does not match its SHA-256"),
+      "flip-weight": (bytes(flip_weight), "parameter tensor .*\\['.*'\\].* does not match its SHA-256"),
       "flip-header": (bytes(flip_header), "SHA-256|JSON"),
       "truncated-half": (blob[: n // 2], "truncated"),
       "truncated-one-byte": (blob[:-1], "truncated"),
@@ -203,7 +213,7 @@ def _faults(blob):
   }
 
 
-FAULTS = ["flip-program", "flip-header", "truncated-half", "truncated-one-byte",
+FAULTS = ["flip-program", "flip-weight", "flip-header", "truncated-half", "truncated-one-byte",
           "truncated-in-magic", "trailing-bytes", "empty", "junk", "foreign-json", "raw-jax-export"]
 
 
@@ -219,8 +229,9 @@ def test_damaged_artifacts(saved, tmp_path, capfd, fault):
 
 
 def test_raw_serialization_needs_verify_false_and_junk_still_fails(saved, capfd):
-  spec, _, _, _, blob = saved
-  raw = jexport.read_artifact(blob)[1]
+  spec, _, folded, _, _ = saved
+  blob = jaxfold.export(folded, *spec.example_inputs(2, 8), bundle_params=False, check=False)
+  raw = jexport.read_artifact(blob)[1]      # parameters baked in: a plain jax.export program
   fn = jaxfold.load_exported(raw, verify=False)
   assert fn(*spec.example_inputs(1, 4)).shape == (1, 4, spec.config.vocab_size)
   _refused(capfd, lambda: jaxfold.load_exported(b"\x00" * 64, verify=False),

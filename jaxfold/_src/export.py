@@ -17,13 +17,19 @@ with the concrete example shapes, warning each time.
 The bytes are a small container around the ``jax.export`` serialization::
 
     b"JAXFOLDX" | header length (uint64 LE) | header (JSON) | SHA-256 of the header | program
+             | parameter tensors (format 2)
 
-The header records the program's SHA-256 and size, the versions that wrote it
-and caller metadata (``meta=``: model name, the valid range of token ids, the
+The header records the program's SHA-256 and size, each parameter tensor's
+name, dtype, shape, offset and SHA-256, the versions that wrote it and caller
+metadata (``meta=``: model name, the valid range of token ids, the
 number of positions, ... — what ``jaxfold serve`` validates requests against).
 :func:`load_exported` checks all of it before ``jax.export`` parses a byte, so a
 flipped bit, a truncated download or a foreign file is one clear
 :class:`jaxfold.IntegrityError` instead of a wrong answer or a parser crash.
+
+The parameters are stored beside the program (not baked into it as constants)
+and passed to it as arguments, so each input shape compiled (``jaxfold serve``
+compiles one program per padded bucket) shares one copy of the weights.
 
 Example:
     >>> blob = jaxfold.export(folded, ids, meta={"model": "gpt2-tiny"})  # symbolic ("batch", "seq")
@@ -56,10 +62,12 @@ from jaxfold._src.integrity import IntegrityError, IsADirectory, NotFoundError, 
 jax_export.register_namedtuple_serialization(FoldedParams, serialized_name="jaxfold.FoldedParams")
 
 __all__ = ["export", "load_exported", "ExportWarning", "exported_signature", "read_artifact",
-           "wrap_artifact", "MAGIC", "ARTIFACT_VERSION"]
+           "read_weights", "wrap_artifact", "MAGIC", "ARTIFACT_VERSION"]
 
 MAGIC = b"JAXFOLDX"
-ARTIFACT_VERSION = 1
+# 1: header + program (parameters baked in or passed by the caller);
+# 2: also the parameter tensors after the program, each hashed.
+ARTIFACT_VERSION = 2
 _LEN = struct.Struct("<Q")
 _MAX_HEADER = 16 * 2**20
 
@@ -103,7 +111,8 @@ def _check_symbolic(symbolic) -> tuple:
 
 def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = ("batch", "seq"),
            params_as_argument: bool = False, platforms: Optional[Sequence[str]] = None,
-           check: bool = True, rtol: float = 1e-4, meta: Optional[dict] = None) -> bytes:
+           check: bool = True, rtol: float = 1e-4, meta: Optional[dict] = None,
+           bundle_params: bool = True) -> bytes:
   """Serializes ``folded.apply_fn(folded.params, *args)`` with ``jax.export``.
 
   Args:
@@ -116,8 +125,14 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
       argument has it); ``None`` or ``()`` exports the example shapes exactly.
       When tracing with these fails, ``export`` falls back to ``symbolic[:1]``
       and then to concrete shapes, with an :class:`ExportWarning`.
-    params_as_argument: ``False`` (default) bakes the folded parameters into
-      the artifact; ``True`` exports ``f(params, *args)``.
+    params_as_argument: ``False`` (default) ships the folded parameters in
+      the artifact; ``True`` exports ``f(params, *args)`` (the caller supplies
+      them).
+    bundle_params: with ``params_as_argument=False``: ``True`` (default)
+      stores the parameters beside the program, one hashed tensor each, and
+      passes them as arguments when it runs, so every compiled shape shares one
+      copy of the weights; ``False`` bakes them into the program as constants
+      (every compilation then embeds its own copy).
     platforms: lowering platforms, e.g. ``("cpu", "cuda")``; default: the
       current backend.
     check: run the exported program on the example arguments (when they are
@@ -143,14 +158,15 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
   names = _check_symbolic(symbolic)
   apply_fn, params = folded.apply_fn, folded.params
 
-  if params_as_argument:
+  bundled = bundle_params and not params_as_argument
+  if params_as_argument or bundled:
     fn = jax.jit(lambda p, *a: apply_fn(p, *a))
   else:
     fn = jax.jit(lambda *a: apply_fn(params, *a))
   kwargs = {"platforms": tuple(platforms)} if platforms else {}
   exporter = jax_export.export(fn, **kwargs)
   p_spec = (jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)),
-                                   params),) if params_as_argument else ()
+                                   params),) if (params_as_argument or bundled) else ()
 
   attempts = [names]
   if len(names) > 1:
@@ -175,11 +191,16 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
                     stacklevel=2)
     break
 
-  blob = wrap_artifact(bytes(exported.serialize()), meta, params_as_argument=params_as_argument)
+  weights = None
+  if bundled:
+    weights = [(jax.tree_util.keystr(path), np.asarray(jax.device_get(x)))
+               for path, x in jax.tree_util.tree_flatten_with_path(params)[0]]
+  blob = wrap_artifact(bytes(exported.serialize()), meta, params_as_argument=params_as_argument,
+                       weights=weights)
   if check and all(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree_util.tree_leaves(example_args)):
     fn_loaded = load_exported(blob)
     got = fn_loaded(params, *example_args) if params_as_argument else fn_loaded(*example_args)
-    want = fn(params, *example_args) if params_as_argument else fn(*example_args)
+    want = fn(params, *example_args) if (params_as_argument or bundled) else fn(*example_args)
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
       g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
       scale = max(float(np.max(np.abs(w))) if w.size else 0.0, 1e-30)
@@ -193,44 +214,80 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
 class _Loaded:
   """Callable wrapper around a deserialized ``jax.export.Exported``."""
 
-  def __init__(self, exported, header: Optional[dict] = None, source: str = "<bytes>"):
+  def __init__(self, exported, header: Optional[dict] = None, source: str = "<bytes>",
+               weights: Optional[list] = None):
     self.exported = exported
     self.header = dict(header or {})
     self.meta = dict(self.header.get("meta") or {})
     self.source = source
     self._call = jax.jit(exported.call)
+    self.params = None
+    self._n_params = 0
+    args_def = exported.in_tree.children()[0]
+    if weights is not None:      # bundled: the first argument is the parameter pytree
+      params_def = args_def.children()[0]
+      if params_def.num_leaves != len(weights):
+        raise IntegrityError(f"{source}: the program takes {params_def.num_leaves} parameter "
+                             f"tensors, the artifact holds {len(weights)}: {_REEXPORT}")
+      for w, a in zip(weights, exported.in_avals):
+        if tuple(w.shape) != tuple(a.shape) or np.dtype(w.dtype) != np.dtype(a.dtype):
+          raise IntegrityError(f"{source}: a stored tensor {w.dtype}{list(w.shape)} does not fit "
+                               f"the program's parameter {a.str_short()}: {_REEXPORT}")
+      self.params = jax.tree_util.tree_unflatten(params_def, [jnp.asarray(w) for w in weights])
+      self._n_params = len(weights)
+      args_def = jax.tree_util.treedef_tuple(args_def.children()[1:])
+    self.in_tree = jax.tree_util.treedef_tuple(
+        [args_def, exported.in_tree.children()[1]])   # ((*args), {}) as the caller passes them
 
   @property
   def in_avals(self):
-    return self.exported.in_avals
+    return self.exported.in_avals[self._n_params:]
 
   @property
   def out_avals(self):
     return self.exported.out_avals
 
   def __call__(self, *args):
+    if self.params is not None:
+      return self._call(self.params, *args)
     return self._call(*args)
 
   def __repr__(self):
-    ins = ", ".join(str(a) for a in self.exported.in_avals)
+    ins = ", ".join(str(a) for a in self.in_avals)
     return f"<exported jaxfold program ({ins}) on {', '.join(self.exported.platforms)}>"
 
 
 def wrap_artifact(program: bytes, meta: Optional[dict] = None, *,
-                  params_as_argument: bool = False) -> bytes:
-  """Puts a ``jax.export`` serialization in jaxfold's hashed container."""
+                  params_as_argument: bool = False, weights: Optional[list] = None) -> bytes:
+  """Puts a ``jax.export`` serialization in jaxfold's hashed container.
+
+  ``weights``: ``[(name, array), ...]`` stored after the program, each with its
+  dtype, shape, offset and SHA-256 in the header (format 2)."""
   header = {
-      "format": "jaxfold-export", "format_version": ARTIFACT_VERSION,
+      "format": "jaxfold-export", "format_version": 1 if weights is None else ARTIFACT_VERSION,
       "params_as_argument": bool(params_as_argument),
       "payload_bytes": len(program), "payload_sha256": hashlib.sha256(program).hexdigest(),
       "written_by": versions(), "meta": dict(meta or {}),
   }
+  chunks = []
+  if weights is not None:
+    table, offset = [], 0
+    for name, w in weights:
+      w = np.ascontiguousarray(w)
+      data = w.tobytes()
+      table.append({"name": name, "dtype": jnp.dtype(w.dtype).name, "shape": list(w.shape),
+                    "offset": offset, "bytes": len(data),
+                    "sha256": hashlib.sha256(data).hexdigest()})
+      chunks.append(data)
+      offset += len(data)
+    header["weights"] = {"bytes": offset, "tensors": table}
   try:
     raw = json.dumps(header, sort_keys=True, allow_nan=False).encode()
   except (TypeError, ValueError) as e:
     raise TypeError(f"export: meta must be JSON-serializable (str/int/float/bool/None, lists, "
                     f"dicts; finite numbers): {e}") from None
-  return MAGIC + _LEN.pack(len(raw)) + raw + hashlib.sha256(raw).digest() + program
+  return b"".join([MAGIC, _LEN.pack(len(raw)), raw, hashlib.sha256(raw).digest(), program,
+                   *chunks])
 
 
 _REEXPORT = "re-export it (`jaxfold export ...` or jaxfold.export) or copy it again from a good source"
@@ -271,16 +328,42 @@ def read_artifact(data: bytes, source: str = "<bytes>") -> tuple[dict, bytes]:
   if version > ARTIFACT_VERSION:
     raise IntegrityError(f"{source} was written by jaxfold {by} (artifact format {version}); this "
                          f"jaxfold reads format <= {ARTIFACT_VERSION}: upgrade jaxfold")
-  program = data[lead + hlen + 32:]
+  body = memoryview(data)[lead + hlen + 32:]
   want = header.get("payload_bytes")
-  if len(program) != want:
-    what = "truncated" if len(program) < (want or 0) else "longer than written (trailing bytes)"
-    raise IntegrityError(f"{source} is {what}: its program has {len(program)} bytes, {want} were "
-                         f"written: {_REEXPORT}")
+  weights = header.get("weights")
+  want_total = (want or 0) + (int(weights.get("bytes", 0)) if isinstance(weights, dict) else 0)
+  if not isinstance(want, int) or len(body) != want_total:
+    what = "truncated" if len(body) < want_total else "longer than written (trailing bytes)"
+    raise IntegrityError(f"{source} is {what}: {len(body)} bytes follow its header, {want_total} "
+                         f"were written: {_REEXPORT}")
+  program = bytes(body[:want])
   if hashlib.sha256(program).hexdigest() != header.get("payload_sha256"):
     raise IntegrityError(f"{source}: the program does not match its SHA-256 (corrupted, e.g. flipped "
                          f"bits): {_REEXPORT}")
-  return header, bytes(program)
+  return header, program
+
+
+def read_weights(data: bytes, header: dict, source: str = "<bytes>") -> Optional[list]:
+  """The parameter tensors stored after the program (format 2), each checked
+  against its SHA-256; ``None`` for an artifact without them."""
+  weights = header.get("weights")
+  if weights is None:
+    return None
+  start = len(data) - int(weights["bytes"])
+  view = memoryview(data)[start:]
+  out = []
+  for k, t in enumerate(weights.get("tensors", [])):
+    chunk = view[t["offset"]:t["offset"] + t["bytes"]]
+    if hashlib.sha256(chunk).hexdigest() != t["sha256"]:
+      raise IntegrityError(f"{source}: parameter tensor {k} ({t.get('name', '?')}, "
+                           f"{t['dtype']}{t['shape']}) does not match its SHA-256 (corrupted, e.g. "
+                           f"flipped bits): {_REEXPORT}")
+    try:
+      out.append(np.frombuffer(chunk, dtype=jnp.dtype(t["dtype"])).reshape(t["shape"]))
+    except (TypeError, ValueError) as e:
+      raise IntegrityError(f"{source}: parameter tensor {k} ({t.get('name', '?')}) cannot be "
+                           f"read ({e}): {_REEXPORT}") from None
+  return out
 
 
 def _deserialize(program: bytes, source: str, header: dict):
@@ -331,7 +414,8 @@ def load_exported(data: bytes | str | os.PathLike, *, verify: bool = True) -> Ca
   if not verify and not data.startswith(MAGIC):
     return _Loaded(_deserialize(data, source, {}), {}, source)
   header, program = read_artifact(data, source)
-  return _Loaded(_deserialize(program, source, header), header, source)
+  weights = read_weights(data, header, source)
+  return _Loaded(_deserialize(program, source, header), header, source, weights)
 
 
 def exported_signature(fn: Any) -> list:

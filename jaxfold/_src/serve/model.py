@@ -89,7 +89,7 @@ class ServedModel:
       raise ServeError(f"{source} was exported with params_as_argument=True: serving needs the "
                        "parameters baked in (export without params_as_argument)")
     avals = list(fn.in_avals)
-    in_tree = fn.exported.in_tree
+    in_tree = getattr(fn, "in_tree", None) or fn.exported.in_tree   # parameters excluded
     if in_tree != jax.tree_util.tree_structure((tuple(range(len(avals))), {})):
       raise ServeError(f"{source}: the program's arguments are not a flat list of arrays "
                        f"({in_tree}); serving needs f(array, ...)")
