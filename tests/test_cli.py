@@ -142,3 +142,17 @@ def test_max_rel_err_refuses_nan():
     max_rel_err(np.array([1.0, np.nan]), np.array([1.0, np.nan]))
   with pytest.raises(CLIError, match="folded model"):
     max_rel_err(np.ones(2), np.array([1.0, np.inf]))
+
+
+def test_serve_refuses_damaged_or_missing_sources(capsys, tmp_path):
+  pytest.importorskip("uvicorn")
+  junk = tmp_path / "junk.jaxexport"
+  junk.write_bytes(b"\x00garbage" * 100)
+  code, out, err = run(capsys, "serve", str(junk), "--port", "0")
+  assert code == 2 and "not a jaxfold artifact" in err and str(junk) in err
+  assert "Traceback" not in err and "listening" not in out
+  code, out, err = run(capsys, "serve", str(tmp_path / "absent"), "--port", "0")
+  assert code == 2 and "does not exist" in err
+  (tmp_path / "d").mkdir()
+  code, out, err = run(capsys, "serve", str(tmp_path / "d"), "--port", "0")
+  assert code == 2 and "not a saved fold" in err

@@ -192,6 +192,19 @@ def test_invalid_inputs_get_4xx(server, inputs, status, match):
   assert code == status and re.search(match, got["error"]), got
 
 
+def test_base64_outputs_match_json_outputs(server):
+  import base64
+  ids = [[5, 6, 7, 8, 9]]
+  code, plain = _post(server.url + "/predict", {"inputs": ids})
+  assert code == 200
+  code, packed = _post(server.url + "/predict", {"inputs": ids, "encoding": "base64"})
+  assert code == 200 and packed["encoding"] == "base64" and packed["dtype"] == "float32"
+  got = np.frombuffer(base64.b64decode(packed["outputs"]), "<f4").reshape(packed["shape"])
+  np.testing.assert_array_equal(got, np.asarray(plain["outputs"], np.float32))
+  code, bad = _post(server.url + "/predict", {"inputs": ids, "encoding": "xml"})
+  assert code == 400 and "encoding" in bad["error"]
+
+
 def test_protocol_errors(server):
   code, got = _post(server.url + "/predict", {"x": 1})
   assert code == 400 and "inputs" in got["error"]

@@ -4,6 +4,8 @@ Protocol (unchanged from ``examples/serve.py``)::
 
     POST /predict  {"inputs": [[...]]}   -> 200 {"outputs": [...], "shape": [...]}
                    {"inputs": [a, b, ...], "multiple": true} for programs with several arguments
+                   {"inputs": ..., "encoding": "base64"} -> {"outputs": "<base64 of the raw
+                   little-endian bytes>", "shape": [...], "dtype": "float32", "encoding": "base64"}
     GET  /health   -> {"status": "ok", "inputs": [[dims, dtype], ...], "buckets": ...}
     GET  /metrics  -> request counts by status, latency p50/p90/p99, batches, queue depth,
                       compiled bucket programs
@@ -57,9 +59,27 @@ def _json(code: int, obj: Any, headers: Optional[dict] = None):
   return Response(body, status_code=code, media_type="application/json", headers=headers)
 
 
-def _to_json(out: Any) -> dict:
+ENCODINGS = ("json", "base64")
+
+
+def _to_json(out: Any, encoding: str = "json") -> dict:
+  """Outputs as nested lists, or (``encoding="base64"``) as the base64 of the
+  raw little-endian array bytes with their dtype: an LM's logits are megabytes
+  of JSON numbers, which cost more to format and parse than to compute."""
+  import base64
+
   import jax
+  import numpy as np
   leaves = jax.tree_util.tree_leaves(out)
+  if encoding == "base64":
+    enc = [base64.b64encode(np.ascontiguousarray(x, x.dtype.newbyteorder("<")).tobytes()).decode()
+           for x in leaves]
+    dtypes = [str(x.dtype) for x in leaves]
+    if len(leaves) == 1:
+      return {"outputs": enc[0], "shape": list(leaves[0].shape), "dtype": dtypes[0],
+              "encoding": "base64"}
+    return {"outputs": enc, "shape": [list(x.shape) for x in leaves], "dtype": dtypes,
+            "encoding": "base64"}
   if len(leaves) == 1:
     return {"outputs": leaves[0].tolist(), "shape": list(leaves[0].shape)}
   return {"outputs": [x.tolist() for x in leaves], "shape": [list(x.shape) for x in leaves]}
@@ -132,6 +152,9 @@ def create_app(model: ServedModel, config: ServeConfig = ServeConfig(),
       payload = json.loads(body)
     except (ValueError, RecursionError) as e:
       return answer(400, {"error": f"the body is not valid JSON: {str(e)[:200]}"})
+    encoding = payload.get("encoding", "json") if isinstance(payload, dict) else "json"
+    if encoding not in ENCODINGS:
+      return answer(400, {"error": f"encoding must be one of {list(ENCODINGS)}, got {encoding!r}"})
     try:
       req = model.validate(payload)
     except InputError as e:
@@ -148,7 +171,7 @@ def create_app(model: ServedModel, config: ServeConfig = ServeConfig(),
     except Exception as e:  # noqa: BLE001 - report, keep serving
       first = (str(e).strip().splitlines() or [""])[0][:300]
       return answer(500, {"error": f"{type(e).__name__}: {first}"})
-    return answer(200, _to_json(out))
+    return answer(200, _to_json(out, encoding))
 
   async def health(request):
     batcher = state.get("batcher")

@@ -77,8 +77,12 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, dict, bytes
 
 
 async def run_load(url: str, payloads: Sequence[Any], *, concurrency: int = 64,
-                   timeout: float = 120.0, connect_timeout: float = 10.0) -> LoadResult:
-  """Sends every payload once (``POST`` JSON) over ``concurrency`` connections."""
+                   timeout: float = 120.0, connect_timeout: float = 10.0,
+                   keep_bodies: bool = True) -> LoadResult:
+  """Sends every payload once (``POST`` JSON) over ``concurrency`` connections.
+
+  ``keep_bodies=False`` neither parses nor keeps the bodies of 200 answers
+  (``body`` is ``None`` for them): for throughput runs with large outputs."""
   u = urllib.parse.urlsplit(url)
   host, port, path = u.hostname, u.port or 80, u.path or "/"
   bodies = [p if isinstance(p, (bytes, bytearray)) else json.dumps(p).encode() for p in payloads]
@@ -106,10 +110,13 @@ async def run_load(url: str, payloads: Sequence[Any], *, concurrency: int = 64,
           code, headers, data = await _read_response(reader)
           latency[i] = time.perf_counter() - t0
           status[i] = code
-          try:
-            out[i] = json.loads(data)
-          except ValueError:
-            out[i] = data.decode("utf-8", "replace")
+          if code == 200 and not keep_bodies:
+            out[i] = None
+          else:
+            try:
+              out[i] = json.loads(data)
+            except ValueError:
+              out[i] = data.decode("utf-8", "replace")
           if headers.get("connection", "").lower() == "close":
             writer.close()
             reader = writer = None
@@ -136,6 +143,7 @@ async def run_load(url: str, payloads: Sequence[Any], *, concurrency: int = 64,
 
 
 def load_test(url: str, payloads: Sequence[Any], *, concurrency: int = 64,
-              timeout: float = 120.0) -> LoadResult:
+              timeout: float = 120.0, keep_bodies: bool = True) -> LoadResult:
   """Blocking :func:`run_load` (its own event loop)."""
-  return asyncio.run(run_load(url, payloads, concurrency=concurrency, timeout=timeout))
+  return asyncio.run(run_load(url, payloads, concurrency=concurrency, timeout=timeout,
+                              keep_bodies=keep_bodies))
