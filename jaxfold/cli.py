@@ -10,7 +10,9 @@ Subcommands::
     jaxfold bench --model NAME --batch B --seq S
                                           folded vs original forward time (jit, interleaved)
     jaxfold export (--model NAME | --from DIR) --out FILE
-                                          a serialized jax.export artifact (see examples/serve.py)
+                                          a serialized, content-hashed jax.export artifact
+    jaxfold serve ARTIFACT_OR_FOLD_DIR [--host 127.0.0.1] [--port 8000]
+                                          an HTTP inference service (needs the `serve` extra)
 
 Errors in the arguments print what is wrong and how to fix it, and exit with status 2.
 ``--debug`` (before the subcommand) shows tracebacks.
@@ -31,7 +33,8 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 __all__ = ["main", "time_variants", "summarize_timings", "device_string", "CLIError",
-           "demo_spec", "random_params", "compare_forward"]
+           "demo_spec", "random_params", "compare_forward", "max_rel_err", "check_finite",
+           "model_meta", "max_positions"]
 
 
 class CLIError(Exception):
@@ -324,15 +327,80 @@ def _fold(params, apply_fn, example, *, auxiliary: bool, tied: str):
   return folded, st.elapsed
 
 
-def _max_rel_err(a, b) -> float:
+def check_finite(tree: Any, what: str) -> None:
+  """Raises :class:`CLIError` if any float leaf of ``tree`` has a NaN or an inf:
+  an error measured on non-finite outputs would be meaningless (NaN compares as 0)."""
   import jax
   import numpy as np
+  for x in jax.tree_util.tree_leaves(tree):
+    x = np.asarray(x)
+    if x.dtype.kind in "fc" and not np.all(np.isfinite(x)):
+      n = int(np.size(x) - np.count_nonzero(np.isfinite(x)))
+      raise CLIError(f"{what} has {n} non-finite value(s) (NaN/inf) out of {x.size}: no error or "
+                     "timing is reported for it. Check the inputs (e.g. --seq within the model's "
+                     "positions) and the weights")
+
+
+def max_rel_err(a: Any, b: Any, what: str = "outputs") -> float:
+  """``max |a − b| / max |a|`` over the leaves; refuses non-finite values in
+  either (:class:`CLIError`), since NaN − NaN would otherwise read as 0."""
+  import jax
+  import numpy as np
+  check_finite(a, f"the original model's {what}")
+  check_finite(b, f"the folded model's {what}")
   worst = 0.0
   for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
     x = np.asarray(x, np.float64)
     y = np.asarray(y, np.float64)
     worst = max(worst, float(np.max(np.abs(x - y)) / max(float(np.max(np.abs(x))), 1e-30)))
   return worst
+
+
+_max_rel_err = max_rel_err   # the name benchmarks used before
+
+
+def max_positions(spec) -> Optional[int]:
+  """The length of a text model's position table (None without one)."""
+  c = spec.config
+  for k in ("n_positions", "max_position_embeddings"):
+    if hasattr(c, k):
+      return int(getattr(c, k))
+  return None
+
+
+def _check_seq(spec, seq: Optional[int]) -> None:
+  limit = max_positions(spec)
+  if seq is not None and limit is not None and seq > limit:
+    raise CLIError(f"--seq {seq} is longer than {spec.name}'s {limit} positions (its position "
+                   f"table has {limit} rows): use --seq {limit} or less")
+
+
+_CAUSAL_FAMILIES = {"gpt2", "gpt2_nnx", "gpt2-nnx", "opt", "bloom", "phi"}
+
+
+def model_meta(spec) -> dict:
+  """What ``jaxfold serve`` validates requests against, for a model-zoo spec:
+  per-argument names and value ranges (token ids in ``[0, vocab)``), the
+  longest sequence (``max_seq``) and whether right-padding is invisible
+  (``seq_padding``: ``"causal"`` decoders, ``"mask"`` for BERT's attention mask)."""
+  c = spec.config
+  meta: dict = {"model": spec.name, "family": spec.family}
+  vocab = getattr(c, "vocab_size", None)
+  if spec.family == "bert":
+    meta["inputs"] = [{"name": "input_ids", "low": 0, "high": int(vocab)},
+                      {"name": "attention_mask", "low": 0, "high": 2, "role": "attention_mask"},
+                      {"name": "token_type_ids", "low": 0, "high": int(c.type_vocab_size)}]
+    meta["seq_padding"] = "mask"
+  elif vocab is not None:
+    meta["inputs"] = [{"name": "input_ids", "low": 0, "high": int(vocab)}]
+    if spec.family in _CAUSAL_FAMILIES or spec.family.startswith("gpt2"):
+      meta["seq_padding"] = "causal"
+  else:
+    meta["inputs"] = [{"name": "x"}]
+  limit = max_positions(spec)
+  if limit is not None:
+    meta["max_seq"] = limit
+  return meta
 
 
 def _print_timing(s: dict, out=None) -> None:
@@ -356,6 +424,7 @@ def _print_timing(s: dict, out=None) -> None:
 def cmd_demo(args) -> int:
   spec = demo_spec("tiny" if args.tiny else "small")
   batch, seq = args.batch, args.seq
+  _check_seq(spec, seq)
   print(f"jaxfold demo: {spec.name} ({_describe(spec)}), batch {batch} x seq {seq}, "
         f"on {device_string()}")
   params = _random_params(spec, batch, seq, args.seed)
@@ -394,13 +463,15 @@ def _describe(spec) -> str:
 def cmd_fold(args) -> int:
   import jax
   import jaxfold
-  from jaxfold._src import serialization
+  from jaxfold import serialization
   spec = _spec(args.model)
+  _check_seq(spec, args.seq)
   out = args.out or f"folded-{args.model.replace('/', '_')}"
   out = os.path.abspath(out)
-  if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not args.force:
-    raise CLIError(f"--out: {out} already exists and is not empty; choose another --out "
-                   "or pass --force to overwrite")
+  try:   # before any work: the same checks save_fold makes again when it commits
+    serialization.check_target(out, args.force)
+  except FileExistsError as e:
+    raise CLIError(f"--out: {e}") from None
   params, source = _params_for(spec, args, args.batch, args.seq)
   apply_fn = spec.apply_fn()
   example = _example_args(spec, args.batch, args.seq, abstract=True)
@@ -415,13 +486,20 @@ def cmd_fold(args) -> int:
       "device": device_string(), "fold_seconds": t_fold,
       "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
   }
+  written: list = []
   with _Step(f"saving to {out}"):
-    serialization.save_fold(folded, out, meta=meta, overwrite=args.force)
-    written = _save_safetensors(folded, spec, out)
+    try:
+      # The safetensors files go into the same temporary directory, so the
+      # whole fold (no stale untied copy) replaces the old one in one rename.
+      serialization.save_fold(folded, out, meta=meta, overwrite=args.force,
+                              extra_files=lambda tmp: written.extend(
+                                  _save_safetensors(folded, spec, tmp)))
+    except FileExistsError as e:
+      raise CLIError(f"--out: {e}") from None
   print(folded.report)
   print()
   print(f"saved fold of {spec.name} to {out}")
-  for name in ["params/", "report.json", "meta.json", "fold.json"] + written:
+  for name in ["params/", "report.json", "meta.json", "fold.json", "manifest.json"] + written:
     print(f"  {os.path.join(out, name)}")
   return 0
 
@@ -448,7 +526,7 @@ def _save_safetensors(folded, spec, out) -> list:
 
 
 def cmd_report(args) -> int:
-  from jaxfold._src import serialization
+  from jaxfold import serialization
   if args.dir and args.model:
     raise CLIError("report: give either a saved fold DIR or --model NAME, not both")
   if not args.dir and not args.model:
@@ -472,6 +550,7 @@ def cmd_report(args) -> int:
     return 0
   import jaxfold
   spec = _spec(args.model)
+  _check_seq(spec, args.seq)
   apply_fn = spec.apply_fn()
   with _Step(f"abstract init of {spec.name} (no weights allocated)"):
     params = (spec.abstract_init(args.batch, args.seq) if args.seq is not None
@@ -490,6 +569,7 @@ def cmd_report(args) -> int:
 
 def cmd_bench(args) -> int:
   spec = _spec(args.model)
+  _check_seq(spec, args.seq)
   print(f"jaxfold bench: {spec.name}, batch {args.batch} x seq {args.seq}, on {device_string()}")
   params, source = _params_for(spec, args, args.batch, args.seq)
   apply_fn = spec.apply_fn()
@@ -514,39 +594,96 @@ def cmd_bench(args) -> int:
 
 
 def cmd_export(args) -> int:
+  import types
   import warnings
-  from jaxfold._src import export as jexport
-  from jaxfold._src import serialization
+  from jaxfold import exporting as jexport
+  from jaxfold import serialization
   if bool(args.model) == bool(args.from_dir):
     raise CLIError("export: give exactly one of --model NAME (fold now) or --from DIR "
                    "(a saved fold from `jaxfold fold`)")
   if args.from_dir:
+    if args.no_fold:
+      raise CLIError("export: --no-fold goes with --model (a saved fold is folded already)")
     meta = serialization.load_meta(args.from_dir) if os.path.isdir(args.from_dir) else None
     if not meta or "model" not in meta:
       raise CLIError(f"--from: {args.from_dir} is not a saved fold made by `jaxfold fold` "
                      "(no meta.json with a model name)")
     spec = _spec(meta["model"])
+    _check_seq(spec, args.seq)
     with _Step(f"loading fold from {args.from_dir}"):
       folded = serialization.load_fold(args.from_dir, spec.apply_fn())
   else:
     spec = _spec(args.model)
+    _check_seq(spec, args.seq)
     params, _ = _params_for(spec, args, args.batch, args.seq)
-    folded, _ = _fold(params, spec.apply_fn(), _example_args(spec, args.batch, args.seq, True),
-                      auxiliary=not args.no_auxiliary, tied=args.tied_weights)
+    if args.no_fold:   # the original model, e.g. as a baseline to serve beside the fold
+      folded = types.SimpleNamespace(params=params, apply_fn=spec.apply_fn())
+    else:
+      folded, _ = _fold(params, spec.apply_fn(), _example_args(spec, args.batch, args.seq, True),
+                        auxiliary=not args.no_auxiliary, tied=args.tied_weights)
   example = _example_args(spec, args.batch, args.seq)
   symbolic = None if args.no_symbolic else ("batch", "seq")
+  meta = {**model_meta(spec), "folded": not args.no_fold}
+  if hasattr(folded, "report"):
+    meta["sites_folded"] = [folded.report.num_folded, folded.report.num_sites]
   with _Step("exporting (jax.export)"), warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always", jexport.ExportWarning)
-    blob = jexport.export(folded, *example, symbolic=symbolic)
+    blob = jexport.export(folded, *example, symbolic=symbolic, meta=meta)
   for w in caught:
     print(f"warning: {w.message}", file=sys.stderr)
   out = os.path.abspath(args.out)
-  with open(out, "wb") as f:
-    f.write(blob)
+  if os.path.isdir(out):
+    raise CLIError(f"--out: {out} is a directory; give a file name, e.g. {out}/model.jaxexport")
+  jexport.write_artifact(out, blob)   # a reader never sees half an artifact
   fn = jexport.load_exported(blob)
   print(f"wrote {out} ({len(blob) / 2**20:.2f} MiB); inputs: "
         + ", ".join(f"{d}[{','.join(map(str, s))}]" for s, d in jexport.exported_signature(fn)))
   return 0
+
+
+def cmd_serve(args) -> int:
+  from jaxfold import serving
+  try:
+    import starlette  # noqa: F401
+    import uvicorn  # noqa: F401
+  except ImportError as e:
+    raise CLIError(f"serve needs the `serve` extra ({e.name} is not installed): "
+                   "pip install \"jaxfold[serve]\"") from None
+  config = serving.ServeConfig(max_batch=args.max_batch, max_seq=args.max_seq,
+                                 max_queue=args.max_queue, max_body=args.max_body,
+                                 max_wait_ms=args.max_wait_ms, drain_timeout=args.drain_timeout,
+                                 warmup=args.warmup)
+
+  def zoo(name):
+    spec = _spec(name)
+    return spec.apply_fn(), model_meta(spec)
+
+  with _Step(f"loading {args.source}"):
+    try:
+      model = serving.load_model(args.source, zoo_meta=zoo, max_batch=args.max_batch,
+                                     max_seq=args.max_seq)
+    except serving.ServeError as e:
+      raise CLIError(str(e)) from None
+  with _Step("checking that padding leaves answers unchanged"):
+    try:
+      notes = model.self_check()
+    except serving.ServeError as e:
+      raise CLIError(str(e)) from None
+  for n in notes:
+    print(f"serve: {n}", file=sys.stderr)
+  d = model.describe()
+  print(f"serve: inputs {d['inputs']}; batch buckets {d['batch_buckets']}, sequence buckets "
+        f"{d['seq_buckets']} (padding: {d['seq_padding'] or 'none'}): at most "
+        f"{d['max_programs']} compiled programs", file=sys.stderr)
+  if args.warmup:
+    with _Step("compiling every bucket (--warmup)"):
+      shapes = model.warmup()
+    print(f"serve: compiled {len(shapes)} programs {shapes}", file=sys.stderr)
+  sys.stderr.flush()
+  try:
+    return serving.serve(model, args.host, args.port, config)
+  except OSError as e:
+    raise CLIError(f"cannot listen on {args.host}:{args.port}: {e}") from None
 
 
 # ----------------------------------------------------------------------------
@@ -632,9 +769,34 @@ def build_parser() -> argparse.ArgumentParser:
   e.add_argument("--no-symbolic", action="store_true",
                  help="export the example shapes exactly (default: symbolic batch and seq)")
   e.add_argument("--seed", type=int, default=0)
+  e.add_argument("--no-fold", action="store_true",
+                 help="export the original (unfolded) model, e.g. as a baseline to compare with")
   _fold_options(e)
   _shape_options(e, 1, None)
   e.set_defaults(func=cmd_export)
+
+  v = sub.add_parser("serve", help="serve an exported artifact or a saved fold over HTTP",
+                     description="POST /predict {\"inputs\": [[...]]}, GET /health, GET /metrics. "
+                     "Validates requests against the model, batches concurrent ones into padded "
+                     "shape buckets, and on SIGTERM finishes the requests in flight and exits 0.")
+  v.add_argument("source", help="artifact from `jaxfold export`, or a fold directory from "
+                                "`jaxfold fold`")
+  v.add_argument("--host", default="127.0.0.1")
+  v.add_argument("--port", type=int, default=8000, help="0: let the OS pick a free port")
+  v.add_argument("--max-batch", type=_positive("--max-batch"), default=16,
+                 help="rows per program call; batch buckets are powers of two up to it")
+  v.add_argument("--max-seq", type=_positive("--max-seq"), default=None,
+                 help="longest sequence accepted (default: the model's positions)")
+  v.add_argument("--max-queue", type=_positive("--max-queue"), default=256,
+                 help="waiting requests beyond this get 503 Retry-After")
+  v.add_argument("--max-body", type=_positive("--max-body"), default=1 << 20,
+                 help="largest request body in bytes (413 beyond)")
+  v.add_argument("--max-wait-ms", type=float, default=2.0,
+                 help="how long a lone request waits for others to batch with")
+  v.add_argument("--drain-timeout", type=float, default=30.0,
+                 help="seconds to finish in-flight requests after SIGTERM")
+  v.add_argument("--warmup", action="store_true", help="compile every bucket before serving")
+  v.set_defaults(func=cmd_serve)
   return p
 
 
@@ -660,9 +822,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   except Exception as e:  # noqa: BLE001
     if args.debug:
       raise
-    from jaxfold import FoldError
+    from jaxfold import FoldError, IntegrityError
     msg = str(e).strip() or type(e).__name__
-    if isinstance(e, FoldError):
+    if isinstance(e, (FoldError, IntegrityError, FileNotFoundError, FileExistsError,
+                      NotADirectoryError, IsADirectoryError)):
+      if isinstance(e, OSError) and e.filename and e.strerror and e.filename not in msg:
+        msg = f"{e.filename}: {e.strerror}"
+      elif isinstance(e, OSError) and e.strerror and len(e.args) >= 2:
+        msg = e.strerror
       print(f"jaxfold {args.command}: error: {msg}", file=sys.stderr)
       return 2
     print(f"jaxfold {args.command}: internal error: {type(e).__name__}: {msg}\n"

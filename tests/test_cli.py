@@ -110,3 +110,49 @@ def test_console_entry_point():
   r = subprocess.run([sys.executable, "-m", "jaxfold.cli"], capture_output=True, text=True,
                      timeout=60)
   assert r.returncode == 2
+
+
+def test_non_finite_outputs_are_refused(capsys, tmp_path):
+  # beyond the position table: refused before any work
+  code, out, err = run(capsys, "bench", "--model", "gpt2-tiny", "--batch", "1", "--seq", "100")
+  assert code == 2 and "32 positions" in err and "--seq 32" in err
+  assert "max relative error" not in out
+  # NaN weights: outputs are non-finite, no error or timing is printed for them
+  import numpy as np
+  from jaxfold.cli import random_params
+  from models.safetensors_io import save_safetensors
+  spec = models.get("gpt2-tiny")
+  params = random_params(spec, 1, 8, seed=0)
+  attn = params["h_0"]["attn"]["c_attn"]
+  attn["kernel"] = np.asarray(attn["kernel"]).copy()
+  attn["kernel"][0, 0] = np.nan
+  ckpt = tmp_path / "nan.safetensors"
+  save_safetensors(params, ckpt, "gpt2")
+  code, out, err = run(capsys, "bench", "--model", "gpt2-tiny", "--batch", "1", "--seq", "8",
+                       "--checkpoint", str(ckpt), "--rounds", "2")
+  assert code == 2 and "non-finite" in err, (out, err)
+  assert "max relative error" not in out and "Traceback" not in err
+
+
+def test_max_rel_err_refuses_nan():
+  import numpy as np
+  from jaxfold.cli import CLIError, max_rel_err
+  assert max_rel_err(np.ones(3), np.ones(3)) == 0.0
+  with pytest.raises(CLIError, match="non-finite"):
+    max_rel_err(np.array([1.0, np.nan]), np.array([1.0, np.nan]))
+  with pytest.raises(CLIError, match="folded model"):
+    max_rel_err(np.ones(2), np.array([1.0, np.inf]))
+
+
+def test_serve_refuses_damaged_or_missing_sources(capsys, tmp_path):
+  pytest.importorskip("uvicorn")
+  junk = tmp_path / "junk.jaxexport"
+  junk.write_bytes(b"\x00garbage" * 100)
+  code, out, err = run(capsys, "serve", str(junk), "--port", "0")
+  assert code == 2 and "not a jaxfold artifact" in err and str(junk) in err
+  assert "Traceback" not in err and "listening" not in out
+  code, out, err = run(capsys, "serve", str(tmp_path / "absent"), "--port", "0")
+  assert code == 2 and "does not exist" in err
+  (tmp_path / "d").mkdir()
+  code, out, err = run(capsys, "serve", str(tmp_path / "d"), "--port", "0")
+  assert code == 2 and "not a saved fold" in err

@@ -96,5 +96,7 @@ def test_bad_arguments(gpt2_tiny):
     export(folded, *spec.example_inputs(2, 8), symbolic=("batch size",))
   with pytest.raises(TypeError, match="jaxfold.fold"):
     export(object(), *spec.example_inputs(2, 8))
-  with pytest.raises(TypeError, match="bytes"):
-    load_exported("model.jaxexport")
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    load_exported("no-such-model.jaxexport")
+  with pytest.raises(TypeError, match="bytes or its path"):
+    load_exported(123)

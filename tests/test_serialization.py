@@ -27,7 +27,7 @@ def test_round_trip_bit_for_bit(tmp_path, gpt2_tiny, opts):
   spec, params, apply = gpt2_tiny
   folded = jaxfold.fold(params, apply, *spec.example_inputs(2, 8), **opts)
   d = save_fold(folded, tmp_path / "fold", meta={"model": spec.name, "note": (1, 2)})
-  assert sorted(os.listdir(d)) == ["fold.json", "meta.json", "params", "report.json"]
+  assert sorted(os.listdir(d)) == ["fold.json", "manifest.json", "meta.json", "params", "report.json"]
   loaded = load_fold(d, apply)
   assert jax.tree_util.tree_structure(loaded.params) == jax.tree_util.tree_structure(folded.params)
   for a, b in zip(jax.tree_util.tree_leaves(folded.params), jax.tree_util.tree_leaves(loaded.params)):

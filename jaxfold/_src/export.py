@@ -14,15 +14,38 @@ size and sequence length.  When the program does not support symbolic shapes
 prove in range, ...) ``export`` retries with a symbolic batch only and then
 with the concrete example shapes, warning each time.
 
+The bytes are a small container around the ``jax.export`` serialization::
+
+    b"JAXFOLDX" | header length (uint64 LE) | header (JSON) | SHA-256 of the header | program
+             | parameter tensors (format 2)
+
+The header records the program's SHA-256 and size, each parameter tensor's
+name, dtype, shape, offset and SHA-256, the versions that wrote it and caller
+metadata (``meta=``: model name, the valid range of token ids, the
+number of positions, ... — what ``jaxfold serve`` validates requests against).
+:func:`load_exported` checks all of it before ``jax.export`` parses a byte, so a
+flipped bit, a truncated download or a foreign file is one clear
+:class:`jaxfold.IntegrityError` instead of a wrong answer or a parser crash.
+
+The parameters are stored beside the program (not baked into it as constants)
+and passed to it as arguments, so each input shape compiled (``jaxfold serve``
+compiles one program per padded bucket) shares one copy of the weights.
+
 Example:
-    >>> blob = jaxfold.export(folded, ids)                  # symbolic ("batch", "seq")
+    >>> blob = jaxfold.export(folded, ids, meta={"model": "gpt2-tiny"})  # symbolic ("batch", "seq")
     >>> open("model.jaxexport", "wb").write(blob)
-    >>> fn = jaxfold.load_exported(open("model.jaxexport", "rb").read())
+    >>> fn = jaxfold.load_exported("model.jaxexport")       # a path, or the bytes
     >>> logits = fn(ids_of_any_batch_and_length)
+    >>> fn.meta["model"]
+    'gpt2-tiny'
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import struct
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
@@ -32,12 +55,21 @@ import numpy as np
 from jax import export as jax_export
 
 from jaxfold._src.fold import FoldedParams
+from jaxfold._src.integrity import IntegrityError, IsADirectory, NotFoundError, versions
 
 # Artifacts exported with params as an argument carry FoldedParams in their
 # input tree; registered once, under a stable name.
 jax_export.register_namedtuple_serialization(FoldedParams, serialized_name="jaxfold.FoldedParams")
 
-__all__ = ["export", "load_exported", "ExportWarning", "exported_signature"]
+__all__ = ["export", "load_exported", "ExportWarning", "exported_signature", "read_artifact",
+           "read_weights", "wrap_artifact", "MAGIC", "ARTIFACT_VERSION"]
+
+MAGIC = b"JAXFOLDX"
+# 1: header + program (parameters baked in or passed by the caller);
+# 2: also the parameter tensors after the program, each hashed.
+ARTIFACT_VERSION = 2
+_LEN = struct.Struct("<Q")
+_MAX_HEADER = 16 * 2**20
 
 
 class ExportWarning(UserWarning):
@@ -79,7 +111,8 @@ def _check_symbolic(symbolic) -> tuple:
 
 def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = ("batch", "seq"),
            params_as_argument: bool = False, platforms: Optional[Sequence[str]] = None,
-           check: bool = True, rtol: float = 1e-4) -> bytes:
+           check: bool = True, rtol: float = 1e-4, meta: Optional[dict] = None,
+           bundle_params: bool = True) -> bytes:
   """Serializes ``folded.apply_fn(folded.params, *args)`` with ``jax.export``.
 
   Args:
@@ -92,13 +125,27 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
       argument has it); ``None`` or ``()`` exports the example shapes exactly.
       When tracing with these fails, ``export`` falls back to ``symbolic[:1]``
       and then to concrete shapes, with an :class:`ExportWarning`.
-    params_as_argument: ``False`` (default) bakes the folded parameters into
-      the artifact; ``True`` exports ``f(params, *args)``.
+    params_as_argument: ``False`` (default) ships the folded parameters in
+      the artifact; ``True`` exports ``f(params, *args)`` (the caller supplies
+      them).
+    bundle_params: with ``params_as_argument=False``: ``True`` (default)
+      stores the parameters beside the program, one hashed tensor each, and
+      passes them as arguments when it runs, so every compiled shape shares one
+      copy of the weights; ``False`` bakes them into the program as constants
+      (every compilation then embeds its own copy).
     platforms: lowering platforms, e.g. ``("cpu", "cuda")``; default: the
       current backend.
     check: run the exported program on the example arguments (when they are
       concrete arrays) and compare with ``folded.apply_fn``; raises
       ``AssertionError`` on a relative difference above ``rtol``.
+    meta: JSON-serializable metadata stored in the artifact's header (read
+      back as ``load_exported(...).meta``).  ``jaxfold serve`` validates
+      requests against ``meta["inputs"]`` — one dict per positional argument
+      with ``name`` and, for integer inputs, ``low``/``high`` (valid values are
+      ``low <= v < high``, e.g. ``0`` and the vocabulary size) — and
+      ``meta["max_seq"]`` (the longest sequence, e.g. the position-table size);
+      ``meta["seq_padding"] = "causal"`` tells it that right-padding a sequence
+      leaves the outputs at earlier positions unchanged.
 
   Returns:
     The serialized artifact (``bytes``), loadable with :func:`load_exported`.
@@ -111,14 +158,15 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
   names = _check_symbolic(symbolic)
   apply_fn, params = folded.apply_fn, folded.params
 
-  if params_as_argument:
+  bundled = bundle_params and not params_as_argument
+  if params_as_argument or bundled:
     fn = jax.jit(lambda p, *a: apply_fn(p, *a))
   else:
     fn = jax.jit(lambda *a: apply_fn(params, *a))
   kwargs = {"platforms": tuple(platforms)} if platforms else {}
   exporter = jax_export.export(fn, **kwargs)
   p_spec = (jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)),
-                                   params),) if params_as_argument else ()
+                                   params),) if (params_as_argument or bundled) else ()
 
   attempts = [names]
   if len(names) > 1:
@@ -143,11 +191,16 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
                     stacklevel=2)
     break
 
-  blob = bytes(exported.serialize())
+  weights = None
+  if bundled:
+    weights = [(jax.tree_util.keystr(path), np.asarray(jax.device_get(x)))
+               for path, x in jax.tree_util.tree_flatten_with_path(params)[0]]
+  blob = wrap_artifact(bytes(exported.serialize()), meta, params_as_argument=params_as_argument,
+                       weights=weights)
   if check and all(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree_util.tree_leaves(example_args)):
     fn_loaded = load_exported(blob)
     got = fn_loaded(params, *example_args) if params_as_argument else fn_loaded(*example_args)
-    want = fn(params, *example_args) if params_as_argument else fn(*example_args)
+    want = fn(params, *example_args) if (params_as_argument or bundled) else fn(*example_args)
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
       g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
       scale = max(float(np.max(np.abs(w))) if w.size else 0.0, 1e-30)
@@ -161,37 +214,208 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
 class _Loaded:
   """Callable wrapper around a deserialized ``jax.export.Exported``."""
 
-  def __init__(self, exported):
+  def __init__(self, exported, header: Optional[dict] = None, source: str = "<bytes>",
+               weights: Optional[list] = None):
     self.exported = exported
+    self.header = dict(header or {})
+    self.meta = dict(self.header.get("meta") or {})
+    self.source = source
     self._call = jax.jit(exported.call)
+    self.params = None
+    self._n_params = 0
+    args_def = exported.in_tree.children()[0]
+    if weights is not None:      # bundled: the first argument is the parameter pytree
+      params_def = args_def.children()[0]
+      if params_def.num_leaves != len(weights):
+        raise IntegrityError(f"{source}: the program takes {params_def.num_leaves} parameter "
+                             f"tensors, the artifact holds {len(weights)}: {_REEXPORT}")
+      for w, a in zip(weights, exported.in_avals):
+        if tuple(w.shape) != tuple(a.shape) or np.dtype(w.dtype) != np.dtype(a.dtype):
+          raise IntegrityError(f"{source}: a stored tensor {w.dtype}{list(w.shape)} does not fit "
+                               f"the program's parameter {a.str_short()}: {_REEXPORT}")
+      self.params = jax.tree_util.tree_unflatten(params_def, [jnp.asarray(w) for w in weights])
+      self._n_params = len(weights)
+      args_def = jax.tree_util.treedef_tuple(args_def.children()[1:])
+    self.in_tree = jax.tree_util.treedef_tuple(
+        [args_def, exported.in_tree.children()[1]])   # ((*args), {}) as the caller passes them
 
   @property
   def in_avals(self):
-    return self.exported.in_avals
+    return self.exported.in_avals[self._n_params:]
 
   @property
   def out_avals(self):
     return self.exported.out_avals
 
   def __call__(self, *args):
+    if self.params is not None:
+      return self._call(self.params, *args)
     return self._call(*args)
 
   def __repr__(self):
-    ins = ", ".join(str(a) for a in self.exported.in_avals)
+    ins = ", ".join(str(a) for a in self.in_avals)
     return f"<exported jaxfold program ({ins}) on {', '.join(self.exported.platforms)}>"
 
 
-def load_exported(data: bytes) -> Callable[..., Any]:
-  """Deserializes an artifact from :func:`export` into a jitted callable.
+def wrap_artifact(program: bytes, meta: Optional[dict] = None, *,
+                  params_as_argument: bool = False, weights: Optional[list] = None) -> bytes:
+  """Puts a ``jax.export`` serialization in jaxfold's hashed container.
+
+  ``weights``: ``[(name, array), ...]`` stored after the program, each with its
+  dtype, shape, offset and SHA-256 in the header (format 2)."""
+  header = {
+      "format": "jaxfold-export", "format_version": 1 if weights is None else ARTIFACT_VERSION,
+      "params_as_argument": bool(params_as_argument),
+      "payload_bytes": len(program), "payload_sha256": hashlib.sha256(program).hexdigest(),
+      "written_by": versions(), "meta": dict(meta or {}),
+  }
+  chunks = []
+  if weights is not None:
+    table, offset = [], 0
+    for name, w in weights:
+      w = np.ascontiguousarray(w)
+      data = w.tobytes()
+      table.append({"name": name, "dtype": jnp.dtype(w.dtype).name, "shape": list(w.shape),
+                    "offset": offset, "bytes": len(data),
+                    "sha256": hashlib.sha256(data).hexdigest()})
+      chunks.append(data)
+      offset += len(data)
+    header["weights"] = {"bytes": offset, "tensors": table}
+  try:
+    raw = json.dumps(header, sort_keys=True, allow_nan=False).encode()
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"export: meta must be JSON-serializable (str/int/float/bool/None, lists, "
+                    f"dicts; finite numbers): {e}") from None
+  return b"".join([MAGIC, _LEN.pack(len(raw)), raw, hashlib.sha256(raw).digest(), program,
+                   *chunks])
+
+
+_REEXPORT = "re-export it (`jaxfold export ...` or jaxfold.export) or copy it again from a good source"
+
+
+def read_artifact(data: bytes, source: str = "<bytes>") -> tuple[dict, bytes]:
+  """Checks the container and returns ``(header, jax.export serialization)``;
+  :class:`IntegrityError` naming ``source`` on any damage."""
+  n = len(data)
+  lead = len(MAGIC) + _LEN.size
+  if n < lead or data[:len(MAGIC)] != MAGIC:
+    if n == 0:
+      raise IntegrityError(f"{source} is empty (0 bytes): {_REEXPORT}")
+    if n < lead and MAGIC.startswith(bytes(data[:len(MAGIC)])):
+      raise IntegrityError(f"{source} is truncated ({n} bytes): {_REEXPORT}")
+    raise IntegrityError(
+        f"{source} is not a jaxfold artifact (it does not start with the jaxfold header): it is "
+        "another kind of file, damaged at the start, a raw jax.export serialization or an "
+        "artifact of jaxfold 0.1 (no content hash). Re-export it with `jaxfold export`; a raw "
+        "jax.export serialization you trust loads with load_exported(..., verify=False)")
+  (hlen,) = _LEN.unpack_from(data, len(MAGIC))
+  if hlen > _MAX_HEADER:
+    raise IntegrityError(f"{source}: the header length field is damaged ({hlen} bytes): {_REEXPORT}")
+  if n < lead + hlen + 32:
+    raise IntegrityError(f"{source} is truncated ({n} bytes, its header alone needs "
+                         f"{lead + hlen + 32}): {_REEXPORT}")
+  raw = bytes(data[lead:lead + hlen])
+  if hashlib.sha256(raw).digest() != bytes(data[lead + hlen:lead + hlen + 32]):
+    raise IntegrityError(f"{source}: the header does not match its SHA-256 (damaged): {_REEXPORT}")
+  try:
+    header = json.loads(raw)
+  except ValueError as e:
+    raise IntegrityError(f"{source}: the header is not valid JSON ({e}): {_REEXPORT}") from None
+  version = header.get("format_version")
+  by = (header.get("written_by") or {}).get("jaxfold", "?")
+  if header.get("format") != "jaxfold-export" or not isinstance(version, int):
+    raise IntegrityError(f"{source}: the header does not describe a jaxfold artifact: {_REEXPORT}")
+  if version > ARTIFACT_VERSION:
+    raise IntegrityError(f"{source} was written by jaxfold {by} (artifact format {version}); this "
+                         f"jaxfold reads format <= {ARTIFACT_VERSION}: upgrade jaxfold")
+  body = memoryview(data)[lead + hlen + 32:]
+  want = header.get("payload_bytes")
+  weights = header.get("weights")
+  want_total = (want or 0) + (int(weights.get("bytes", 0)) if isinstance(weights, dict) else 0)
+  if not isinstance(want, int) or len(body) != want_total:
+    what = "truncated" if len(body) < want_total else "longer than written (trailing bytes)"
+    raise IntegrityError(f"{source} is {what}: {len(body)} bytes follow its header, {want_total} "
+                         f"were written: {_REEXPORT}")
+  program = bytes(body[:want])
+  if hashlib.sha256(program).hexdigest() != header.get("payload_sha256"):
+    raise IntegrityError(f"{source}: the program does not match its SHA-256 (corrupted, e.g. flipped "
+                         f"bits): {_REEXPORT}")
+  return header, program
+
+
+def read_weights(data: bytes, header: dict, source: str = "<bytes>") -> Optional[list]:
+  """The parameter tensors stored after the program (format 2), each checked
+  against its SHA-256; ``None`` for an artifact without them."""
+  weights = header.get("weights")
+  if weights is None:
+    return None
+  start = len(data) - int(weights["bytes"])
+  view = memoryview(data)[start:]
+  out = []
+  for k, t in enumerate(weights.get("tensors", [])):
+    chunk = view[t["offset"]:t["offset"] + t["bytes"]]
+    if hashlib.sha256(chunk).hexdigest() != t["sha256"]:
+      raise IntegrityError(f"{source}: parameter tensor {k} ({t.get('name', '?')}, "
+                           f"{t['dtype']}{t['shape']}) does not match its SHA-256 (corrupted, e.g. "
+                           f"flipped bits): {_REEXPORT}")
+    try:
+      out.append(np.frombuffer(chunk, dtype=jnp.dtype(t["dtype"])).reshape(t["shape"]))
+    except (TypeError, ValueError) as e:
+      raise IntegrityError(f"{source}: parameter tensor {k} ({t.get('name', '?')}) cannot be "
+                           f"read ({e}): {_REEXPORT}") from None
+  return out
+
+
+def _deserialize(program: bytes, source: str, header: dict):
+  try:
+    return jax_export.deserialize(bytearray(program))
+  except Exception as e:  # noqa: BLE001 - flatbuffers/jax raise many types on foreign input
+    by = header.get("written_by") or {}
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    hint = (f"it was written with jax {by.get('jax')}, this is jax {jax.__version__}: use a jax "
+            "that can read it or re-export it with this one" if by else
+            "it is not a jax.export serialization or is damaged")
+    raise IntegrityError(f"{source}: jax.export cannot read the program ({type(e).__name__}: "
+                         f"{first}); {hint}") from None
+
+
+def load_exported(data: bytes | str | os.PathLike, *, verify: bool = True) -> Callable[..., Any]:
+  """Loads an artifact from :func:`export` (its bytes or its path) into a jitted callable.
 
   Needs only jax: not the model's code, not jaxfold's analysis.  The callable
   takes ``*args`` (or ``params, *args`` for ``params_as_argument=True``
-  artifacts) and has ``.in_avals``, ``.out_avals`` and ``.exported``.
+  artifacts) and has ``.in_avals``, ``.out_avals``, ``.exported``, ``.meta``
+  (the ``meta=`` given to :func:`export`) and ``.header``.
+
+  The container is checked first (:class:`jaxfold.IntegrityError` naming the
+  file on a truncated, damaged or foreign file).  ``verify=False`` also accepts
+  a raw ``jax.export`` serialization (no hash: nothing is verified).
+
+  Example:
+    >>> fn = jaxfold.load_exported("model.jaxexport")
+    >>> logits = fn(ids)
   """
-  if isinstance(data, str):
-    raise TypeError("load_exported takes the artifact's bytes; read the file with "
-                    "open(path, 'rb').read()")
-  return _Loaded(jax_export.deserialize(bytearray(data)))
+  source = "<bytes>"
+  if isinstance(data, (str, os.PathLike)):
+    source = os.path.abspath(os.fspath(data))
+    if os.path.isdir(source):
+      raise IsADirectory(f"{source} is a directory: a saved fold loads with "
+                              "jaxfold.load_fold; load_exported takes an artifact file")
+    try:
+      with open(source, "rb") as f:
+        data = f.read()
+    except FileNotFoundError:
+      raise NotFoundError(f"{source} does not exist: write an artifact with `jaxfold export "
+                              "--model NAME --out FILE` or jaxfold.export") from None
+  elif not isinstance(data, (bytes, bytearray, memoryview)):
+    raise TypeError(f"load_exported takes the artifact's bytes or its path, got "
+                    f"{type(data).__name__}")
+  data = bytes(data)
+  if not verify and not data.startswith(MAGIC):
+    return _Loaded(_deserialize(data, source, {}), {}, source)
+  header, program = read_artifact(data, source)
+  weights = read_weights(data, header, source)
+  return _Loaded(_deserialize(program, source, header), header, source, weights)
 
 
 def exported_signature(fn: Any) -> list:

@@ -301,6 +301,19 @@ def _center_jit(spec: dict):
   return _center_jit_cached(tuple(sorted(spec.items())))
 
 
+def _refuse_traced(params: Any) -> None:
+  """fold computes new parameter values on the host: traced params (fold called
+  inside jax.jit, grad, vmap, ...) have none."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if isinstance(leaf, jax.core.Tracer):
+      raise FoldError(
+          f"jaxfold.fold was called under a jax transformation (jit, grad, vmap, ...): params "
+          f"leaf {jax.tree_util.keystr(path)} is a tracer ({leaf.aval.str_short()}), not an "
+          "array. Call fold outside jit, once, on the concrete parameters, and jit the result "
+          "(jax.jit(folded.apply_fn)); inside a traced training step use jaxfold.cbwc, whose "
+          "apply_fn takes the original params.")
+
+
 def fold(params: Any, apply_fn: Callable, *example_args: Any,
          auxiliary_centering: bool = True, tied_weights: str = "auto",
          norm_impl: str = "auto") -> Folded:
@@ -348,6 +361,7 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
     raise FoldError(f"apply_fn must be callable, got {type(apply_fn).__name__}")
   if norm_impl not in kernels.IMPLS:
     raise FoldError(f"norm_impl must be one of {kernels.IMPLS}, got {norm_impl!r}")
+  _refuse_traced(params)
   opts = FoldOptions(auxiliary_centering, tied_weights, norm_impl=norm_impl)
   an = analyse(apply_fn, params, example_args, opts)
   leaves, tree = jax.tree_util.tree_flatten(params)

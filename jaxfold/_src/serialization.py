@@ -2,6 +2,7 @@
 
 Layout of a saved fold directory::
 
+    DIR/manifest.json  SHA-256 and size of every other file, and the versions that wrote them
     DIR/params/        orbax checkpoint of ``folded.params``
     DIR/report.json    ``folded.report.to_json()``
     DIR/fold.json      what :func:`load_fold` needs to rebuild ``apply_fn``: fold options,
@@ -14,6 +15,10 @@ stored in meta.json).  Loading re-runs the analysis on abstract shapes (no weigh
 are touched), checks that it makes the same decisions as the saved report, and
 returns a fold whose ``apply_fn(params, *args)`` is bit-for-bit the saved one's.
 
+Saves are atomic (a temporary sibling renamed into place) and loads verify the
+manifest first, so a damaged, truncated or mixed fold is refused with an
+:class:`jaxfold.IntegrityError` that names the file (see ``integrity.py``).
+
 Example:
     >>> save_fold(folded, "/tmp/f", meta={"model": "gpt2-tiny"})
     >>> again = load_fold("/tmp/f", apply_fn)
@@ -24,18 +29,27 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import shutil
+import tempfile
+import threading
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxfold._src.integrity import (MANIFEST, IntegrityError, NotADirectory, NotFoundError,
+                                    commit_directory, read_manifest,
+                                    verify_file, verify_manifest, write_manifest)
+from jaxfold._src.integrity import versions as _versions
 from jaxfold._src.report import Centering, Report, Site
 
 __all__ = ["save_fold", "load_fold", "load_report", "load_meta", "LoadedFold",
-           "report_from_dict", "FORMAT_VERSION"]
+           "report_from_dict", "FORMAT_VERSION", "IntegrityError"]
 
-FORMAT_VERSION = 1
+# 2: manifest.json with content hashes; atomic commits.
+FORMAT_VERSION = 2
 
 
 class LoadedFold(NamedTuple):
@@ -132,40 +146,129 @@ def _is_untied(folded: Any) -> bool:
 
 
 # ----------------------------------------------------------------------------
+# Checks before anything is written.
+
+_FOLD_FILES = ("params", "report.json", "fold.json", "meta.json")
+
+
+def _check_folded(folded: Any) -> None:
+  """Refuses anything but a fold *before* a byte is written or removed."""
+  from jaxfold._src.fold import FoldedParams
+  params = getattr(folded, "params", None)
+  apply_fn = getattr(folded, "apply_fn", None)
+  if (not isinstance(params, FoldedParams) or getattr(apply_fn, "options", None) is None
+      or not hasattr(apply_fn, "example_args") or not hasattr(folded, "report")):
+    got = type(folded).__name__
+    if params is not None and not isinstance(params, FoldedParams):
+      got += f" whose .params is a {type(params).__name__}, not a jaxfold.FoldedParams"
+    raise TypeError(f"save_fold expects the result of jaxfold.fold(...) or jaxfold.load_fold(...), "
+                    f"got {got}; nothing was written")
+
+
+def _looks_like_fold(directory: str) -> bool:
+  names = set(os.listdir(directory))
+  return bool({MANIFEST, "fold.json"} & names)
+
+
+def _check_replaceable(directory: str) -> None:
+  if not os.path.isdir(directory):
+    raise FileExistsError(f"{directory} exists and is not a directory: choose another path")
+  if os.listdir(directory) and not _looks_like_fold(directory):
+    raise FileExistsError(f"{directory} is not empty and is not a saved fold (no manifest.json or "
+                          "fold.json): refusing to replace it even with overwrite=True; choose "
+                          "another directory or remove it yourself")
+
+
+def _check_target(directory: str, overwrite: bool) -> None:
+  if not os.path.lexists(directory):
+    return
+  if not os.path.isdir(directory):
+    raise FileExistsError(f"{directory} exists and is not a directory: choose another path")
+  if not os.listdir(directory):
+    return
+  if not overwrite:
+    raise FileExistsError(f"{directory} is not empty: choose a new directory or pass "
+                          "overwrite=True (`--force` on the command line) to replace the fold in it")
+  _check_replaceable(directory)
+
+
+# ----------------------------------------------------------------------------
+# Multi-process (jax.distributed) coordination.
+
+
+def _multi() -> bool:
+  return jax.process_count() > 1
+
+
+def _broadcast_int(x: int) -> int:
+  from jax.experimental import multihost_utils
+  return int(multihost_utils.broadcast_one_to_all(np.asarray(x, np.int32)))
+
+
+def _barrier(name: str) -> None:
+  from jax.experimental import multihost_utils
+  multihost_utils.sync_global_devices(name)
+
+
+# orbax's checkpointers share process-wide state (signal contracts, a step
+# directory registry): concurrent saves from threads of one process time out or
+# collide inside orbax, so they take turns here.  Processes need no such lock:
+# each writes its own temporary directory and the commit is a rename.
+_ORBAX_LOCK = threading.RLock()
+
+
+def _umask() -> int:
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return mask
+
+
+def _host_array(x: Any) -> Any:
+  # Sharded jax.Arrays go to orbax as they are (each process writes its shards).
+  return x if isinstance(x, jax.Array) else np.asarray(x)
+
+
+# ----------------------------------------------------------------------------
 # Public API.
 
 
 def save_fold(folded: Any, directory: str | os.PathLike, *, meta: Optional[dict] = None,
-              example_args: Any = None, overwrite: bool = False) -> str:
-  """Writes ``folded`` (from :func:`jaxfold.fold`) under ``directory``.
+              example_args: Any = None, overwrite: bool = False,
+              extra_files: Optional[Callable[[str], Any]] = None) -> str:
+  """Writes ``folded`` (from :func:`jaxfold.fold`) under ``directory``, atomically.
+
+  Everything is written to a temporary sibling ``.NAME.tmp-*``, hashed into
+  ``manifest.json`` and then renamed into place: until the new fold is
+  complete the previous one stays intact, ``overwrite=True`` replaces the
+  whole directory (no stale files survive), and concurrent writers end with
+  exactly one complete fold (without ``overwrite`` the losers get
+  ``FileExistsError``).  Under ``jax.distributed`` every process must call it
+  (each writes its shards; process 0 writes the rest and commits).
 
   Args:
-    folded: a :class:`jaxfold.Folded`.
-    directory: created if missing; must be empty unless ``overwrite``.
+    folded: a :class:`jaxfold.Folded` (or a fold returned by :func:`load_fold`).
+    directory: must be absent or empty unless ``overwrite``.
     meta: JSON-serializable metadata stored in ``meta.json`` (model name,
-      config, jax version, ...; anything non-JSON is stored as ``str``).
+      config, ...; anything non-JSON is stored as ``str``).
     example_args: the arguments ``fold`` was traced with; by default they are
       recovered from ``folded.apply_fn``.
-    overwrite: replace an existing fold in ``directory``.
+    overwrite: replace an existing fold in ``directory`` (a non-empty directory
+      that is not a fold is never replaced).
+    extra_files: ``f(tmp_dir)`` writing more files into the fold before it is
+      hashed and committed (``jaxfold fold`` writes its safetensors this way).
 
   Returns:
     The absolute path of ``directory``.
+
+  Example:
+    >>> save_fold(folded, "/tmp/gpt2-fold", meta={"model": "gpt2-tiny"}, overwrite=True)
+    '/tmp/gpt2-fold'
   """
   import orbax.checkpoint as ocp
 
+  _check_folded(folded)
   directory = os.path.abspath(os.fspath(directory))
-  if os.path.exists(directory) and os.listdir(directory):
-    if not overwrite:
-      raise FileExistsError(f"{directory} is not empty: choose a new directory or pass "
-                            "overwrite=True")
-    import shutil
-    for name in ("params", "report.json", "fold.json", "meta.json"):
-      p = os.path.join(directory, name)
-      if os.path.isdir(p):
-        shutil.rmtree(p)
-      elif os.path.exists(p):
-        os.remove(p)
-  os.makedirs(directory, exist_ok=True)
+  _check_target(directory, overwrite)
   options = _options_of(folded)
   args = example_args if example_args is not None else _example_args_of(folded)
   fold_info = {
@@ -175,48 +278,136 @@ def save_fold(folded: Any, directory: str | os.PathLike, *, meta: Optional[dict]
       "untied": _is_untied(folded),
       "jax_version": jax.__version__,
   }
-  params = {"params": jax.tree_util.tree_map(np.asarray, folded.params.params)}
+  params = {"params": jax.tree_util.tree_map(_host_array, folded.params.params)}
   if folded.params.untied:  # orbax does not store empty containers
-    params["untied"] = {k: np.asarray(v) for k, v in folded.params.untied.items()}
-  with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(os.path.join(directory, "params"), params)
-    ckptr.wait_until_finished()
-  with open(os.path.join(directory, "report.json"), "w") as f:
-    f.write(folded.report.to_json() + "\n")
-  _write_json(os.path.join(directory, "fold.json"), fold_info)
-  _write_json(os.path.join(directory, "meta.json"), dict(meta or {}))
+    params["untied"] = {k: _host_array(v) for k, v in folded.params.untied.items()}
+  report_json = folded.report.to_json() + "\n"
+
+  parent, name = os.path.split(directory)
+  os.makedirs(parent, exist_ok=True)
+  multi = _multi()
+  lead = not multi or jax.process_index() == 0
+  if multi:
+    token = _broadcast_int(secrets.randbelow(2**31) if lead else 0)
+    tmp = os.path.join(parent, f".{name}.tmp-{token:08x}")
+    if lead:
+      os.makedirs(tmp)
+    _barrier(f"jaxfold_save_fold_mkdir_{token}")
+  else:
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+    os.chmod(tmp, 0o777 & ~_umask())   # mkdtemp's 0700 would become the fold's mode
+  err: Optional[BaseException] = None
+  try:
+    with _ORBAX_LOCK, ocp.StandardCheckpointer() as ckptr:
+      ckptr.save(os.path.join(tmp, "params"), params)
+      ckptr.wait_until_finished()
+    if lead:
+      with open(os.path.join(tmp, "report.json"), "w") as f:
+        f.write(report_json)
+      _write_json(os.path.join(tmp, "fold.json"), fold_info)
+      _write_json(os.path.join(tmp, "meta.json"), dict(meta or {}))
+      if extra_files is not None:
+        extra_files(tmp)
+      write_manifest(tmp, kind="jaxfold-fold", extra={"format_version": FORMAT_VERSION})
+      commit_directory(tmp, directory, overwrite=overwrite, may_replace=_check_replaceable)
+  except BaseException as e:  # noqa: BLE001 - re-raised below, after cleaning up
+    err = e
+  committed = err is None
+  if multi:
+    # Every process takes part, so none waits forever for a failed process 0.
+    committed = bool(_broadcast_int(int(err is None) if lead else 0))
+  if lead and os.path.isdir(tmp):
+    shutil.rmtree(tmp, ignore_errors=True)
+  if err is not None:
+    raise err
+  if not committed:
+    raise RuntimeError(f"save_fold: process 0 failed to write {directory} (see its error)")
   return directory
 
 
-def load_report(directory: str | os.PathLike) -> Report:
-  """The :class:`jaxfold.Report` of a saved fold (no jax work, no weights read)."""
-  path = os.path.join(os.fspath(directory), "report.json")
+def _verify(directory: str, *, integrity: bool) -> Optional[dict]:
+  """Checks the manifest of a saved fold; returns it (None when unchecked)."""
+  if not integrity:
+    return None
+  if not os.path.exists(os.path.join(directory, MANIFEST)):
+    if os.path.exists(os.path.join(directory, "fold.json")):
+      raise IntegrityError(
+          f"{directory} has no manifest.json (it was written by jaxfold 0.1, before saved folds "
+          "carried content hashes), so its files cannot be verified: re-save it (`jaxfold fold "
+          "--force ...` or jaxfold.save_fold), or pass integrity=False to load it unchecked")
+    raise NotFoundError(f"{os.path.join(directory, MANIFEST)} does not exist: {directory} is "
+                            "not a saved fold (write one with jaxfold.save_fold or `jaxfold fold`)")
+  manifest = verify_manifest(directory, strict_under=("params",))
+  version = manifest.get("format_version", 0)
+  if not isinstance(version, int) or version > FORMAT_VERSION:
+    by = manifest.get("written_by", {}).get("jaxfold", "?")
+    raise IntegrityError(f"{directory} was written by jaxfold {by} (format {version}); this "
+                         f"jaxfold {_versions().get('jaxfold')} reads format <= {FORMAT_VERSION}: "
+                         "upgrade jaxfold")
+  return manifest
+
+
+def _check_dir(directory: str) -> None:
+  if not os.path.exists(directory):
+    raise NotFoundError(f"{directory} does not exist: pass the directory written by "
+                            "jaxfold.save_fold or `jaxfold fold --out DIR` (not a saved fold)")
+  if not os.path.isdir(directory):
+    raise NotADirectory(f"{directory} is a file, not a saved fold directory (an exported "
+                             "artifact loads with jaxfold.load_exported)")
+
+
+def load_report(directory: str | os.PathLike, *, integrity: bool = True) -> Report:
+  """The :class:`jaxfold.Report` of a saved fold (no jax work, no weights read;
+  only ``report.json`` is checked against the manifest)."""
+  directory = os.path.abspath(os.fspath(directory))
+  path = os.path.join(directory, "report.json")
+  _check_dir(directory)
   if not os.path.exists(path):
-    raise FileNotFoundError(f"{path} does not exist: {directory} is not a saved fold "
+    raise NotFoundError(f"{path} does not exist: {directory} is not a saved fold "
                             "(expected params/, report.json, fold.json, meta.json)")
-  return report_from_dict(_read_json(path))
+  if integrity and os.path.exists(os.path.join(directory, MANIFEST)):
+    verify_file(directory, "report.json", read_manifest(directory))
+  try:
+    return report_from_dict(_read_json(path))
+  except (ValueError, TypeError, KeyError) as e:
+    raise IntegrityError(f"{path} is not a jaxfold report ({type(e).__name__}: {e}); re-create "
+                         "the fold") from None
 
 
 def load_meta(directory: str | os.PathLike) -> dict:
   """The ``meta.json`` of a saved fold ({} if absent)."""
   path = os.path.join(os.fspath(directory), "meta.json")
-  return _read_json(path) if os.path.exists(path) else {}
+  if not os.path.exists(path):
+    return {}
+  try:
+    meta = _read_json(path)
+  except ValueError as e:
+    raise IntegrityError(f"{path} is not valid JSON ({e}); re-create the fold") from None
+  return meta if isinstance(meta, dict) else {}
+
+
+def _abstract_of(x: Any) -> jax.ShapeDtypeStruct:
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return x
+  sharding = x.sharding if isinstance(x, jax.Array) else None
+  return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=sharding)
 
 
 def _restore_params(path: str, target: Any = None) -> Any:
   import orbax.checkpoint as ocp
 
-  with ocp.StandardCheckpointer() as ckptr:
+  with _ORBAX_LOCK, ocp.StandardCheckpointer() as ckptr:
     if target is not None:
-      abstract = jax.tree_util.tree_map(
-          lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), target)
-      return ckptr.restore(path, abstract)
+      return ckptr.restore(path, jax.tree_util.tree_map(_abstract_of, target))
     try:
       meta = ckptr.metadata(path)
       tree = getattr(meta, "item_metadata", meta)
       tree = getattr(tree, "tree", tree)
+      # Whole arrays on this process's first device, whatever sharding (and
+      # number of processes) they were saved with.
+      device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
       abstract = jax.tree_util.tree_map(
-          lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree,
+          lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=device), tree,
           is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"))
       return ckptr.restore(path, abstract)
     except Exception:  # noqa: BLE001 - older orbax: restore as saved
@@ -224,7 +415,7 @@ def _restore_params(path: str, target: Any = None) -> Any:
 
 
 def load_fold(directory: str | os.PathLike, apply_fn: Callable, *,
-              target: Any = None, verify: bool = True) -> LoadedFold:
+              target: Any = None, verify: bool = True, integrity: bool = True) -> LoadedFold:
   """Reads a fold written by :func:`save_fold`.
 
   Args:
@@ -232,43 +423,68 @@ def load_fold(directory: str | os.PathLike, apply_fn: Callable, *,
     apply_fn: the *original* ``apply_fn(params, *args)`` the fold was made from
       (for a ``models`` config: ``models.get(name).apply_fn()``).
     target: optional pytree with the structure of ``folded.params`` (arrays or
-      ShapeDtypeStructs), for parameter pytrees that are not plain dicts.
+      ``ShapeDtypeStruct``s, with ``sharding=`` to restore sharded, e.g. across
+      the processes of ``jax.distributed``), for parameter pytrees that are not
+      plain dicts; a :class:`jaxfold.FoldedParams` is accepted.
     verify: check that re-analysing ``apply_fn`` makes the same per-site
       decisions as the saved report (fails when the model code changed).
+    integrity: check every file against the SHA-256 in ``manifest.json``
+      before reading it (:class:`jaxfold.IntegrityError` on a mismatch).
 
   Returns:
     ``LoadedFold(params, apply_fn, report, meta)``; ``apply_fn(params, *args)``
     reproduces the saved fold's results bit-for-bit.
+
+  Example:
+    >>> again = load_fold("/tmp/gpt2-fold", models.get("gpt2-tiny").apply_fn())
+    >>> logits = again.apply_fn(again.params, ids)
   """
-  from jaxfold._src.fold import FoldedParams, fold as _fold
+  from jaxfold._src.fold import FoldError, FoldedParams, FoldOptions, fold as _fold
 
   directory = os.path.abspath(os.fspath(directory))
+  _check_dir(directory)
+  _verify(directory, integrity=integrity)
   info_path = os.path.join(directory, "fold.json")
   if not os.path.exists(info_path):
-    raise FileNotFoundError(f"{info_path} does not exist: {directory} is not a saved fold "
-                            "(write one with jaxfold.serialization.save_fold or `jaxfold fold`)")
-  info = _read_json(info_path)
-  if info.get("format_version", 0) > FORMAT_VERSION:
-    raise ValueError(f"{directory} was written by a newer jaxfold (format "
-                     f"{info['format_version']} > {FORMAT_VERSION}); upgrade jaxfold")
+    raise NotFoundError(f"{info_path} does not exist: {directory} is not a saved fold "
+                            "(write one with jaxfold.save_fold or `jaxfold fold`)")
+  try:
+    info = _read_json(info_path)
+    version = info.get("format_version", 0)
+    args = _decode_args(info["example_args"])
+    opts = dict(info["options"])
+  except (ValueError, KeyError, TypeError, AttributeError) as e:
+    raise IntegrityError(f"{info_path} is not a jaxfold fold description ({type(e).__name__}: "
+                         f"{e}); re-create the fold") from None
+  if version > FORMAT_VERSION:
+    raise IntegrityError(f"{directory} was written by a newer jaxfold (format {version} > "
+                         f"{FORMAT_VERSION}); upgrade jaxfold")
   if isinstance(target, FoldedParams):
     target = {"params": target.params, **({"untied": target.untied} if target.untied else {})}
-  params = _restore_params(os.path.join(directory, "params"), target)
-  params = jax.tree_util.tree_map(jnp.asarray, params)
+  try:
+    params = _restore_params(os.path.join(directory, "params"), target)
+  except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    raise IntegrityError(
+        f"cannot restore the parameters in {os.path.join(directory, 'params')} with "
+        f"orbax-checkpoint {_versions().get('orbax-checkpoint', '?')} ({type(e).__name__}: {first}); "
+        "if a target was given, it must have the saved structure, shapes and dtypes; "
+        "otherwise re-create the fold with this version") from None
+  params = jax.tree_util.tree_map(lambda x: x if isinstance(x, jax.Array) else jnp.asarray(x),
+                                  params)
   params = FoldedParams(params["params"], dict(params.get("untied") or {}))
-  base = params.params
   abstract = jax.tree_util.tree_map(
-      lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), base)
-  args = _decode_args(info["example_args"])
-  opts = dict(info["options"])
+      lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params.params)
   opts.pop("through_dropout", None)  # a CBWC-only option; a saved fold never sets it
+  opts = FoldOptions.from_dict(opts).to_dict()
+  opts.pop("through_dropout", None)
   refold = _fold(abstract, apply_fn, *args, **opts)
-  saved = load_report(directory)
+  saved = load_report(directory, integrity=False)
   if verify:
     got = [(s.folded, s.shape, s.axes) for s in refold.report.sites]
     want = [(s.folded, s.shape, s.axes) for s in saved.sites]
     if got != want or bool(refold.params.untied) != bool(info["untied"]):
-      raise ValueError(
+      raise FoldError(
           f"re-analysing apply_fn does not reproduce the saved fold in {directory} "
           f"({sum(g[0] for g in got)}/{len(got)} sites folded now, "
           f"{sum(w[0] for w in want)}/{len(want)} when saved): pass the apply_fn of the "

@@ -102,3 +102,17 @@ def test_unsupported_construct_is_reported_not_folded():
   f = jaxfold.fold(p, apply, jnp.ones((2, 4)))
   assert f.report.num_folded == 0
   assert "while" in f.report.sites[0].reason
+
+
+def test_fold_under_jit_says_to_call_it_outside(model):
+  m, p, x = model
+  with pytest.raises(jaxfold.FoldError, match="outside jit"):
+    jax.jit(lambda p, x: jaxfold.fold(p, m.apply, x).params)(p, x)
+  with pytest.raises(jaxfold.FoldError, match="tracer"):
+    jax.grad(lambda p: jnp.sum(jaxfold.fold(p, m.apply, x).params.params["params"]
+                               ["Dense_0"]["kernel"]))(p)
+  # traced inputs with concrete params, and cbwc under jit, are fine
+  f = jax.jit(lambda x: jaxfold.fold(p, m.apply, x).params)(x)
+  assert isinstance(f, jaxfold.FoldedParams)
+  r = jax.jit(lambda p, x: jaxfold.cbwc(p, m.apply, x).apply_fn(p, x))(p, x)
+  np.testing.assert_allclose(r, m.apply(p, x), atol=1e-5)

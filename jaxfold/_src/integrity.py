@@ -1,0 +1,325 @@
+"""Content hashes, version stamps and atomic directory commits for what jaxfold writes.
+
+A saved fold carries ``manifest.json``: the SHA-256 and size of every file under
+it and the versions of the packages that wrote it.  :func:`verify_manifest`
+re-hashes before anything (orbax, tensorstore, safetensors) parses a byte, so a
+flipped bit, a truncated copy or a foreign file gives one :class:`IntegrityError`
+naming the file instead of NaN outputs or a parser's traceback.
+
+:func:`commit_directory` moves a fully written temporary sibling into place with
+``rename`` (and, to replace an existing fold, Linux's atomic ``RENAME_EXCHANGE``;
+elsewhere two renames under a lock file), so readers see the old fold or the
+new one, never a mix, and concurrent writers end with exactly one complete fold.
+
+Example:
+    >>> write_manifest("/tmp/f.tmp", kind="jaxfold-fold")
+    >>> verify_manifest("/tmp/f.tmp")          # raises IntegrityError on any change
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+from typing import Iterable, Optional
+
+from jaxfold._src.fold import FoldError
+
+__all__ = ["IntegrityError", "NotFoundError", "NotADirectory", "IsADirectory", "versions", "sha256_file", "sha256_bytes", "write_manifest",
+           "verify_manifest", "read_manifest", "verify_file", "commit_directory",
+           "atomic_write_bytes", "MANIFEST"]
+
+MANIFEST = "manifest.json"
+
+
+class IntegrityError(FoldError):
+  """A saved fold or an exported artifact is damaged, truncated, foreign or was
+  modified after it was written.  The message names the file and what to do.
+
+  A :class:`jaxfold.FoldError` (and so a ``ValueError``): one ``except
+  jaxfold.FoldError`` catches every refusal of jaxfold's loaders."""
+
+
+# A wrong path is both an IntegrityError (so ``except jaxfold.FoldError`` sees
+# every refusal) and the OSError a caller of a file API expects.
+class NotFoundError(IntegrityError, FileNotFoundError):
+  """The path does not exist or is not a saved fold / an artifact."""
+
+
+class NotADirectory(IntegrityError, NotADirectoryError):
+  """A file was given where a saved fold directory was expected."""
+
+
+class IsADirectory(IntegrityError, IsADirectoryError):
+  """A directory was given where an artifact file was expected."""
+
+
+def versions() -> dict:
+  """Versions of the packages whose formats a fold or an artifact depends on."""
+  from importlib import metadata
+  out = {"python": platform.python_version()}
+  for name in ("jaxfold", "jax", "jaxlib", "flax", "orbax-checkpoint", "numpy"):
+    try:
+      out[name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+      pass
+  import jaxfold  # the source tree's version wins over an installed copy's metadata
+  out["jaxfold"] = jaxfold.__version__
+  return out
+
+
+def sha256_bytes(data: bytes) -> str:
+  return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str) -> str:
+  with open(path, "rb") as f:
+    return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _walk(directory: str) -> list[str]:
+  """Relative paths (``/``-separated) of every regular file under ``directory``."""
+  out = []
+  for root, dirs, files in os.walk(directory):
+    dirs.sort()
+    for name in sorted(files):
+      full = os.path.join(root, name)
+      if os.path.islink(full) or not os.path.isfile(full):
+        continue
+      out.append(os.path.relpath(full, directory).replace(os.sep, "/"))
+  return out
+
+
+def _fsync(path: str, directory: bool = False) -> None:
+  flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0)
+  try:
+    fd = os.open(path, flags)
+  except OSError:
+    return
+  try:
+    os.fsync(fd)
+  except OSError:  # some filesystems refuse fsync on directories
+    pass
+  finally:
+    os.close(fd)
+
+
+def write_manifest(directory: str, *, kind: str, extra: Optional[dict] = None) -> dict:
+  """Hashes every file under ``directory`` into ``directory/manifest.json`` and
+  fsyncs them, so a crash after the commit cannot leave a fold whose manifest
+  promises bytes that never reached the disk."""
+  files = {}
+  for rel in _walk(directory):
+    if rel == MANIFEST:
+      continue
+    full = os.path.join(directory, rel)
+    files[rel] = {"sha256": sha256_file(full), "bytes": os.path.getsize(full)}
+    _fsync(full)
+  manifest = {"kind": kind, "written_by": versions(), "files": files, **(extra or {})}
+  path = os.path.join(directory, MANIFEST)
+  with open(path, "w") as f:
+    json.dump(manifest, f, indent=2, sort_keys=True)
+    f.write("\n")
+    f.flush()
+    os.fsync(f.fileno())
+  for root, dirs, _ in os.walk(directory):
+    for d in dirs:
+      _fsync(os.path.join(root, d), directory=True)
+  _fsync(directory, directory=True)
+  return manifest
+
+
+_REDO = ("re-create it (`jaxfold fold --force ...` or jaxfold.save_fold(..., overwrite=True)) "
+         "or restore the directory from a good copy")
+
+
+def read_manifest(directory: str, *, what: str = "saved fold") -> dict:
+  path = os.path.join(directory, MANIFEST)
+  try:
+    with open(path, "rb") as f:
+      raw = f.read()
+  except FileNotFoundError:
+    raise
+  try:
+    manifest = json.loads(raw)
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+      raise ValueError("no 'files' table")
+  except (ValueError, UnicodeDecodeError) as e:
+    raise IntegrityError(f"{path} is damaged ({type(e).__name__}: {e}), so the {what} in "
+                         f"{directory} cannot be verified: {_REDO}") from None
+  return manifest
+
+
+def verify_file(directory: str, rel: str, manifest: dict, *, what: str = "saved fold") -> None:
+  """Checks one file of ``directory`` against its manifest entry."""
+  full = os.path.join(directory, rel)
+  want = manifest["files"].get(rel)
+  if want is None:
+    raise IntegrityError(f"{full} is not listed in {os.path.join(directory, MANIFEST)}: the "
+                         f"{what} was modified after it was written (a stray or stale file); "
+                         f"remove it or {_REDO}")
+  if not os.path.isfile(full):
+    raise IntegrityError(f"{full} is missing: the {what} in {directory} is incomplete (a partial "
+                         f"copy?); {_REDO}")
+  size = os.path.getsize(full)
+  if size != want.get("bytes"):
+    raise IntegrityError(f"{full} has {size} bytes, {want.get('bytes')} were written: it is "
+                         f"truncated or was replaced; {_REDO}")
+  if sha256_file(full) != want.get("sha256"):
+    raise IntegrityError(f"{full} does not match its SHA-256 in the manifest: its content changed "
+                         f"after it was written (disk or copy corruption, or an edit); {_REDO}")
+
+
+def verify_manifest(directory: str, *, strict_under: Iterable[str] = (),
+                    what: str = "saved fold") -> dict:
+  """Re-hashes every file the manifest lists; files present under one of the
+  ``strict_under`` folders but not listed (a stale shard) are refused too.
+  Returns the manifest."""
+  manifest = read_manifest(directory, what=what)
+  for rel in sorted(manifest["files"]):
+    if rel.startswith("/") or ".." in rel.split("/"):
+      raise IntegrityError(f"{os.path.join(directory, MANIFEST)} lists a path outside the "
+                           f"directory ({rel!r}): it is not a manifest written by jaxfold")
+    verify_file(directory, rel, manifest, what=what)
+  listed = set(manifest["files"])
+  for top in strict_under:
+    base = os.path.join(directory, top)
+    if os.path.isdir(base):
+      for rel in _walk(base):
+        rel = f"{top}/{rel}"
+        if rel not in listed:
+          verify_file(directory, rel, manifest, what=what)   # raises: not listed
+  return manifest
+
+
+# ----------------------------------------------------------------------------
+# Atomic replacement of a directory.
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _renameat2_exchange(a: str, b: str) -> bool:
+  """Atomically swaps two paths (Linux ≥ 3.15).  False when unsupported here."""
+  if not sys.platform.startswith("linux"):
+    return False
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.renameat2
+  except (OSError, AttributeError):
+    return False
+  fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+  fn.restype = ctypes.c_int
+  if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    return True
+  err = ctypes.get_errno()
+  if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+    return False
+  raise OSError(err, os.strerror(err), b)
+
+
+@contextlib.contextmanager
+def _lock(target: str):
+  """An exclusive ``flock`` on a hidden sibling ``.NAME.lock`` (released on exit
+  or when the process dies)."""
+  import fcntl
+  parent, name = os.path.split(target)
+  path = os.path.join(parent, f".{name}.lock")
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    yield
+  finally:
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+# Tests set this to exercise the portable two-rename path.
+_USE_EXCHANGE = True
+
+
+def _is_nonempty_error(e: OSError) -> bool:
+  return e.errno in (errno.ENOTEMPTY, errno.EEXIST)
+
+
+def commit_directory(tmp: str, target: str, *, overwrite: bool, may_replace=None) -> None:
+  """Moves the complete directory ``tmp`` to ``target`` atomically.
+
+  Without ``overwrite`` the rename fails if ``target`` is a non-empty directory
+  (another writer got there first): :class:`FileExistsError`.  With it, the old
+  ``target`` is swapped out in one step and deleted; ``may_replace(target)``
+  (called just before) may raise to refuse replacing something that is not ours.
+  ``tmp`` no longer exists when this returns normally.
+  """
+  parent = os.path.dirname(target)
+  try:
+    os.rename(tmp, target)             # absent or empty target: atomic
+    _fsync(parent, directory=True)
+    return
+  except OSError as e:
+    if not _is_nonempty_error(e) and not isinstance(e, (IsADirectoryError, NotADirectoryError)):
+      raise
+    if not overwrite or not os.path.isdir(target):
+      raise FileExistsError(f"{target} already exists and is not empty (written meanwhile by "
+                            "another process?): choose a new directory or overwrite it") from None
+  if may_replace is not None:
+    may_replace(target)
+  if _USE_EXCHANGE and _renameat2_exchange(tmp, target):
+    _fsync(parent, directory=True)
+    shutil.rmtree(tmp, ignore_errors=True)     # tmp now holds the previous fold
+    return
+  # Portable path: move the old one aside and the new one in, under a lock so
+  # that overwriting writers take turns; a crash in between leaves the old fold
+  # intact as .NAME.old-* beside the target.  A writer whose first, unlocked
+  # rename lands in the gap between our two renames is moved aside in turn.
+  with _lock(target):
+    for _ in range(64):
+      old = None
+      if os.path.lexists(target):
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.old-", dir=parent)
+        os.rmdir(old)
+        try:
+          os.rename(target, old)
+        except FileNotFoundError:
+          old = None
+      try:
+        os.rename(tmp, target)
+      except OSError as e:
+        if _is_nonempty_error(e):       # another writer's fold arrived meanwhile
+          if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+          continue
+        if old is not None:
+          with contextlib.suppress(OSError):
+            os.rename(old, target)
+        raise
+      _fsync(parent, directory=True)
+      if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+      return
+  raise FileExistsError(f"{target} kept being replaced by other writers; try again")
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+  """Writes ``path`` through a temporary sibling and ``os.replace``: readers see
+  the old file or the new one, never a prefix."""
+  path = os.path.abspath(path)
+  fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=os.path.dirname(path))
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    raise
+  _fsync(os.path.dirname(path), directory=True)

@@ -1,0 +1,22 @@
+"""Exported artifacts (public names of ``jaxfold._src.export``).
+
+An artifact is a ``jax.export`` program in a small content-hashed container
+(header with the program's SHA-256, the writer's versions and caller metadata);
+:func:`load_exported` verifies it before ``jax.export`` parses a byte.
+
+Example:
+    >>> from jaxfold import exporting
+    >>> blob = exporting.export(folded, ids, meta={"model": "gpt2-tiny"})
+    >>> exporting.write_artifact("model.jaxexport", blob)     # atomic
+    >>> fn = exporting.load_exported("model.jaxexport")
+    >>> exporting.exported_signature(fn)
+    [(('batch', 'seq'), 'int32')]
+"""
+
+from jaxfold._src.export import (ARTIFACT_VERSION, ExportWarning, export, exported_signature,
+                                 load_exported, read_artifact)
+from jaxfold._src.integrity import IntegrityError
+from jaxfold._src.integrity import atomic_write_bytes as write_artifact
+
+__all__ = ["export", "load_exported", "ExportWarning", "exported_signature", "read_artifact",
+           "write_artifact", "IntegrityError", "ARTIFACT_VERSION"]

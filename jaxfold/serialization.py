@@ -1,0 +1,16 @@
+"""Saved folds on disk (public names of ``jaxfold._src.serialization``).
+
+Example:
+    >>> from jaxfold import serialization
+    >>> serialization.save_fold(folded, "/tmp/f", meta={"model": "gpt2-tiny"})
+    >>> serialization.load_report("/tmp/f").num_folded
+    >>> serialization.check_target("/tmp/f", overwrite=False)   # FileExistsError: not empty
+"""
+
+from jaxfold._src.integrity import IntegrityError
+from jaxfold._src.serialization import (FORMAT_VERSION, LoadedFold, load_fold, load_meta,
+                                        load_report, save_fold)
+from jaxfold._src.serialization import _check_target as check_target
+
+__all__ = ["save_fold", "load_fold", "load_report", "load_meta", "LoadedFold", "IntegrityError",
+           "FORMAT_VERSION", "check_target"]

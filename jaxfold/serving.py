@@ -1,0 +1,20 @@
+"""Serving folded models over HTTP: what ``jaxfold serve`` runs, for use from Python.
+
+Needs the ``serve`` extra (``pip install "jaxfold[serve]"``: uvicorn + starlette).
+
+Example:
+    >>> from jaxfold import serving
+    >>> model = serving.load_model("gpt2-tiny.jaxexport", max_batch=16)
+    >>> model.self_check()
+    >>> serving.serve(model, "127.0.0.1", 0)     # blocks; prints "listening on http://..."
+
+    >>> res = serving.load_test("http://127.0.0.1:8000/predict", payloads, concurrency=64)
+    >>> res.throughput, res.percentile(0.5), res.percentile(0.99)
+"""
+
+from jaxfold._src.serve.app import ServeConfig, create_app, serve
+from jaxfold._src.serve.loadgen import LoadResult, load_test, run_load
+from jaxfold._src.serve.model import InputError, ServedModel, ServeError, load_model, pow2_buckets
+
+__all__ = ["ServeConfig", "create_app", "serve", "load_model", "ServedModel", "ServeError",
+           "InputError", "load_test", "run_load", "LoadResult", "pow2_buckets"]
