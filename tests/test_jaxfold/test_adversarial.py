@@ -142,6 +142,7 @@ def test_fold_exact(name):
     assert err1 < TOL, f"{name}: folded != original at variant 1 (jit), rel err {err1:.3g}" + _describe(f.report)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_cbwc_exact(name):
   prog, _, q, args = _setup(name)
