@@ -175,7 +175,7 @@ def lit_facts(a: Lit) -> Facts:
   if v.size == 1:
     value = A.exact(v.reshape(()))
     if value is None:
-      value = float(v.reshape(())) if v.dtype.kind in "fc" else None
+      value = float(v.reshape(())) if v.dtype.kind == "f" else None
   return Facts(full_dims(len(a.shape)), value, False)
 
 

@@ -259,6 +259,8 @@ def _slice_dims(p, starts, steps, in_shape, out_shape):
   for d, e in enumerate(p.dims):
     if e is None or (starts[d] == 0 and steps[d] == 1 and out_shape[d] == in_shape[d]):
       dims.append(e)
+    elif starts[d] % e[1] == 0 and steps[d] == 1 and out_shape[d] <= e[1]:
+      dims.append(None)  # the slice lies inside one block: c is constant on it
     else:
       dims.append(_moved_dim(e, starts[d] % e[1] == 0 and steps[d] == 1))
   return tuple(dims)
@@ -278,7 +280,15 @@ def _slice_zero_sum(node, k, spec, ctx):
   in_shape, out_shape = node.ins[0].shape, node.outs[0].shape
   if all(D._same(in_shape[d], out_shape[d]) for d, _ in spec):
     return [Need(0, spec, transparent=True)]
-  raise Block("a slice along the normalized axes")
+  # A slice starting on a block boundary keeps whole blocks: it is zero-sum
+  # when every aligned block of its source is.
+  starts = node.params["start_indices"]
+  steps = node.params["strides"] or (1,) * len(starts)
+  for d, b in spec:
+    if not D._same(in_shape[d], out_shape[d]) and (
+        steps[d] != 1 or not isinstance(b, int) or starts[d] % b):
+      raise Block("a slice along the normalized axes that does not start on a block boundary")
+  return [Need(0, spec)]
 
 
 register(Rule("slice", (lax.slice_p,), facts=_slice_facts,
