@@ -229,8 +229,9 @@ def test_integer_side_computation_mask(x64, name):
 # casts and identities
 
 
-def test_convert_int_target(x64):
-  run(lambda h, p: (4 * h + 0.37).astype(I32).astype(F64) / 4, 0)
+@pytest.mark.parametrize("dt", [jnp.int8, I32], ids=["int8", "int32"])
+def test_convert_int_target(x64, dt):
+  run(lambda h, p: (4 * h + 0.37).astype(dt).astype(F64) / 4, 0)
 
 
 @pytest.mark.parametrize("dt", [F32, jnp.bfloat16, jnp.float16], ids=["f32", "bf16", "f16"])
@@ -271,6 +272,13 @@ def test_optimization_barrier_shifted_second_operand(x64):
     u, h = lax.optimization_barrier((jnp.tanh(x @ p["wu"]), x @ p["w"] + p["b"]))
     return fp.ln_fast(h, p["g"], p["be"]), u
   assert_sound(apply, dict(DENSE, wu=(DIN, D)), x_args(), expect_folded=1)
+
+
+def test_optimization_barrier_with_a_parameter_operand(x64):
+  def apply(p, x):
+    u, h = lax.optimization_barrier((jnp.tanh(p["v"]), x @ p["w"] + p["b"]))
+    return fp.ln_two_pass(h, p["g"], p["be"]) + u
+  assert_sound(apply, dict(DENSE, v=(D,)), x_args(), expect_folded=1)
 
 
 def test_optimization_barrier_shifted_value_also_returned(x64):
