@@ -1,0 +1,195 @@
+"""Calls and control flow: jit / checkpoint / custom_jvp / custom_vjp blocks
+reused with different parameters, scan over stacked layers, cond, while, vmap.
+
+For the control-flow rule module to come (scan/cond/while); see
+``test_elementwise.py`` for what every test checks. Site counts inside loop
+bodies depend on how sites are counted, so loops pin a lower bound only.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from fold_checks import DIN, assert_sound, x_args
+import fuzz_programs as fp
+
+F64 = jnp.float64
+D = 8
+FF = 16
+
+
+def block_shapes():
+  return {"g": (D,), "be": (D,), "w1": (D, FF), "b1": (FF,), "w2": (FF, D), "b2": (D,)}
+
+
+def preln_block(h, p, ln=fp.ln_fast):
+  return h + jax.nn.gelu(ln(h, p["g"], p["be"]) @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+
+
+def stack_shapes(n):
+  return {"w_in": (DIN, D), "b_in": (D,), "layers": [block_shapes()] * n, "g_f": (D,), "be_f": (D,),
+          "head": (D, 3)}
+
+
+def nested_params(seed, spec):
+  rng = np.random.default_rng(seed)
+
+  def make(name, s):
+    if isinstance(s, dict):
+      return {k: make(k, v) for k, v in sorted(s.items())}
+    if isinstance(s, list):
+      return [make(name, v) for v in s]
+    n = rng.standard_normal(s)
+    if name.startswith("g"):
+      return jnp.asarray(1 + 0.5 * n, F64)
+    if name.startswith("b"):
+      return jnp.asarray(0.3 + 0.5 * n, F64)
+    if name.startswith(("w", "head")):
+      return jnp.asarray(n / np.sqrt(max(1, int(np.prod(s[:-1])))), F64)
+    return jnp.asarray(0.7 * n, F64)
+  return make("", spec)
+
+
+def sound(apply, spec, args=None, **kw):
+  """assert_sound for nested parameter trees."""
+  return assert_sound(apply, lambda seed: nested_params(seed, spec), args or x_args(), **kw)
+
+
+def stack_apply(block):
+  def apply(p, x):
+    h = x @ p["w_in"] + p["b_in"]
+    for lp in p["layers"]:
+      h = block(h, lp)
+    return fp.ln_two_pass(h, p["g_f"], p["be_f"]) @ p["head"]
+  return apply
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint", "jit"])
+def test_reused_block_preln_stack(x64, wrap):
+  block = {"checkpoint": jax.checkpoint, "jit": jax.jit}[wrap](preln_block)
+  # Pre-LN stack: with W_in, b_in and every block's w2, b2 centered, all 3 block
+  # LayerNorms and the final one are foldable.
+  sound(stack_apply(block), stack_shapes(3), expect_folded=4)
+
+
+def test_reused_jit_block_second_call_after_tanh(x64):
+  block = jax.jit(lambda h, g, be, w, b: fp.ln_two_pass(h, g, be) @ w + b)
+
+  def apply(p, x):
+    h = x @ p["w_in"] + p["b_in"]
+    y = block(h, p["g1"], p["be1"], p["w1"], p["b1"])
+    return block(jnp.tanh(y), p["g2"], p["be2"], p["w2"], p["b2"])
+  spec = {"w_in": (DIN, D), "b_in": (D,), "g1": (D,), "be1": (D,), "w1": (D, D), "b1": (D,),
+          "g2": (D,), "be2": (D,), "w2": (D, D), "b2": (D,)}
+  sound(apply, spec, expect_folded=1)
+
+
+def _custom_vjp_dense_ln(kind):
+  def dense_ln(x, w, b, g, be):
+    return fp.ln_fast(x @ w + b, g, be)
+
+  @jax.custom_vjp
+  def f(x, w, b, g, be):
+    return dense_ln(x, w, b, g, be)
+
+  def fwd(*args):
+    return dense_ln(*args), args
+
+  def bwd(res, ct):
+    _, vjp = jax.vjp(dense_ln, *res)
+    if kind == "scaled":
+      return vjp(0.5 * ct)
+    c = vjp(ct)
+    if kind == "clipped":
+      return (c[0], jnp.clip(c[1], -0.05, 0.05), jnp.clip(c[2], -0.05, 0.05), c[3], c[4])
+    return c
+  f.defvjp(fwd, bwd)
+  return f
+
+
+@pytest.mark.parametrize("kind", ["true", "scaled", "clipped"])
+def test_custom_vjp_gradients(x64, kind):
+  # CBWC must give the custom gradients (check (d)), whatever the bwd does.
+  f = _custom_vjp_dense_ln(kind)
+
+  def apply(p, x):
+    return f(x, p["w"], p["b"], p["g"], p["be"]) @ p["head"]
+  sound(apply, {"w": (DIN, D), "b": (D,), "g": (D,), "be": (D,), "head": (D, 3)})
+
+
+@pytest.mark.parametrize("straight_through", [False, True])
+def test_custom_jvp_layernorm(x64, straight_through):
+  @jax.custom_jvp
+  def ln(h, g, be):
+    return fp.ln_two_pass(h, g, be)
+
+  @ln.defjvp
+  def ln_jvp(primals, tangents):
+    if straight_through:
+      h, g, be = primals
+      return ln(h, g, be), tangents[0] * g + tangents[2]
+    return jax.jvp(fp.ln_two_pass, primals, tangents)
+
+  def apply(p, x):
+    z = jnp.tanh(ln(x @ p["w"] + p["b"], p["g1"], p["be1"]) @ p["w2"] + p["b2"])
+    return ln(z, p["g2"], p["be2"]) @ p["head"]
+  sound(apply, {"w": (DIN, D), "b": (D,), "g1": (D,), "be1": (D,), "w2": (D, D), "b2": (D,),
+                "g2": (D,), "be2": (D,), "head": (D, 3)})
+
+
+def _stacked(n):
+  return {"w_in": (DIN, D), "b_in": (D,), "g_f": (D,), "be_f": (D,), "head": (D, 3),
+          **{f"layers_{k}": (n,) + s for k, s in block_shapes().items()}}
+
+
+def _layers(p):
+  return {k[len("layers_"):]: v for k, v in p.items() if k.startswith("layers_")}
+
+
+@pytest.mark.parametrize("leak", [False, True])
+def test_scan_over_stacked_layers(x64, leak):
+  def apply(p, x):
+    h = x @ p["w_in"] + p["b_in"]
+
+    def body(c, lp):
+      y = preln_block(c, lp)
+      if leak:     # 0.1 * LN output (not zero-mean) joins the carry: no fixed point
+        y = y + 0.1 * fp.ln_fast(c, lp["g"], lp["be"])
+      return y, None
+    h, _ = lax.scan(body, h, _layers(p))
+    return fp.ln_fast(h, p["g_f"], p["be_f"]) @ p["head"]
+  sound(apply, _stacked(3), min_folded=None if leak else 1)
+
+
+@pytest.mark.parametrize("tanh_branch", [False, True])
+def test_cond_between_blocks(x64, tanh_branch):
+  def apply(p, x, flag):
+    h = x @ p["w_in"] + p["b_in"]
+    other = jnp.tanh if tanh_branch else (lambda v: preln_block(v, p["lb"], fp.ln_jnp_var))
+    h = lax.cond(flag, lambda v: preln_block(v, p["la"]), other, h)
+    return fp.ln_fast(h, p["g_f"], p["be_f"]) @ p["head"]
+  spec = {"w_in": (DIN, D), "b_in": (D,), "la": block_shapes(), "lb": block_shapes(), "g_f": (D,),
+          "be_f": (D,), "head": (D, 3)}
+  args = x_args(extra=lambda rng, b: (jnp.asarray(b == 2),))
+  sound(apply, spec, args, min_folded=None if tanh_branch else 1)
+
+
+def test_while_loop_block(x64):
+  def apply(p, x):
+    h = x @ p["w_in"] + p["b_in"]
+    _, h = lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, preln_block(c[1], p["l"])),
+                          (jnp.int32(0), h))
+    return fp.ln_fast(h, p["g_f"], p["be_f"]) @ p["head"]
+  spec = {"w_in": (DIN, D), "b_in": (D,), "l": block_shapes(), "g_f": (D,), "be_f": (D,), "head": (D, 3)}
+  sound(apply, spec, grads=False, min_folded=1)
+
+
+def test_vmap_block(x64):
+  def apply(p, x):
+    h = x @ p["w_in"] + p["b_in"]
+    h = jax.vmap(preln_block, in_axes=(0, None))(h, p["l"])
+    return fp.ln_two_pass(h, p["g_f"], p["be_f"]) @ p["head"]
+  spec = {"w_in": (DIN, D), "b_in": (D,), "l": block_shapes(), "g_f": (D,), "be_f": (D,), "head": (D, 3)}
+  sound(apply, spec, expect_folded=2)

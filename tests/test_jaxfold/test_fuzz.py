@@ -1,0 +1,103 @@
+"""Fuzzing jaxfold with seeded random programs (``fuzz_programs.py``).
+
+``test_fuzz[seed]``: for each program, in float64 (see ``fold_checks.check_fold``):
+  (a) fold and cbwc never raise (refusing a site is fine);
+  (b) folded == original (rel err < 1e-9) at the example arguments (batch 2)
+      and at batch 3;
+  (c) CBWC at parameters the analysis never saw == original;
+  (d) CBWC gradients == original gradients, leaf by leaf (< 1e-8);
+  (e) every in-place centering is invisible in the original program.
+
+N programs: 300 by default (seeds 0..N-1, ``JAXFOLD_FUZZ_N`` overrides);
+``pytest -m slow`` runs ``test_fuzz_slow`` over seeds 0..4999
+(``JAXFOLD_FUZZ_N_SLOW``). A failure prints the program (op list, seed); rerun it
+with ``-k "test_fuzz and [SEED]"`` or ``fuzz_programs.make_program(SEED)``.
+
+``test_every_rule_is_generated``: over the default programs, every
+(rule, variant) of ``jaxfold._src.rules.all_rules()`` was generated and every
+registered primitive appears in some program's jaxpr (nested jaxprs included).
+"""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import x64_context
+import fold_checks as fc
+import fuzz_programs as fp
+import np_eval
+
+N_DEFAULT = int(os.environ.get("JAXFOLD_FUZZ_N", "300"))
+N_SLOW = int(os.environ.get("JAXFOLD_FUZZ_N_SLOW", "5000"))
+
+# Registered primitives that cannot occur in a float program around a
+# normalization (keep short; every entry needs a reason).
+EXEMPT: dict = {}
+
+
+def _check(seed: int):
+  with x64_context():
+    prog = fp.make_program(seed)
+    # The program itself must be valid and finite at both argument sets.
+    for a in prog.args:
+      out = np_eval.run(prog.apply, prog.params, *a)
+      for o in fc.float_leaves(out):
+        assert np.all(np.isfinite(np.asarray(o))), "invalid fuzz program (non-finite output)\n" + prog.describe()
+    res = fc.check_fold(prog.apply, prog.params, prog.args, prog.other_params,
+                        fold_kwargs=prog.fold_kwargs, tol=prog.tol, grad_tol=prog.grad_tol,
+                        grads=prog.differentiable)
+  if res.failures:
+    pytest.fail("\n".join([prog.describe(), "", "failures:"] + ["  " + f for f in res.failures]
+                          + ["", res.describe()]), pytrace=False)
+
+
+@pytest.mark.parametrize("seed", range(N_DEFAULT))
+def test_fuzz(seed):
+  _check(seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(N_SLOW))
+def test_fuzz_slow(seed):
+  _check(seed)
+
+
+def _registry():
+  from jaxfold._src.rules import all_rules
+  return all_rules()
+
+
+def test_every_rule_is_generated():
+  rules = _registry()
+  tags, prims = set(), set()
+  with x64_context():
+    for seed in range(N_DEFAULT):
+      prog = fp.make_program(seed)
+      tags |= prog.tags
+      prims |= fp.primitives_of(jax.make_jaxpr(prog.apply)(prog.params, *prog.args[0]))
+  missing = [(r.name, v) for r in rules for v in (r.variants or ("",)) if (r.name, v) not in tags]
+  assert not missing, (f"(rule, variant) pairs never generated in {N_DEFAULT} programs: {missing}; "
+                       "add op constructors for them to fuzz_programs.OPS")
+  absent = sorted({p.name for r in rules for p in r.primitives
+                   if p is not None and p not in prims and p.name not in EXEMPT})
+  assert not absent, (f"registered primitives that appear in none of the {N_DEFAULT} programs' "
+                      f"jaxprs: {absent}")
+  stale = sorted(EXEMPT.keys() & {p.name for p in prims})
+  assert not stale, f"exempted primitives that do appear (drop them from EXEMPT): {stale}"
+
+
+def test_op_table_mirrors_registry():
+  """Every registry key has a constructor; table keys name registered rules and
+  variants (or the control-flow rules to come)."""
+  rules = {r.name: r for r in _registry()}
+  for r in rules.values():
+    for v in r.variants or ("",):
+      assert (r.name, v) in fp.OPS, f"no op constructor for rule {r.name!r} variant {v!r}"
+  future = {"jit", "checkpoint", "custom_jvp_call", "custom_vjp_call", "scan", "cond", "while", "vmap"}
+  for name, variant in fp.OPS:
+    if name in rules:
+      assert variant in (rules[name].variants or ("",)), f"op table key {(name, variant)} is not a variant of {name}"
+    else:
+      assert name in future, f"op table key {(name, variant)} names no registered rule"
