@@ -33,7 +33,8 @@ def _blocked(what):
 
 
 register(Rule("scan", _prim("scan_p"), shift=_scan_shift,
-              variants=("shift on a constant", "shift on a carry", "shift on xs",
-                        "zero-sum carry", "norm in body")))
-register(Rule("cond", _prim("cond_p"), shift=_blocked("conditionals")))
-register(Rule("while", _prim("while_p"), shift=_blocked("while loops")))
+              variants=("stacked layers", "carry leak")))
+register(Rule("cond", _prim("cond_p"), shift=_blocked("conditionals"),
+              variants=("two branches",)))
+register(Rule("while", _prim("while_p"), shift=_blocked("while loops"),
+              variants=("fixed trip count",)))
