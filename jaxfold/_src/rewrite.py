@@ -129,8 +129,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
     key = (prefix, "const", i)
     write(v, layout.center(jnp.asarray(c), dict(centered[key])) if key in centered else c, key)
   for i, (v, a) in enumerate(zip(jaxpr.invars, args)):
-    if prefix == () or compat.is_var(v):
-      write(v, a, (prefix, "in", i))
+    write(v, a, (prefix, "in", i))
 
   for i, eqn in enumerate(jaxpr.eqns):
     path = prefix + (i,)

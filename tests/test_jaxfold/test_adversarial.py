@@ -26,6 +26,7 @@ import pytest
 
 import jaxfold
 from conftest import rel_err, x64_context
+from fold_checks import in_place_centerings, shift_along
 
 import adversarial_programs as ap
 
@@ -87,26 +88,6 @@ def _loss_fn(example_out):
       total = total + jnp.sum(proj ** 2)
     return total
   return loss
-
-
-def shift_along(key, shape, spec):
-  """A random tensor constant over each joint block of ``spec`` ((dim, block) pairs)."""
-  spec = dict(spec)
-  small = [s // spec[d] if d in spec else s for d, s in enumerate(shape)]
-  r = jax.random.normal(key, small, F64)
-  for d, b in spec.items():
-    r = jnp.repeat(r, b, axis=d)
-  return r
-
-
-def _centerings(*reports):
-  seen = []
-  for rep in reports:
-    for site in rep.sites:
-      for c in site.centered:
-        if c.mode == "in place" and (c.param, tuple(c.spec)) not in seen:
-          seen.append((c.param, tuple(c.spec)))
-  return seen
 
 
 # ----------------------------------------------------------------------------
@@ -187,11 +168,11 @@ def test_centering_invisible(name):
     index = {jax.tree_util.keystr(path): i for i, (path, _) in enumerate(paths_leaves)}
     leaves = [x for _, x in paths_leaves]
     refs = [jax.jit(prog.apply)(p, *a) for a in args]
-    for k, (param, spec) in enumerate(_centerings(f.report, r.report)):
+    for k, (param, spec) in enumerate(in_place_centerings(f.report, r.report)):
       assert param in index, f"{name}: centering names unknown parameter {param}"
       i = index[param]
       shifted = list(leaves)
-      shifted[i] = leaves[i] + 3.0 * shift_along(jax.random.PRNGKey(100 + k), leaves[i].shape, spec)
+      shifted[i] = leaves[i] + 3.0 * shift_along(100 + k, leaves[i].shape, spec)
       pt = jax.tree_util.tree_unflatten(tree, shifted)
       for v, a in enumerate(args):
         err = rel_err(refs[v], jax.jit(prog.apply)(pt, *a))
