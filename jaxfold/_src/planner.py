@@ -158,13 +158,39 @@ class Planner:
     actions, blockers = [], []
     for n in needs:
       if isinstance(n, Blocker):
-        if assume_aux.get(n.var) == n.spec:
+        n = self._aux_point(n)
+        if n.spec and assume_aux.get(n.var) == n.spec:
           actions.append(AuxCenter(n.var, n.spec))
         else:
           blockers.append(n)
         continue
       self._decide_leaf(n, assume_aux, actions, blockers)
-    return actions, blockers
+    return actions, [self._aux_point(b) for b in blockers]
+
+  def _aux_point(self, b: Blocker) -> Blocker:
+    """``b`` at the value where an auxiliary centering would be stored exactly.
+
+    A centering stored in a dtype coarser than the program's outputs rounds
+    the centered value, so its mean is no longer zero at the outputs'
+    precision. The value's exact widening is used instead: the unique
+    consumer chain of identity-kind rules (the zero-sum walk came through it,
+    so centering its end satisfies the same need). Without one, the blocker
+    is returned with no spec (not a candidate for auxiliary centering).
+    """
+    v, tol = b.var, self.an.tolerance
+    if not isinstance(v, Val) or not b.spec or not jnp.issubdtype(v.dtype, jnp.floating):
+      return b
+    while not Level.at_least_as_precise(v.dtype, tol):
+      uses = v.program.consumers.get(v, ())
+      node = uses[0][0] if len(uses) == 1 else None
+      if (node is None or rule_for(node.prim).kind != "identity" or len(node.outs) != 1
+          or node.outs[0].shape != v.shape or v in v.program.output_positions
+          or not jnp.issubdtype(node.outs[0].dtype, jnp.floating)):
+        return Blocker(b.var, (), f"{b.reason} (an auxiliary centering there would be stored "
+                                  f"in {np.dtype(b.var.dtype).name}, coarser than the program's "
+                                  f"outputs, {np.dtype(tol).name})")
+      v = node.outs[0]
+    return b if v is b.var else Blocker(v, b.spec, b.reason)
 
   def _decide_leaf(self, n: LeafNeed, assume_aux, actions, blockers) -> None:
     var, spec = n.var, n.spec
@@ -186,8 +212,9 @@ class Planner:
     if n.use is not None and self.is_leaf(var) and (
         (id(n.use[0]), n.use[1]) in self.untie_commit or self.use_visible(n) is None):
       if self.opts.tie_by_aux() and not self._ties_by_copy:
-        if assume_aux.get(n.out_var) == n.out_spec:
-          actions.append(AuxCenter(n.out_var, n.out_spec))
+        at = self._aux_point(Blocker(n.out_var, n.out_spec, ""))
+        if at.spec and assume_aux.get(at.var) == at.spec:
+          actions.append(AuxCenter(at.var, at.spec))
         else:
           blockers.append(Blocker(n.out_var, n.out_spec,
                                   f"{self.name(var)} is also used where centering it is visible "

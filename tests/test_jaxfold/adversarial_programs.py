@@ -425,6 +425,26 @@ _dense_ln_program("rc3_reduce_precision",
                   lambda h: lax.reduce_precision(h, exponent_bits=5, mantissa_bits=2),
                   "lax.reduce_precision(5, 2) on the producer -> norm path", False, "rc3")
 
+
+
+def _quantized_stream_apply(dtype):
+  def apply(p, x):
+    # A quantized residual stream feeding two norms: an auxiliary centering pays
+    # off, but stored at the bf16/f32 value it would round away its zero mean.
+    h = (x @ p["w"] + p["b"]).astype(dtype)
+    h = h.astype(F64)
+    h = preln_block(h, p["blk"])
+    return ln_fast(h, p["g"], p["be"])
+  return apply
+
+
+for _dt in (jnp.bfloat16, jnp.float32):
+  _add(f"rc3_aux_on_quantized_{jnp.dtype(_dt).name}",
+       init_from({"w": (DIN, D), "b": (D,), "blk": block_spec(), "g": (D,), "be": (D,)}),
+       _quantized_stream_apply(_dt), x_args,
+       f"f64 -> {jnp.dtype(_dt).name} -> f64 stream start feeding two norms: any auxiliary "
+       "centering must sit on the float64 value", True, "rc3")
+
 # ============================================================================
 # rc4: multi-operand primitives.
 

@@ -45,16 +45,29 @@ def rel_err(a, b) -> float:
     return float("inf")
   xs = [np.asarray(x, np.float64) for x in la]
   ys = [np.asarray(y, np.float64) for y in lb]
-  scale = max([float(np.max(np.abs(x))) for x in xs if x.size] + [0.0])
+  scale = max([_max_abs(x) for x in xs] + [0.0])
   errs = [0.0]
   for x, y in zip(xs, ys):
-    if x.shape != y.shape or not np.all(np.isfinite(y)):
+    if x.shape != y.shape or not _same_nonfinite(x, y):
       return float("inf")
     if x.size == 0:
       continue
-    denom = max(float(np.max(np.abs(x))), 1e-6 * scale, 1e-30)
-    errs.append(float(np.max(np.abs(x - y))) / denom)
+    denom = max(_max_abs(x), 1e-6 * scale, 1e-30)
+    errs.append(_max_abs(x - y) / denom)
   return max(errs)
+
+
+def _same_nonfinite(x: np.ndarray, y: np.ndarray) -> bool:
+  """Non-finite entries (a singular point of the original, e.g. the gradient of
+  a norm of an identically zero input) must be the same in both."""
+  fx, fy = np.isfinite(x), np.isfinite(y)
+  return bool(np.array_equal(fx, fy) and np.array_equal(x[~fx], y[~fy], equal_nan=True))
+
+
+def _max_abs(x: np.ndarray) -> float:
+  """max |x| over the finite entries (``x − y`` is NaN where both are ±inf)."""
+  x = x[np.isfinite(x)]
+  return float(np.max(np.abs(x))) if x.size else 0.0
 
 
 def float_leaves(tree) -> list:
@@ -86,14 +99,14 @@ def grad_errors(g_ref, g_other) -> list:
   other = [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(g_other)]
   if len(other) != len(ref_leaves):
     return [("<structure>", float("inf"))]
-  scale = max([float(np.max(np.abs(x))) for x in ref_leaves if x.size] + [0.0])
+  scale = max([_max_abs(x) for x in ref_leaves] + [0.0])
   out = []
   for (path, _), x, y in zip(paths, ref_leaves, other):
     if not x.size:
       continue
-    denom = max(float(np.max(np.abs(x))), 1e-3 * scale, 1e-30)
-    diff = np.abs(x - y)
-    out.append((jax.tree_util.keystr(path), float(np.max(diff)) / denom if np.all(np.isfinite(y)) else float("inf")))
+    denom = max(_max_abs(x), 1e-3 * scale, 1e-30)
+    ok = x.shape == y.shape and _same_nonfinite(x, y)
+    out.append((jax.tree_util.keystr(path), _max_abs(x - y) / denom if ok else float("inf")))
   return out
 
 
