@@ -14,7 +14,9 @@ from jaxfold._src.export import export, load_exported
 from jaxfold._src.integrity import IntegrityError
 from jaxfold._src.report import Centering, Report, Site
 from jaxfold._src.serialization import load_fold, save_fold
+from jaxfold._src.affine import Fused, FusedParams, FuseError, FuseReport, fuse_affine
 
 __all__ = ["fold", "cbwc", "Folded", "FoldedParams", "FoldOptions", "Reparameterized", "FoldError", "Report", "Site",
            "Centering", "export", "load_exported", "save_fold", "load_fold", "IntegrityError"]
+__all__ += ["fuse_affine", "Fused", "FusedParams", "FuseError", "FuseReport"]
 __version__ = "0.1.0"

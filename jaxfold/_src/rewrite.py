@@ -33,11 +33,13 @@ class Plan:
   untied: tuple = ()                          # ((use path, operand, name, chain eqns), ...)
   epilogues: tuple = ()                       # kernels.Epilogue of proven sites
   norm_impl: str = "auto"                     # see kernels.IMPLS
+  biases: tuple = ()                          # ((val key, extras name), ...): added to the value
 
   @property
   def touched(self) -> frozenset:
     paths = set(self.zero) | {k[0] for k, _ in self.aux} | {k[0] for k, _ in self.consts}
     paths |= {u for u, *_ in self.untied}
+    paths |= {k[0] for k, _ in self.biases}
     paths |= {e.out_path for e in self.epilogues} if self.norm_impl != "xla" else set()
     return frozenset(p[:i] for p in paths for i in range(len(p) + 1))
 
@@ -111,6 +113,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
   env: dict = {}
   kernels_at = {e.out_path: e for e in plan.epilogues} if plan.norm_impl != "xla" else {}
   aux = dict(plan.aux)
+  biases = dict(plan.biases)
   centered = dict(plan.consts)
   untied = {(u, k): (name, chain) for u, k, name, chain in plan.untied}
   touched = plan.touched
@@ -121,6 +124,8 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
   def write(v, val, key):
     if key in aux:
       val = _aux(val, aux[key])
+    if key in biases:
+      val = _materialize(val) + extras[biases[key]]
     if compat.is_var(v):
       env[v] = val
     values[key] = val
@@ -163,6 +168,10 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
       write(v, val, (path, "out", k))
   return [v.materialize() if isinstance(v, Zero) else v
           for v in (read(a) for a in jaxpr.outvars)]
+
+
+def _materialize(x):
+  return x.materialize() if isinstance(x, Zero) else x
 
 
 def _aux(x, spec):

@@ -79,6 +79,10 @@ def _no_simplify(node: Node, zeros: list) -> Optional[Callable]:
   return None
 
 
+def _no_rotate(node: Node, ins: list, ctx) -> list:
+  raise Block(f"the rotated stream reaches `{node.prim.name}`, which has no rotation rule")
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
   """All facets of one primitive family (see the module docstring)."""
@@ -89,6 +93,9 @@ class Rule:
   shift: Callable = _no_shift
   zero_sum: Callable = _no_zero_sum
   simplify: Callable = _no_simplify
+  # jaxfold.rotate: output states given operand states (None: unchanged, or
+  # rules.rotation.Lin / Quad); exact for any orthogonal Q, or absent.
+  rotate: Callable = _no_rotate
   # Whether the primitive's JVP is the derivative of what it computes; CBWC
   # gradients equal the original's only across such primitives.
   differentiable: bool = True
@@ -114,6 +121,17 @@ def register(rule: Rule, kind: str = "") -> Rule:
       raise ValueError(f"primitive {p.name} has two rules: {_REGISTRY[p].name}, {rule.name}")
     _REGISTRY[p] = rule
   return rule
+
+
+def set_facets(prims: Sequence, **facets) -> None:
+  """Adds facets to the registered rules of ``prims`` (a facet family kept in
+  its own module, e.g. ``rules.rotation``); every primitive of a family keeps
+  sharing one rule object."""
+  for old in {id(_REGISTRY[p]): _REGISTRY[p] for p in prims if p in _REGISTRY}.values():
+    new = dataclasses.replace(old, **facets)
+    for p, r in list(_REGISTRY.items()):
+      if r is old:
+        _REGISTRY[p] = new
 
 
 def rule_for(prim: Any) -> Rule:

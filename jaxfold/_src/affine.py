@@ -1,0 +1,534 @@
+"""``jaxfold.fuse_affine``: a folded norm's γ and β move into the layers that read it.
+
+Where a value ``y = γ ⊙ K + β`` (γ, β parameters varying along one dim d, K
+free of them; a folded norm's output, with K the parameter-free RMS
+normalization) is read only by contractions over d, each against a
+parameter W, then ``y·W = K·(diag(γ)·W) + β·W``: γ goes into W (in place
+when W has no other use, else into an untied copy) and ``β·W`` becomes a bias
+added to the contraction's output. γ and β then become constants (1 and 0)
+and the norm is parameter-free.
+
+Proof obligations, each checked on the traced folded program:
+
+* ``y``'s canonical form (``Level.canon``, exact) is ``γ_view·K + β_view``
+  with no factor of K mentioning γ, β or any value computed from them, and
+  every use of γ and β leads to ``y`` only;
+* every use of ``y`` reaches a ``dot_general`` contracting exactly d (through
+  re-indexing steps whose rotation facet shows d stays one whole axis, so the
+  map along d commutes with them), against a parameter.
+
+Anything else is refused with the construct named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfold._src import algebra as A
+from jaxfold._src import compat
+from jaxfold._src.analysis import Analyzer, Level
+from jaxfold._src.program import Program, Val
+from jaxfold._src.rewrite import Plan, evaluate
+from jaxfold._src.rules import Block, rule_for
+from jaxfold._src.rules import dims as D
+from jaxfold._src.rules.rotation import Lin
+
+
+class FuseError(ValueError):
+  """Bad input to ``fuse_affine``/``rotate``; the message says what to pass."""
+
+
+# ----------------------------------------------------------------------------
+# Results.
+
+
+@dataclasses.dataclass(frozen=True)
+class AffineSite:
+  """One ``γ ⊙ K + β`` and what became of it."""
+  where: str
+  gamma: str
+  beta: Optional[str]
+  readers: tuple          # parameter names of the contractions reading it
+  fused: bool
+  reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FuseReport:
+  """What ``fuse_affine`` did, per affine site."""
+  sites: tuple
+  extra_bytes: int = 0    # untied weight copies and new biases
+
+  @property
+  def num_fused(self) -> int:
+    return sum(s.fused for s in self.sites)
+
+  def __str__(self) -> str:
+    lines = []
+    for i, s in enumerate(self.sites):
+      status = "fused" if s.fused else "kept"
+      lines.append(f"{i}  {status:5}  {s.where}  γ={s.gamma} β={s.beta}: {s.reason}")
+    lines.append(f"{self.num_fused}/{len(self.sites)} affine sites fused into their readers"
+                 + (f"; {self.extra_bytes} extra bytes" if self.extra_bytes else ""))
+    return "\n".join(lines)
+
+
+class FusedParams(NamedTuple):
+  """Parameters of a fused model: the folded parameters with γ/β removed
+  (``None``) and scaled weights, plus ``extras`` (untied copies, new biases)."""
+  base: Any
+  extras: dict
+
+
+class Fused(NamedTuple):
+  """Result of :func:`fuse_affine`: ``apply_fn(params, *args)`` computes the original."""
+  params: FusedParams
+  apply_fn: Callable
+  report: FuseReport
+
+
+# ----------------------------------------------------------------------------
+# The analysis.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reader:
+  node: Any
+  w_side: int
+  leaf: int            # W's leaf index
+  dim: int             # W's dim paired with d
+  chain: tuple         # identity nodes from the leaf to the use (leaf first)
+  in_place: bool
+  y_dim: int           # d at the contraction's operand
+
+
+@dataclasses.dataclass(frozen=True)
+class _Affine:
+  y: Val
+  dim: int
+  gamma: int
+  beta: Optional[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class FuseAnalysis:
+  jaxpr: Any
+  consts: list
+  out_tree: Any
+  plan: Plan
+  removed: tuple       # ((leaf index, fill value), ...): γ → 1, β → 0
+  scaled: tuple        # ((W index, γ index, dim), ...) in place
+  copies: tuple        # ((name, W index, γ index, dim), ...)
+  biases: tuple        # ((name, β index, W index, W side, dimension numbers, y rank, y dim, dtype), ...)
+  report: FuseReport
+
+  @property
+  def key(self) -> tuple:
+    return (self.removed, self.scaled, self.copies, tuple(b[:4] + b[5:8] for b in self.biases))
+
+
+def _leaf_of(v: Any, level: Level) -> Optional[int]:
+  if (isinstance(v, Val) and v.kind == "in" and v.program is level.program
+      and level.program.is_top and v.index < level.an.num_leaves):
+    return v.index
+  return None
+
+
+def _factor_leaf(fid: int, level: Level):
+  """(leaf index, View) when the factor is a parameter or a view of one."""
+  f = A._FACTORS[fid]
+  if f.kind == "atom":
+    i = _leaf_of(f.key, level)
+    return (i, A.View.identity(f.shape)) if i is not None else None
+  if f.kind == "view":
+    base = A._FACTORS[f.args[0]]
+    if base.kind == "atom":
+      i = _leaf_of(base.key, level)
+      if i is not None:
+        return i, f.key
+  return None
+
+
+def _vector_along(view: A.View, shape: tuple) -> Optional[int]:
+  """The dim along which the view reads its whole (flattened) source in
+  order, constant along every other dim; else None."""
+  varying = [d for d, s in enumerate(view.strides) if s != 0]
+  if len(varying) != 1:
+    return None
+  d = varying[0]
+  n = int(np.prod(view.src)) if view.src else 1
+  if view.strides[d] == 1 and view.offset == 0 and shape[d] == n:
+    return d
+  return None
+
+
+def _mentions(e: A.Expr, banned: set, memo: dict) -> bool:
+  return any(_factor_mentions(f, banned, memo) for m in e.terms for f in m)
+
+
+def _factor_mentions(fid: int, banned: set, memo: dict) -> bool:
+  if fid in memo:
+    return memo[fid]
+  f = A._FACTORS[fid]
+  if f.kind == "atom":
+    out = isinstance(f.key, Val) and f.key in banned
+  elif f.kind == "view":
+    out = _factor_mentions(f.args[0], banned, memo)
+  else:
+    out = any(_mentions(a, banned, memo) for a in f.args)
+  memo[fid] = out
+  return out
+
+
+def _reach(level: Level, start: Val, stop: Val, limit: int = 64) -> Optional[set]:
+  """Values computed from ``start`` up to ``stop``, when every use of
+  ``start`` leads to ``stop`` (else None)."""
+  prog = level.program
+  seen, frontier = {start}, [start]
+  while frontier:
+    v = frontier.pop()
+    if v is stop:
+      continue
+    if v in prog.output_positions:
+      return None
+    for node, _ in prog.consumers.get(v, ()):
+      if node.subs:
+        return None
+      for o in node.outs:
+        if o not in seen:
+          seen.add(o)
+          frontier.append(o)
+          if len(seen) > limit:
+            return None
+  return seen
+
+
+def _match(level: Level, y: Val) -> Optional[_Affine]:
+  """``y = γ ⊙ K + β`` with γ, β parameters along one dim and K free of them."""
+  vectors, beta, terms = {}, None, []
+  for m, c in level.canon(y).terms.items():
+    here = set()
+    for f in m:
+      lv = _factor_leaf(f, level)
+      d = _vector_along(lv[1], y.shape) if lv is not None else None
+      if d is not None:
+        vectors[f] = (lv[0], d)
+        here.add(f)
+    if len(m) == 1 and c == 1 and here:
+      if beta is not None:   # a lone parameter vector: β
+        return None
+      beta = vectors[m[0]]
+    else:
+      terms.append((m, here))
+  # γ: the one parameter vector that is a simple factor of every other term.
+  common = set.intersection(*[h for _, h in terms]) if terms else set()
+  common = {f for f in common if all(m.count(f) == 1 for m, _ in terms)}
+  if len(common) != 1:
+    return None
+  (gf,) = common
+  gamma = vectors[gf]
+  rest = [g for m, _ in terms for g in m if g != gf]
+  if beta is not None and (beta[1] != gamma[1] or beta[0] == gamma[0]):
+    return None
+  prog = level.program
+  leaves = [gamma[0]] + ([beta[0]] if beta else [])
+  banned = set()
+  for i in leaves:
+    r = _reach(level, prog.invars[i], y)
+    if r is None:
+      return None
+    banned |= r
+  banned.discard(y)
+  memo: dict = {}
+  if any(_factor_mentions(f, banned, memo) for f in rest):
+    return None
+  return _Affine(y, gamma[1], gamma[0], beta[0] if beta else None)
+
+
+def _param_chain(level: Level, a: Any, dim: int):
+  """(leaf index, chain nodes leaf-first, leaf dim) when operand ``a`` is a
+  parameter seen through re-indexing steps whose rotation facets carry one
+  whole leaf dim to ``dim``."""
+  chain = []
+  while isinstance(a, Val) and _leaf_of(a, level) is None and a.producer is not None:
+    node = a.producer
+    if rule_for(node.prim).kind not in ("identity", "layout") or len(node.ins) != 1:
+      return None
+    chain.append(node)
+    a = node.ins[0]
+  i = _leaf_of(a, level)
+  if i is None:
+    return None
+  chain = tuple(reversed(chain))
+  for e in range(len(a.shape)):
+    state = Lin(frozenset({e}))
+    try:
+      for node in chain:
+        (state,) = rule_for(node.prim).rotate(node, [state], level)
+    except Block:
+      continue
+    if state == Lin(frozenset({dim})):
+      return i, chain, e
+  return None
+
+
+def _single_use(level: Level, leaf: int, chain: tuple, use) -> bool:
+  prog = level.program
+  v = prog.invars[leaf]
+  for node in chain + (None,):
+    if v in prog.output_positions:
+      return False
+    uses = prog.consumers.get(v, ())
+    target = (node, 0) if node is not None else use
+    if len(uses) != 1 or uses[0][0] is not target[0] or uses[0][1] != target[1]:
+      return False
+    if node is not None:
+      v = node.outs[0]
+  return True
+
+
+def _readers(level: Level, aff: _Affine) -> list:
+  """The contractions reading ``y``; raises Block naming any other use."""
+  prog = level.program
+  out, frontier = [], [(aff.y, aff.dim)]
+  while frontier:
+    v, d = frontier.pop()
+    if v in prog.output_positions:
+      raise Block("the value is a program output")
+    for node, k in prog.consumers.get(v, ()):
+      rule = rule_for(node.prim)
+      where = f" [at {node.where()}]"
+      if rule.name == "dot_general":
+        dd = D.DotDims(node.params, node.ins[0].shape, node.ins[1].shape)
+        if tuple(dd.contracting(k)) != (d,) or dd.lb:
+          raise Block("a contraction that does not contract exactly the normalized dim" + where)
+        e = dd.contracting(1 - k)[0]
+        src = _param_chain(level, node.ins[1 - k], e)
+        if src is None:
+          raise Block("a contraction with an operand that is not a parameter" + where)
+        leaf, chain, e = src
+        if leaf in (aff.gamma, aff.beta) or not jnp.issubdtype(prog.invars[leaf].dtype,
+                                                                jnp.inexact):
+          raise Block("a contraction with γ, β or a non-float parameter" + where)
+        out.append(_Reader(node, 1 - k, leaf, e, chain, _single_use(level, leaf, chain,
+                                                                    (node, 1 - k)), d))
+      elif rule.kind in ("identity", "layout") and len(node.ins) == 1:
+        try:
+          (s,) = rule.rotate(node, [Lin(frozenset({d}))], level)
+        except Block as err:
+          raise Block(f"{err}" + where) from err
+        frontier.append((node.outs[0], next(iter(s.dims))))
+      else:
+        raise Block(f"`{node.prim.name}` reads it, which is not a contraction over the "
+                    "normalized dim" + where)
+  if not out:
+    raise Block("no contraction reads it")
+  return out
+
+
+def analyse(fn: Callable, params: Any, args: tuple) -> FuseAnalysis:
+  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(params, *args)
+  jaxpr, consts = compat.open_jaxpr(closed)
+  paths = jax.tree_util.tree_flatten_with_path(params)[0]
+  names = [jax.tree_util.keystr(p) for p, _ in paths]
+  removed, scaled, copies, biases, untied, plan_biases, sites = {}, [], [], [], [], [], []
+  extra = 0
+  with A.scope():
+    an = Analyzer(Program(closed))
+    an.num_leaves = len(names)
+    level = an.top
+    found = {}
+    for node in level.program.nodes:
+      if rule_for(node.prim).name not in ("add", "mul") or len(node.outs) != 1:
+        continue
+      y = node.outs[0]
+      if not jnp.issubdtype(y.dtype, jnp.inexact):
+        continue
+      aff = _match(level, y)
+      if aff is not None:
+        found[aff.gamma] = aff  # the last match of a γ is the whole affine
+    claimed = set()
+    for aff in found.values():
+      where = aff.y.producer.where()
+      gname = names[aff.gamma]
+      bname = names[aff.beta] if aff.beta is not None else None
+      try:
+        readers = _readers(level, aff)
+        for r in readers:
+          if r.leaf in claimed or (r.in_place and r.leaf in removed):
+            raise Block(f"{names[r.leaf]} is read after another fusion")
+      except Block as err:
+        sites.append(AffineSite(where, gname, bname, (), False, f"not fused: {err}"))
+        continue
+      removed[aff.gamma] = 1
+      if aff.beta is not None:
+        removed[aff.beta] = 0
+      for r in readers:
+        wname = names[r.leaf]
+        wv = level.program.invars[r.leaf]
+        nbytes = int(np.prod(wv.shape)) * np.dtype(wv.dtype).itemsize
+        if r.in_place:
+          claimed.add(r.leaf)
+          scaled.append((r.leaf, aff.gamma, r.dim))
+        else:
+          cname = f"{wname}@fused{gname}"
+          copies.append((cname, r.leaf, aff.gamma, r.dim))
+          untied.append((r.node.path, r.w_side, cname, tuple(c.eqn for c in r.chain)))
+          extra += nbytes
+        if aff.beta is not None:
+          bias = f"{wname}@bias{bname}"
+          z = r.node.outs[0]
+          biases.append((bias, aff.beta, r.leaf, r.w_side, r.node.params["dimension_numbers"],
+                         len(r.node.ins[1 - r.w_side].shape), r.y_dim, np.dtype(z.dtype).str,
+                         tuple(c.eqn for c in r.chain)))
+          plan_biases.append((z.key, bias))
+          extra += int(np.prod(wv.shape)) // wv.shape[r.dim] * np.dtype(z.dtype).itemsize
+      reason = "γ into " + ", ".join(
+          (names[r.leaf] if r.in_place else names[r.leaf] + " (untied copy)") for r in readers)
+      if aff.beta is not None:
+        reason += "; β·W into new biases"
+      sites.append(AffineSite(where, gname, bname, tuple(names[r.leaf] for r in readers), True,
+                              reason))
+  plan = Plan(untied=tuple(untied), biases=tuple(plan_biases), norm_impl="xla")
+  return FuseAnalysis(jaxpr, consts, jax.tree_util.tree_structure(out_shape), plan,
+                      tuple(sorted(removed.items())), tuple(scaled), tuple(copies),
+                      tuple(biases), FuseReport(tuple(sites), extra))
+
+
+# ----------------------------------------------------------------------------
+# Parameters and the fused apply function.
+
+
+def _along(vec: np.ndarray, rank: int, dim: int) -> np.ndarray:
+  shape = [1] * rank
+  shape[dim] = vec.size
+  return vec.reshape(shape)
+
+
+def _host(x) -> np.ndarray:
+  return np.asarray(x, np.float64) if jnp.issubdtype(x.dtype, jnp.floating) else np.asarray(x)
+
+
+def _fused_params(an: FuseAnalysis, leaves: list, tree) -> FusedParams:
+  removed = dict(an.removed)
+  out = list(leaves)
+  for w, g, dim in an.scaled:
+    x = leaves[w]
+    out[w] = jnp.asarray((_host(x) * _along(_host(leaves[g]).ravel(), x.ndim, dim)).astype(x.dtype))
+  extras = {}
+  for name, w, g, dim in an.copies:
+    x = leaves[w]
+    extras[name] = jnp.asarray(
+        (_host(x) * _along(_host(leaves[g]).ravel(), x.ndim, dim)).astype(x.dtype))
+  for name, b, w, side, dn, y_rank, y_dim, dtype, chain in an.biases:
+    wx = leaves[w]
+    for eqn in chain:  # re-indexing steps between the parameter and its use
+      wx = compat.bind_eqn(eqn, [wx])[0]
+    wx = _host(wx)
+    yb = _along(_host(leaves[b]).ravel(), y_rank, y_dim)
+    (lc, rc), _ = dn
+    lhs, rhs = (yb, wx) if side == 1 else (wx, yb)
+    extras[name] = jnp.asarray(np.tensordot(lhs, rhs, axes=(tuple(lc), tuple(rc))).astype(dtype))
+  for i in removed:
+    out[i] = None
+  return FusedParams(jax.tree_util.tree_unflatten(tree, out), extras)
+
+
+def _signature(args: tuple) -> tuple:
+  leaves, tree = jax.tree_util.tree_flatten(args)
+  return (tree, tuple((tuple(np.shape(x)), str(jnp.result_type(x))) for x in leaves))
+
+
+def _abstract(x):
+  return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+
+class FusedApply:
+  """The fused apply function; re-analyses (and caches) per input signature."""
+
+  def __init__(self, inner: Callable, params_abstract: Any, base: FuseAnalysis, args: tuple):
+    self._inner = inner
+    self._params = params_abstract
+    self._leaves, self._tree = jax.tree_util.tree_flatten(params_abstract)
+    self._base = base
+    self._cache = {_signature(args): base}
+    self._example = jax.tree_util.tree_map(_abstract, args)
+    functools.update_wrapper(self, inner, updated=())
+
+  @property
+  def example_args(self) -> tuple:
+    return self._example
+
+  def analysis_for(self, args: tuple) -> FuseAnalysis:
+    sig = _signature(args)
+    if sig not in self._cache:
+      an = analyse(self._inner, self._params, jax.tree_util.tree_map(_abstract, args))
+      if an.key != self._base.key:
+        raise FuseError(f"inputs of these shapes ({[s for s in sig[1]]}) fuse differently from "
+                        "the example fuse_affine was given; call fuse_affine again for them")
+      self._cache[sig] = an
+    return self._cache[sig]
+
+  def __call__(self, params: FusedParams, *args):
+    if not isinstance(params, FusedParams):
+      raise FuseError(f"a fused apply_fn takes fused.params (a FusedParams), got "
+                      f"{type(params).__name__}")
+    an = self.analysis_for(args)
+    removed = dict(an.removed)
+    given = jax.tree_util.tree_flatten(params.base, is_leaf=lambda x: x is None)[0]
+    if len(given) != len(self._leaves):
+      raise FuseError("params.base does not have the structure of the fused parameters")
+    flat = []
+    for i, (x, ref) in enumerate(zip(given, self._leaves)):
+      if i in removed:
+        flat.append(jnp.full(ref.shape, removed[i], ref.dtype))
+      else:
+        flat.append(x)
+    flat += jax.tree_util.tree_leaves(args)
+    outs = evaluate(an.jaxpr, an.consts, flat, an.plan, params.extras)
+    return jax.tree_util.tree_unflatten(an.out_tree, outs)
+
+
+def fuse_affine(model: Any, *example_args: Any) -> Fused:
+  """Moves the γ and β of folded norms into the contractions that read them.
+
+  ``model`` is a :class:`jaxfold.Folded` (or anything with ``params`` and
+  ``apply_fn``; then pass ``example_args``). Where a norm's output is read only
+  by contractions over the normalized axis against parameters (Dense, einsum,
+  attention projections, an LM head), ``W' = diag(γ)·W`` (an untied copy when W
+  is also used elsewhere, e.g. a tied embedding) and ``β·W`` becomes a bias of
+  the contraction's output; the norm keeps no parameters. Other sites are kept
+  and reported with the reason (e.g. post-LN, where the residual branch reads
+  the norm's output).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxfold
+    >>> m = nn.Sequential([nn.Dense(8), nn.LayerNorm(), nn.Dense(3)])
+    >>> x = jnp.ones((2, 4)); p = m.init(jax.random.PRNGKey(0), x)
+    >>> fused = jaxfold.fuse_affine(jaxfold.fold(p, m.apply, x))
+    >>> fused.report.num_fused
+    1
+    >>> bool(jnp.allclose(fused.apply_fn(fused.params, x), m.apply(p, x), atol=1e-5))
+    True
+  """
+  params, fn = getattr(model, "params", None), getattr(model, "apply_fn", None)
+  if params is None or not callable(fn):
+    raise FuseError(f"fuse_affine takes a jaxfold.Folded (params, apply_fn), got "
+                    f"{type(model).__name__}")
+  if not example_args:
+    example_args = getattr(fn, "example_args", None)
+    if example_args is None:
+      raise FuseError("pass example_args: the model's apply_fn does not record them")
+    example_args = tuple(example_args)
+  leaves, tree = jax.tree_util.tree_flatten(params)
+  abstract = jax.tree_util.tree_map(_abstract, params)
+  an = analyse(fn, abstract, tuple(jax.tree_util.tree_map(_abstract, example_args)))
+  new = _fused_params(an, leaves, tree)
+  apply = FusedApply(fn, abstract, an, example_args)
+  return Fused(new, apply, an.report)
