@@ -186,14 +186,14 @@ def _factor_mentions(fid: int, banned: set, memo: dict) -> bool:
   return out
 
 
-def _reach(level: Level, start: Val, stop: Val, limit: int = 64) -> Optional[set]:
-  """Values computed from ``start`` up to ``stop``, when every use of
-  ``start`` leads to ``stop`` (else None)."""
+def _reach(level: Level, start: Val, stops: set, limit: int = 256) -> Optional[set]:
+  """Values computed from ``start`` up to ``stops``, when every use of
+  ``start`` leads to one of ``stops`` (else None)."""
   prog = level.program
   seen, frontier = {start}, [start]
   while frontier:
     v = frontier.pop()
-    if v is stop:
+    if v in stops:
       continue
     if v in prog.output_positions:
       return None
@@ -209,14 +209,28 @@ def _reach(level: Level, start: Val, stop: Val, limit: int = 64) -> Optional[set
   return seen
 
 
-def _match(level: Level, y: Val) -> Optional[_Affine]:
-  """``y = γ ⊙ K + β`` with γ, β parameters along one dim and K free of them."""
+def _expr(level: Level, v: Any, depth: int = 4) -> A.Expr:
+  """``v``'s canonical form, recomputed through its last ``depth`` producers
+  so that the analysis's size cap on long sums does not hide γ and β."""
+  if depth == 0 or not isinstance(v, Val) or v.producer is None or v.producer.subs:
+    return level.canon(v)
+  node = v.producer
+  try:
+    outs = rule_for(node.prim).canon(node, [_expr(level, a, depth - 1) for a in node.ins], level)
+  except Exception:  # noqa: BLE001 - the analysis's own form is always sound
+    return level.canon(v)
+  return outs[v.index] if outs is not None else level.canon(v)
+
+
+def _form(level: Level, v: Val):
+  """``(γ, β, K's factors)`` when ``v = γ ⊙ K + β`` with γ and β parameter
+  vectors along one dim (``(leaf, dim)``; β may be None)."""
   vectors, beta, terms = {}, None, []
-  for m, c in level.canon(y).terms.items():
+  for m, c in _expr(level, v).terms.items():
     here = set()
     for f in m:
       lv = _factor_leaf(f, level)
-      d = _vector_along(lv[1], y.shape) if lv is not None else None
+      d = _vector_along(lv[1], v.shape) if lv is not None else None
       if d is not None:
         vectors[f] = (lv[0], d)
         here.add(f)
@@ -236,17 +250,32 @@ def _match(level: Level, y: Val) -> Optional[_Affine]:
   rest = [g for m, _ in terms for g in m if g != gf]
   if beta is not None and (beta[1] != gamma[1] or beta[0] == gamma[0]):
     return None
-  prog = level.program
-  leaves = [gamma[0]] + ([beta[0]] if beta else [])
+  return gamma, beta, rest
+
+
+def _free_of(level: Level, leaves: list, stops: set, rests: list) -> bool:
+  """Every use of the ``leaves`` leads to ``stops``, and no factor in
+  ``rests`` mentions them or anything computed from them."""
   banned = set()
   for i in leaves:
-    r = _reach(level, prog.invars[i], y)
+    r = _reach(level, level.program.invars[i], stops)
     if r is None:
-      return None
+      return False
     banned |= r
-  banned.discard(y)
+  banned -= stops
+  banned |= {level.program.invars[i] for i in leaves}
   memo: dict = {}
-  if any(_factor_mentions(f, banned, memo) for f in rest):
+  return not any(_factor_mentions(f, banned, memo) for rest in rests for f in rest)
+
+
+def _match(level: Level, y: Val) -> Optional[_Affine]:
+  """``y = γ ⊙ K + β`` with γ, β parameters along one dim and K free of them."""
+  form = _form(level, y)
+  if form is None:
+    return None
+  gamma, beta, rest = form
+  leaves = [gamma[0]] + ([beta[0]] if beta else [])
+  if not _free_of(level, leaves, {y}, [rest]):
     return None
   return _Affine(y, gamma[1], gamma[0], beta[0] if beta else None)
 
@@ -318,17 +347,36 @@ def _readers(level: Level, aff: _Affine) -> list:
           raise Block("a contraction with γ, β or a non-float parameter" + where)
         out.append(_Reader(node, 1 - k, leaf, e, chain, _single_use(level, leaf, chain,
                                                                     (node, 1 - k)), d))
-      elif rule.kind in ("identity", "layout") and len(node.ins) == 1:
-        try:
-          (s,) = rule.rotate(node, [Lin(frozenset({d}))], level)
-        except Block as err:
-          raise Block(f"{err}" + where) from err
-        frontier.append((node.outs[0], next(iter(s.dims))))
       else:
-        raise Block(f"`{node.prim.name}` reads it, which is not a contraction over the "
-                    "normalized dim" + where)
+        ins = [None] * len(node.ins)
+        ins[k] = Lin(frozenset({d}))
+        try:
+          outs = rule.rotate(node, ins, level)
+        except Block as err:
+          raise Block(f"`{node.prim.name}` reads it, which is not a contraction over the "
+                      "normalized dim" + where) from err
+        for o, st in zip(node.outs, outs):
+          if st is not None:
+            if not isinstance(st, Lin) or len(st.dims) != 1:
+              raise Block(f"`{node.prim.name}` reads it" + where)
+            frontier.append((o, next(iter(st.dims))))
   if not out:
     raise Block("no contraction reads it")
+  # What each contraction reads is still γ ⊙ K' + β along its contracted dim
+  # (exact canonical forms), so diag(γ)·W and β·W are what it sees.
+  stops = {r.node.ins[1 - r.w_side] for r in out}
+  rests = []
+  for r in out:
+    u = r.node.ins[1 - r.w_side]
+    form = _form(level, u)
+    if form is None or form[0] != (aff.gamma, r.y_dim) or (
+        form[1] is not None) != (aff.beta is not None) or (
+        form[1] is not None and form[1] != (aff.beta, r.y_dim)):
+      raise Block(f"the operand of the contraction is not γ ⊙ K + β [at {r.node.where()}]")
+    rests.append(form[2])
+  leaves = [aff.gamma] + ([aff.beta] if aff.beta is not None else [])
+  if not _free_of(level, leaves, stops, rests):
+    raise Block("γ or β is also used elsewhere")
   return out
 
 
