@@ -15,8 +15,10 @@ from jaxfold._src.integrity import IntegrityError
 from jaxfold._src.report import Centering, Report, Site
 from jaxfold._src.serialization import load_fold, save_fold
 from jaxfold._src.affine import Fused, FusedParams, FuseError, FuseReport, fuse_affine
+from jaxfold._src.rotate import Rotated, RotateReport, rotate
 
 __all__ = ["fold", "cbwc", "Folded", "FoldedParams", "FoldOptions", "Reparameterized", "FoldError", "Report", "Site",
            "Centering", "export", "load_exported", "save_fold", "load_fold", "IntegrityError"]
-__all__ += ["fuse_affine", "Fused", "FusedParams", "FuseError", "FuseReport"]
+__all__ += ["fuse_affine", "Fused", "FusedParams", "FuseError", "FuseReport", "rotate", "Rotated",
+            "RotateReport"]
 __version__ = "0.1.0"

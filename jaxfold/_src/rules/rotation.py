@@ -45,8 +45,10 @@ class Want(Block):
     self.operand, self.dims = operand, frozenset(dims)
 
 
-def _full(node, k) -> bool:
-  return tuple(node.ins[k].shape) == tuple(node.outs[0].shape)
+def _fits(node, k, dims) -> bool:
+  """Operand ``k`` spans the output's ``dims`` (it may be broadcast along others)."""
+  a, out = tuple(node.ins[k].shape), tuple(node.outs[0].shape)
+  return len(a) == len(out) and all(a[d] == out[d] for d in dims)
 
 
 def _zero(ctx, a) -> bool:
@@ -75,12 +77,13 @@ def _sum(node, ins, ctx):
   if len(states) != 1:
     raise Block(f"`{node.prim.name}` of values rotated differently")
   (state,) = states
+  dims = _dims_of(state)
   for k, s in enumerate(ins):
-    if s is not None and not _full(node, k):
-      raise Block(f"a rotated operand of `{node.prim.name}` is broadcast")
+    if s is not None and not _fits(node, k, dims):
+      raise Block(f"a rotated operand of `{node.prim.name}` is broadcast along the rotated dim")
   for k, s in enumerate(ins):
     if s is None and not _zero(ctx, node.ins[k]):
-      if isinstance(state, Lin) and _full(node, k):
+      if isinstance(state, Lin) and _fits(node, k, dims):
         raise Want(k, state.dims, f"`{node.prim.name}` adds an unrotated value to the rotated "
                                   "stream")
       raise Block(f"`{node.prim.name}` adds an unrotated value to a rotated one")
@@ -96,20 +99,21 @@ def _mul(node, ins, ctx):
   out_shape = node.outs[0].shape
   if len(rot) == 2:
     (_, a), (_, b) = rot
-    if (isinstance(a, Lin) and a == b and len(a.dims) == 1 and _full(node, 0) and _full(node, 1)):
+    if (isinstance(a, Lin) and a == b and len(a.dims) == 1 and _fits(node, 0, a.dims)
+        and _fits(node, 1, a.dims)):
       return [Quad(next(iter(a.dims)))]
     raise Block("a product of two rotated values that is not a sum of squares")
   (k, s), = rot
   other = node.ins[1 - k]
-  if not _full(node, k):
-    raise Block("a rotated operand of `mul` is broadcast")
+  if not _fits(node, k, _dims_of(s)):
+    raise Block("a rotated operand of `mul` is broadcast along the rotated dim")
   if not ctx.constant_along(other, _dims_of(s), out_shape):
     raise Block("a rotated value is multiplied by a factor that varies along the rotated dim")
   return [s]
 
 
 def _div(node, ins, ctx):
-  if ins[1] is not None or not _full(node, 0):
+  if ins[1] is not None or not _fits(node, 0, _dims_of(ins[0])):
     raise Block("a division by a rotated value")
   if not ctx.constant_along(node.ins[1], _dims_of(ins[0]), node.outs[0].shape):
     raise Block("a rotated value is divided by a value that varies along the rotated dim")
@@ -134,7 +138,7 @@ def _select(node, ins, ctx):
   for k in range(1, len(ins)):
     if ins[k] is None and not _zero(ctx, node.ins[k]):
       raise Block("a select between a rotated and an unrotated value")
-    if ins[k] is not None and not _full(node, k):
+    if ins[k] is not None and not _fits(node, k, _dims_of(state)):
       raise Block("a rotated case of a select is broadcast")
   if not ctx.constant_along(node.ins[0], _dims_of(state), node.outs[0].shape):
     raise Block("a select whose predicate varies along the rotated dim")

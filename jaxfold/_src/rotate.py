@@ -1,0 +1,264 @@
+"""``jaxfold.rotate``: an orthogonal change of basis of the residual stream, proved exact.
+
+Every parameter that touches the stream is replaced by ``p ×_d Q`` along its
+stream dim d: writers (output projections, embeddings, position tables,
+biases) and readers (input projections, heads; ``(xQ)·(Qᵀ W) = x·W``). The
+program is unchanged. The proof follows the rotation forwards through the
+traced program with the rules' ``rotate`` facets (``rules.rotation``): every
+value is unchanged, rotated (``Lin``) or a sum of squares of rotated values
+(``Quad``, unchanged once summed: the parameter-free RMS norm), and no output
+may be anything but unchanged. Which parameters to rotate is proposed by the
+zero-sum analysis (what writes each norm's input) and completed where a
+facet asks for a rotated operand (``Want``); the forward pass alone decides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfold._src import algebra as A
+from jaxfold._src.affine import FuseError, _abstract, _factor_leaf, _leaf_of, _signature
+from jaxfold._src.analysis import Analyzer, Level, LeafNeed
+from jaxfold._src.program import Program, Val
+from jaxfold._src.rules import Block, rule_for
+from jaxfold._src.rules.rotation import Lin, Quad, Want
+
+
+@dataclasses.dataclass(frozen=True)
+class RotateReport:
+  """What ``rotate`` changed: ``rotated`` is ``((leaf name, dims), ...)``."""
+  rotated: tuple
+  norms: int            # parameter-free norms whose input is the rotated stream
+  size: int
+
+  def __str__(self) -> str:
+    lines = [f"rotated the residual stream (d={self.size}) through {self.norms} norm(s); "
+             f"{len(self.rotated)} parameters rotated:"]
+    lines += [f"  {name} along dim {', '.join(map(str, dims))}" for name, dims in self.rotated]
+    return "\n".join(lines)
+
+
+class Rotated(NamedTuple):
+  """Result of :func:`rotate`: ``apply_fn(params, *args)`` computes the original."""
+  params: Any
+  apply_fn: Callable
+  report: RotateReport
+
+  @property
+  def stream_axes(self) -> dict:
+    """``{leaf name: dims}``: where each rotated parameter meets the stream."""
+    return dict(self.report.rotated)
+
+
+# ----------------------------------------------------------------------------
+# The proof.
+
+
+def _norm_inputs(level: Level, n: int) -> list:
+  """``(x, axis)`` for every sum over an axis of size n of what the rotation
+  facets show to be a sum of squares of ``x`` (the RMS of ``x``)."""
+  out = []
+  for node in level.program.nodes:
+    if rule_for(node.prim).name != "reduce_sum" or len(node.params["axes"]) != 1:
+      continue
+    v = node.ins[0]
+    axis = node.params["axes"][0]
+    if not isinstance(v, Val) or v.producer is None or v.shape[axis] != n:
+      continue
+    pn = v.producer
+    for x in {a for a in pn.ins if isinstance(a, Val) and a.shape == v.shape}:
+      lin = Lin(frozenset({axis}))
+      try:
+        outs = rule_for(pn.prim).rotate(pn, [lin if a is x else None for a in pn.ins], level)
+      except Block:
+        continue
+      if outs[v.index] == Quad(axis):
+        out.append((x, axis))
+        break
+  return out
+
+
+def _leaf_dims(level: Level, a: Any, dims: frozenset) -> Optional[tuple]:
+  """(leaf index, leaf dims) when ``a`` is a view of a parameter in which
+  each of ``dims`` reads one whole parameter dim, untouched by the others."""
+  e = level.canon(a)
+  if len(e.terms) != 1:
+    return None
+  (m, c), = e.terms.items()
+  if c != 1 or len(m) != 1:
+    return None
+  lv = _factor_leaf(m[0], level)
+  if lv is None:
+    return None
+  i, view = lv
+  src = view.src
+  lstrides = [int(np.prod(src[k + 1:])) for k in range(len(src))]
+  out = []
+  for d in dims:
+    match = [k for k in range(len(src)) if src[k] == a.shape[d] and src[k] > 1
+             and view.strides[d] == lstrides[k]]
+    if len(match) != 1:
+      return None
+    k = match[0]
+    ls, nk = lstrides[k], src[k]
+    if (view.offset // ls) % nk:
+      return None
+    for j, s in enumerate(view.strides):
+      if j == d or s == 0:
+        continue
+      inner = abs(s) * (a.shape[j] - 1) + view.offset % ls < ls
+      if not (abs(s) % (ls * nk) == 0 or inner):
+        return None
+    out.append(k)
+  return i, frozenset(out)
+
+
+def _propagate(level: Level, seeds: dict):
+  """Forward states from rotated parameters: None, or (Want, node) / reason."""
+  prog = level.program
+  states = {prog.invars[i]: Lin(frozenset(d)) for i, d in seeds.items()}
+  for v in states:
+    if v in prog.output_positions:
+      return f"a rotated parameter is a program output"
+  for node in prog.nodes:
+    ins = [states.get(a) if isinstance(a, Val) else None for a in node.ins]
+    if all(s is None for s in ins):
+      continue
+    try:
+      outs = rule_for(node.prim).rotate(node, ins, level)
+    except Want as w:
+      return (w, node)
+    except Block as err:
+      return f"{err} [at {node.where()}]"
+    for o, s in zip(node.outs, outs):
+      if s is None:
+        continue
+      if o in prog.output_positions:
+        return f"the rotation reaches program output #{prog.output_positions[o][0]} [from {node.where()}]"
+      states[o] = s
+  return states
+
+
+def _solve(fn: Callable, params: Any, args: tuple, n: int):
+  """``(leaf dims, norms, names)`` of a proven rotation, or raises FuseError."""
+  closed = jax.make_jaxpr(fn)(params, *args)
+  paths = jax.tree_util.tree_flatten_with_path(params)[0]
+  names = [jax.tree_util.keystr(p) for p, _ in paths]
+  with A.scope():
+    an = Analyzer(Program(closed))
+    an.num_leaves = len(names)
+    level = an.top
+    sites = _norm_inputs(level, n)
+    if not sites:
+      raise FuseError(f"no sum of squares over an axis of size {n} (a parameter-free RMS norm "
+                      "of the stream): nothing to rotate; fuse_affine the folded model first")
+    seeds: dict = {}
+    for x, axis in sites:  # proposal: what writes each norm's input
+      for need in level.needs(x, ((axis, n),)):
+        if isinstance(need, LeafNeed):
+          i = _leaf_of(need.var, level)
+          spec = dict(need.spec)
+          if i is not None and len(spec) == 1 and all(
+              b == need.var.shape[d] == n for d, b in spec.items()):
+            seeds.setdefault(i, set()).update(spec)
+    for _ in range(4 * len(names) + 4):
+      res = _propagate(level, {i: frozenset(d) for i, d in seeds.items()})
+      if isinstance(res, dict):
+        break
+      if isinstance(res, str):
+        raise FuseError(f"the rotation is not provably exact: {res}")
+      want, node = res
+      a = node.ins[want.operand]
+      hit = _leaf_dims(level, a, want.dims)
+      if hit is None:
+        raise FuseError(f"the rotation is not provably exact: {want} and the value is not a "
+                        f"parameter [at {node.where()}]")
+      i, dims = hit
+      if i in seeds and seeds[i] != set(dims):
+        raise FuseError(f"{names[i]} would have to be rotated along dims {sorted(seeds[i])} "
+                        f"and {sorted(dims)} [at {node.where()}]")
+      seeds[i] = set(dims)
+    else:
+      raise FuseError("the rotation did not settle on a set of parameters")
+    norms = sum(1 for x, axis in sites if res.get(x) == Lin(frozenset({axis})))
+    if not norms:
+      raise FuseError("no norm reads the rotated stream")
+  return tuple(sorted((i, tuple(sorted(d))) for i, d in seeds.items())), norms, names
+
+
+def _apply(x, dims: tuple, q: np.ndarray):
+  y = np.asarray(x, np.float64)
+  for d in dims:
+    y = np.moveaxis(np.tensordot(y, q, axes=([d], [0])), -1, d)
+  return jnp.asarray(y.astype(x.dtype))
+
+
+class RotatedApply:
+  """The model's apply function, re-proving the rotation per input signature."""
+
+  def __init__(self, fn: Callable, params_abstract: Any, key: tuple, n: int, args: tuple):
+    self._fn, self._params, self._key, self._n = fn, params_abstract, key, n
+    self._seen = {_signature(args)}
+    self.example_args = args
+    functools.update_wrapper(self, fn, updated=())
+
+  def __call__(self, params, *args):
+    sig = _signature(args)
+    if sig not in self._seen:
+      key, _, _ = _solve(self._fn, self._params, jax.tree_util.tree_map(_abstract, args), self._n)
+      if key != self._key:
+        raise FuseError("inputs of these shapes rotate different parameters; call rotate again")
+      self._seen.add(sig)
+    return self._fn(params, *args)
+
+
+def rotate(model: Any, q: Any, *example_args: Any) -> Rotated:
+  """Rotates the residual stream of a fused model by an orthogonal ``q`` (d×d).
+
+  Every parameter meeting the stream becomes ``p ×_d q`` along its stream dim
+  (writers' outputs, readers' inputs, embeddings, position tables, heads);
+  the program is unchanged. Exactness is proved on the traced program:
+  everything touching the stream must be a contraction, a sum, a
+  re-indexing, or a parameter-free RMS norm over the rotated axis — so fold
+  and ``fuse_affine`` first. Raises ``FuseError`` with the reason otherwise.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, flax.linen as nn, jaxfold
+    >>> m = nn.Sequential([nn.Dense(8), nn.LayerNorm(), nn.Dense(3)])
+    >>> x = jnp.ones((2, 4)); p = m.init(jax.random.PRNGKey(0), x)
+    >>> fused = jaxfold.fuse_affine(jaxfold.fold(p, m.apply, x))
+    >>> q = np.linalg.qr(np.random.default_rng(0).normal(size=(8, 8)))[0]
+    >>> r = jaxfold.rotate(fused, q)
+    >>> bool(jnp.allclose(r.apply_fn(r.params, x), m.apply(p, x), atol=1e-5))
+    True
+  """
+  params, fn = getattr(model, "params", None), getattr(model, "apply_fn", None)
+  if params is None or not callable(fn):
+    raise FuseError(f"rotate takes a model with params and apply_fn (jaxfold.Fused), got "
+                    f"{type(model).__name__}")
+  q = np.asarray(q, np.float64)
+  if q.ndim != 2 or q.shape[0] != q.shape[1]:
+    raise FuseError(f"q must be a square matrix, got shape {q.shape}")
+  if not np.allclose(q.T @ q, np.eye(len(q)), atol=1e-6):
+    err = np.abs(q.T @ q - np.eye(len(q))).max()
+    raise FuseError(f"q is not orthogonal (max |qᵀq - I| = {err:.2e}); an RMS norm commutes "
+                    "only with orthogonal maps")
+  if not example_args:
+    example_args = getattr(fn, "example_args", None)
+    if example_args is None:
+      raise FuseError("pass example_args: the model's apply_fn does not record them")
+  args = tuple(jax.tree_util.tree_map(_abstract, tuple(example_args)))
+  abstract = jax.tree_util.tree_map(_abstract, params)
+  key, norms, names = _solve(fn, abstract, args, len(q))
+  leaves, tree = jax.tree_util.tree_flatten(params)
+  dims = dict(key)
+  new = [_apply(x, dims[i], q) if i in dims else x for i, x in enumerate(leaves)]
+  report = RotateReport(tuple((names[i], d) for i, d in key), norms, len(q))
+  apply = RotatedApply(fn, abstract, key, len(q), args)
+  return Rotated(jax.tree_util.tree_unflatten(tree, new), apply, report)
