@@ -177,8 +177,9 @@ def _solve(fn: Callable, params: Any, args: tuple, n: int):
       a = node.ins[want.operand]
       hit = _leaf_dims(level, a, want.dims)
       if hit is None:
-        raise FuseError(f"the rotation is not provably exact: {want} and the value is not a "
-                        f"parameter [at {node.where()}]")
+        src = f"the output of `{a.producer.prim.name}`" if getattr(a, "producer", None) else "it"
+        raise FuseError(f"the rotation is not provably exact: {want} and {src} is not a "
+                        f"parameter seen through re-indexing [at {node.where()}]")
       i, dims = hit
       if i in seeds and seeds[i] != set(dims):
         raise FuseError(f"{names[i]} would have to be rotated along dims {sorted(seeds[i])} "

@@ -1,0 +1,132 @@
+"""jaxfold.rotate: an orthogonal change of basis of a fused model's residual stream.
+
+Float64, random γ, β and biases folded in; the rotated model must equal the
+original at two input shapes for random orthogonal and Hadamard Q, with the
+parameters really changed. Anything that does not commute with a rotation is
+refused with the reason.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxfold
+from conftest import randomize, rel_err
+from zoo_fused import ZOO, ZOO_TOL, errors, fused, inputs, original
+
+D = 16
+
+
+def random_orthogonal(n, seed=0):
+  q, r = np.linalg.qr(np.random.default_rng(seed).normal(size=(n, n)))
+  return q * np.sign(np.diag(r))
+
+
+def hadamard(n):
+  h = np.ones((1, 1))
+  while len(h) < n:
+    h = np.block([[h, h], [h, -h]])
+  return h / np.sqrt(n)
+
+
+Q = {"orthogonal": random_orthogonal, "hadamard": hadamard}
+
+
+@pytest.mark.parametrize("name, qname", [(n, q) for n in ZOO for q in sorted(Q)])
+def test_zoo_rotated_equals_original(x64, name, qname):
+  _, fu = fused(name)
+  r = jaxfold.rotate(fu, Q[qname](32))
+  assert r.report.norms == len(fu.report.sites)
+  # The program is the fused one (rotate changes parameters only): reuse its compile.
+  assert max(errors(name, r, fu.apply_fn)) < ZOO_TOL
+  before = jax.tree_util.tree_leaves(fu.params)
+  after = jax.tree_util.tree_leaves(r.params)
+  changed = sum(not np.allclose(a, b) for a, b in zip(before, after))
+  assert changed == len(r.report.rotated) > 4
+
+
+def _fused(module, *xs, **kw):
+  p = randomize(jax.tree_util.tree_map(lambda x: x.astype(jnp.float64),
+                                       module.init(jax.random.PRNGKey(0), *xs)))
+  return p, jaxfold.fuse_affine(jaxfold.fold(p, module.apply, *xs, **kw))
+
+
+def _x(*shape, seed=1):
+  return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float64)
+
+
+class PreLN(nn.Module):
+  @nn.compact
+  def __call__(self, tokens):
+    emb = self.param("emb", nn.initializers.normal(), (11, D))
+    pos = self.param("pos", nn.initializers.normal(), (tokens.shape[1], D))
+    h = emb[tokens] + pos
+    for _ in range(2):
+      h = h + nn.Dense(D)(nn.gelu(nn.Dense(2 * D)(nn.LayerNorm()(h))))
+    return nn.Dense(7)(nn.LayerNorm()(h))
+
+
+def test_writers_readers_embeddings_positions(x64):
+  tokens = jnp.arange(12).reshape(2, 6) % 11
+  p, fu = _fused(PreLN(), tokens)
+  r = jaxfold.rotate(fu, random_orthogonal(D, 3))
+  assert rel_err(PreLN().apply(p, tokens), r.apply_fn(r.params, tokens)) < 1e-9
+  names = " ".join(n for n, _ in r.report.rotated)
+  assert "emb" in names and "pos" in names and r.report.norms == 3
+
+
+def test_other_input_shapes_are_reproved(x64):
+  p, fu = _fused(PreLN(), jnp.zeros((2, 6), jnp.int32))
+  r = jaxfold.rotate(fu, hadamard(D))
+  tokens = jnp.arange(15).reshape(3, 5) % 11
+  with pytest.raises(Exception):   # positions are a (6, D) table: shape 5 is not this model
+    r.apply_fn(r.params, tokens)
+  tokens = jnp.arange(18).reshape(3, 6) % 11
+  assert rel_err(PreLN().apply(p, tokens), r.apply_fn(r.params, tokens)) < 1e-9
+
+
+def test_not_orthogonal_refused(x64):
+  _, fu = _fused(PreLN(), jnp.zeros((2, 6), jnp.int32))
+  with pytest.raises(jaxfold.FuseError, match="not orthogonal"):
+    jaxfold.rotate(fu, 2 * np.eye(D))
+
+
+def test_norm_with_gamma_refused(x64):
+  tokens = jnp.zeros((2, 6), jnp.int32)
+  p = PreLN().init(jax.random.PRNGKey(0), tokens)
+  folded = jaxfold.fold(p, PreLN().apply, tokens)          # γ, β still in the norms
+  with pytest.raises(jaxfold.FuseError, match="varies along the rotated dim|unrotated"):
+    jaxfold.rotate(folded, random_orthogonal(D))
+
+
+class Nonlinear(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(D)(x)
+    h = h + nn.gelu(h)                                     # the stream itself passes a gelu
+    return nn.Dense(3)(nn.LayerNorm()(h))
+
+
+class NoFinalNorm(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(D)(x)
+    return h + nn.Dense(D)(nn.LayerNorm()(h))              # the stream is the output
+
+
+@pytest.mark.parametrize("module", [Nonlinear(), NoFinalNorm()])
+def test_refused_with_reason(x64, module):
+  _, fu = _fused(module, _x(3, 4))
+  with pytest.raises(jaxfold.FuseError, match="not provably exact"):
+    jaxfold.rotate(fu, random_orthogonal(D))
+
+
+def test_auxiliary_centering_refused(x64):
+  # fold's auxiliary centering of the tied GPT-2 embedding subtracts a mean
+  # over the stream dim, which no rotation commutes with.
+  apply, p = original("gpt2-tiny")
+  fu = jaxfold.fuse_affine(jaxfold.fold(p, apply, *inputs("gpt2-tiny", 2, 8)))
+  with pytest.raises(jaxfold.FuseError, match="not provably exact"):
+    jaxfold.rotate(fu, hadamard(32))
