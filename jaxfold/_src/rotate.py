@@ -109,12 +109,15 @@ def _leaf_dims(level: Level, a: Any, dims: frozenset) -> Optional[tuple]:
     ls, nk = lstrides[k], src[k]
     if (view.offset // ls) % nk:
       return None
+    inner = view.offset % ls
     for j, s in enumerate(view.strides):
-      if j == d or s == 0:
+      if j == d or s == 0 or abs(s) % (ls * nk) == 0:
         continue
-      inner = abs(s) * (a.shape[j] - 1) + view.offset % ls < ls
-      if not (abs(s) % (ls * nk) == 0 or inner):
+      if s < 0:
         return None
+      inner += s * (a.shape[j] - 1)
+    if inner >= ls:  # the other dims' offsets would carry into dim k
+      return None
     out.append(k)
   return i, frozenset(out)
 
