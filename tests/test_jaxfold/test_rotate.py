@@ -130,3 +130,19 @@ def test_auxiliary_centering_refused(x64):
   fu = jaxfold.fuse_affine(jaxfold.fold(p, apply, *inputs("gpt2-tiny", 2, 8)))
   with pytest.raises(jaxfold.FuseError, match="not provably exact"):
     jaxfold.rotate(fu, hadamard(32))
+
+
+@pytest.mark.slow
+def test_example_smoke(tmp_path):
+  pytest.importorskip("matplotlib")
+  import importlib.util, os, sys
+  path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "slice_rotate.py")
+  spec = importlib.util.spec_from_file_location("_example_slice_rotate", path)
+  mod = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = mod
+  spec.loader.exec_module(mod)
+  res = mod.main(["--smoke", "--out", str(tmp_path)])
+  assert (tmp_path / "slice_rotate.png").stat().st_size > 1000
+  for k in ("loss_fused", "loss_rotated[PCA]", "loss_rotated[Hadamard]"):
+    assert abs(res[k] - res["loss"]) < 1e-4 * res["loss"]
+  assert res["slicing"]["PCA"][0] == pytest.approx(res["loss"], rel=1e-4)
