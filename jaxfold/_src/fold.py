@@ -365,7 +365,7 @@ def _refuse_traced(params: Any) -> None:
 
 def fold(params: Any, apply_fn: Callable, *example_args: Any,
          auxiliary_centering: bool = True, tied_weights: str = "auto",
-         norm_impl: str = "auto") -> Folded:
+         norm_impl: str = "auto", fuse_affine: bool = False) -> Folded:
   """Folds every provably foldable LayerNorm/GroupNorm of ``apply_fn`` into an RMSNorm.
 
   Args:
@@ -386,9 +386,11 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
       GPUs where ``pallas_kernels.choose`` expects it to beat XLA, XLA's
       expression elsewhere), ``"xla"``, ``"pallas"`` (force the kernel) or
       ``"interpret"`` (the kernel in Pallas interpret mode, for CPU tests).
+    fuse_affine: also move the folded norms' γ and β into the layers that
+      read them (``jaxfold.fuse_affine`` of the fold; returns its ``Fused``).
 
   Returns:
-    ``Folded(params, apply_fn, report)``.
+    ``Folded(params, apply_fn, report)`` (``Fused`` with ``fuse_affine``).
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxfold
@@ -417,6 +419,9 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
   new_params = FoldedParams(new_params, extras)
   abstract = jax.tree_util.tree_map(_abstract, params)
   fn = FoldedApply(apply_fn, abstract, tree, opts, an, _signature(example_args), False)
+  if fuse_affine:
+    from jaxfold._src.affine import fuse_affine as fuse  # noqa: PLC0415 - composes after the fold
+    return fuse(Folded(new_params, fn, an.report))
   return Folded(new_params, fn, an.report)
 
 

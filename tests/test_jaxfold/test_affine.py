@@ -145,3 +145,11 @@ def test_post_ln_bert_refused(x64):
   assert fu.report.num_fused == 0 and len(fu.report.sites) == 5
   assert all("not fused" in s.reason for s in fu.report.sites)
   assert max(errors("bert-tiny", fu)) < ZOO_TOL
+
+
+def test_fold_flag_is_the_composition(x64):
+  x = _x(3, 7, 4)
+  p = randomize(f64(PreLN().init(jax.random.PRNGKey(0), x)))
+  fu = jaxfold.fold(p, PreLN().apply, x, fuse_affine=True)
+  assert isinstance(fu, jaxfold.Fused) and fu.report.num_fused == 2
+  assert rel_err(PreLN().apply(p, x), fu.apply_fn(fu.params, x)) < 1e-9

@@ -146,3 +146,72 @@ def test_example_smoke(tmp_path):
   for k in ("loss_fused", "loss_rotated[PCA]", "loss_rotated[Hadamard]"):
     assert abs(res[k] - res["loss"]) < 1e-4 * res["loss"]
   assert res["slicing"]["PCA"][0] == pytest.approx(res["loss"], rel=1e-4)
+
+
+class _Model:
+  """A bare (params, apply_fn) model: rotate accepts any, given example args."""
+
+  def __init__(self, params, apply_fn):
+    self.params, self.apply_fn = params, apply_fn
+
+
+def _rms(h):
+  return h * jax.lax.rsqrt(jnp.mean(jnp.square(h), -1, keepdims=True) + 1e-6)
+
+
+STREAM_OPS = {
+    "neg-sub": lambda h: h - (-h) * 0.5,
+    "select per token": lambda h: jnp.where((jnp.arange(h.shape[1]) % 2 == 0)[None, :, None], h, 2 * h),
+    "split-concat seq": lambda h: jnp.concatenate(jnp.split(h, 2, axis=1)[::-1], axis=1),
+    "slice seq": lambda h: h[:, 1:],
+    "dynamic_slice seq": lambda h: jax.lax.dynamic_slice_in_dim(h, 1, 2, axis=1),
+    "transpose": lambda h: jnp.swapaxes(h, 0, 1),
+    "reshape merge batch": lambda h: h.reshape(-1, D)[None],
+    "expand-squeeze": lambda h: jnp.squeeze(h[:, :, None, :], 2),
+    "per-token scale": lambda h: h * jnp.linspace(1, 2, h.shape[1])[None, :, None],
+    "divide per token": lambda h: h / (1 + jnp.arange(h.shape[1]))[None, :, None],
+}
+REFUSED_OPS = {
+    "reverse d": lambda h: h[..., ::-1],
+    "cumsum d": lambda h: jnp.cumsum(h, -1),
+    "scale along d": lambda h: h * jnp.linspace(1, 2, D),
+    "relu": jax.nn.relu,
+    "mean over d": lambda h: h - h.mean(-1, keepdims=True),
+}
+
+
+def _stream_model(op):
+  r = np.random.default_rng(0)
+  params = {"w_in": jnp.asarray(r.normal(size=(5, D))), "b": jnp.asarray(r.normal(size=(D,))),
+            "w_out": jnp.asarray(r.normal(size=(D, 3)))}
+
+  def apply(p, x):
+    h = x @ p["w_in"] + p["b"]
+    h = op(h)
+    return _rms(h) @ p["w_out"]
+  return _Model(params, apply)
+
+
+@pytest.mark.parametrize("name", sorted(STREAM_OPS))
+def test_rotation_facets_are_exact(x64, name):
+  m = _stream_model(STREAM_OPS[name])
+  x = _x(2, 4, 5)
+  r = jaxfold.rotate(m, random_orthogonal(D, 7), x)
+  assert {n for n, _ in r.report.rotated} == {"['w_in']", "['b']", "['w_out']"}
+  assert rel_err(m.apply_fn(m.params, x), r.apply_fn(r.params, x)) < 1e-12
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED_OPS))
+def test_rotation_refused_where_it_does_not_commute(x64, name):
+  m = _stream_model(REFUSED_OPS[name])
+  with pytest.raises(jaxfold.FuseError):
+    jaxfold.rotate(m, random_orthogonal(D, 7), _x(2, 4, 5))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt-j-tiny"])
+def test_more_zoo_models(x64, name):
+  folded, fu = fused(name)
+  assert fu.report.num_fused == folded.report.num_folded and max(errors(name, fu)) < ZOO_TOL
+  r = jaxfold.rotate(fu, hadamard(32))
+  assert max(errors(name, r, fu.apply_fn)) < ZOO_TOL
