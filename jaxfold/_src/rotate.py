@@ -128,7 +128,7 @@ def _propagate(level: Level, seeds: dict):
   states = {prog.invars[i]: Lin(frozenset(d)) for i, d in seeds.items()}
   for v in states:
     if v in prog.output_positions:
-      return f"a rotated parameter is a program output"
+      return "a rotated parameter is a program output"
   for node in prog.nodes:
     ins = [states.get(a) if isinstance(a, Val) else None for a in node.ins]
     if all(s is None for s in ins):

@@ -7,7 +7,6 @@ two input shapes. Sites whose output has another reader are refused, by name.
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jaxfold
@@ -137,8 +136,7 @@ def test_zoo_fused_equals_original(x64, name):
 
 
 def test_post_ln_bert_refused(x64):
-  from zoo_fused import original, inputs, shapes
-  import models
+  from zoo_fused import original, inputs
   apply, p = original("bert-tiny")
   folded = jaxfold.fold(p, apply, *inputs("bert-tiny", 2, 8))
   fu = jaxfold.fuse_affine(folded)
