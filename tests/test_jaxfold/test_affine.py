@@ -10,18 +10,14 @@ import jax.numpy as jnp
 import pytest
 
 import jaxfold
-from conftest import randomize, rel_err
-from zoo_fused import ZOO, ZOO_TOL, errors, fused
+from conftest import rel_err
+from zoo_fused import ZOO, ZOO_TOL, errors, fused, randomize_np
 
 D = 16
 
 
-def f64(tree):
-  return jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), tree)
-
-
 def _fuse(module, *xs, other=(), **kw):
-  p = randomize(f64(module.init(jax.random.PRNGKey(0), *xs)))
+  p = randomize_np(jax.eval_shape(module.init, jax.random.PRNGKey(0), *xs))
   fu = jaxfold.fuse_affine(jaxfold.fold(p, module.apply, *xs, **kw))
   for ys in [xs] + list(other):
     assert rel_err(module.apply(p, *ys), fu.apply_fn(fu.params, *ys)) < 1e-9
@@ -147,7 +143,7 @@ def test_post_ln_bert_refused(x64):
 
 def test_fold_flag_is_the_composition(x64):
   x = _x(3, 7, 4)
-  p = randomize(f64(PreLN().init(jax.random.PRNGKey(0), x)))
+  p = randomize_np(jax.eval_shape(PreLN().init, jax.random.PRNGKey(0), x))
   fu = jaxfold.fold(p, PreLN().apply, x, fuse_affine=True)
   assert isinstance(fu, jaxfold.Fused) and fu.report.num_fused == 2
   assert rel_err(PreLN().apply(p, x), fu.apply_fn(fu.params, x)) < 1e-9
