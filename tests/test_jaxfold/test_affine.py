@@ -147,3 +147,24 @@ def test_fold_flag_is_the_composition(x64):
   fu = jaxfold.fold(p, PreLN().apply, x, fuse_affine=True)
   assert isinstance(fu, jaxfold.Fused) and fu.report.num_fused == 2
   assert rel_err(PreLN().apply(p, x), fu.apply_fn(fu.params, x)) < 1e-9
+
+
+class Readers(nn.Module):
+  """DenseGeneral (kernel reshaped at use) and an einsum whose output is transposed."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(D)(x)
+    y = nn.LayerNorm()(h)
+    q = nn.DenseGeneral((4, D // 4))(y)
+    w = self.param("w", nn.initializers.normal(), (D, 5))
+    e = jnp.einsum("bsd,dk->bks", y, w)
+    h = h + nn.DenseGeneral(D, axis=(-2, -1))(q)
+    return nn.Dense(3)(nn.LayerNorm()(h)), e
+
+
+def test_dense_general_and_einsum_readers(x64):
+  x = _x(2, 5, 3)
+  _, fu = _fuse(Readers(), x, other=[(_x(3, 4, 3, seed=2),)])
+  assert fu.report.num_fused == 2
+  assert len(fu.report.sites[0].readers) == 2
