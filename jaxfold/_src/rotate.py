@@ -160,7 +160,8 @@ def _solve(fn: Callable, params: Any, args: tuple, n: int):
     sites = _norm_inputs(level, n)
     if not sites:
       raise FuseError(f"no sum of squares over an axis of size {n} (a parameter-free RMS norm "
-                      "of the stream): nothing to rotate; fuse_affine the folded model first")
+                      f"of a stream of width {n}): nothing to rotate; q must match the stream "
+                      "width, and the model must be folded and fused (jaxfold.fuse_affine)")
     seeds: dict = {}
     for x, axis in sites:  # proposal: what writes each norm's input
       for need in level.needs(x, ((axis, n),)):
