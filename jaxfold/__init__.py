@@ -6,6 +6,8 @@ Public API:
   export(folded, *example_args, meta=...) -> bytes; load_exported(bytes | path) -> callable
   save_fold(folded, directory); load_fold(directory, apply_fn)   (atomic; content-hashed)
   IntegrityError: a saved fold or an artifact is damaged, truncated or foreign
+  fuse_affine(folded) -> Fused(params, apply_fn, report)   (γ/β into the readers; or fold(..., fuse_affine=True))
+  rotate(fused, q) -> Rotated(params, apply_fn, report)     (orthogonal q on the residual stream)
   jaxfold.serving: the HTTP inference service behind `jaxfold serve` (needs the `serve` extra)
 """
 
