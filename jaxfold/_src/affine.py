@@ -142,12 +142,12 @@ def _leaf_of(v: Any, level: Level) -> Optional[int]:
 
 def _factor_leaf(fid: int, level: Level):
   """(leaf index, View) when the factor is a parameter or a view of one."""
-  f = A._FACTORS[fid]
+  f = A.factor(fid)
   if f.kind == "atom":
     i = _leaf_of(f.key, level)
     return (i, A.View.identity(f.shape)) if i is not None else None
   if f.kind == "view":
-    base = A._FACTORS[f.args[0]]
+    base = A.factor(f.args[0])
     if base.kind == "atom":
       i = _leaf_of(base.key, level)
       if i is not None:
@@ -175,7 +175,7 @@ def _mentions(e: A.Expr, banned: set, memo: dict) -> bool:
 def _factor_mentions(fid: int, banned: set, memo: dict) -> bool:
   if fid in memo:
     return memo[fid]
-  f = A._FACTORS[fid]
+  f = A.factor(fid)
   if f.kind == "atom":
     out = isinstance(f.key, Val) and f.key in banned
   elif f.kind == "view":
