@@ -7,6 +7,15 @@ outputs with the site's mean reductions set to zero and accepts one only if
 it *equals* the kernel's formula for some γ, β and the program's own ε
 (same ε placement, the same 1/n, no Bessel correction, no extra scale). Any
 other value keeps XLA's expression, with the reason in ``why_not``.
+
+The kernel reads the norm's *source*: the value before exact widenings (a
+bf16 stream converted to float32, perhaps twice, is read as the bf16 value;
+the kernel widens it itself). When that source is a residual add of two
+full-size operands (a pre-LN block's ``h = x + f(x)``), ``prove_fused_add``
+checks the add's canonical form is exactly ``a + b`` in one dtype, and the
+rewrite then runs ``pallas_kernels.add_rms_norm``: one kernel that writes the
+sum ``h`` (the same value: rounded once from a float32 sum, as the program's
+add) for every downstream use, and the normalized output.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from jaxfold._src.analysis import Site
 from jaxfold._src.program import Lit, Val
 
 IMPLS = ("auto", "xla", "pallas", "interpret")
+_KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 _MAX_DEPTH = 12
 
 
@@ -35,6 +45,89 @@ class Epilogue:
   beta: Any
   eps: float
   hidden: int
+  add_path: Optional[tuple] = None   # the residual add producing x, when fused
+
+
+def _precise(a, b) -> bool:
+  """dtype ``a`` represents every value of dtype ``b`` (float widening)."""
+  a, b = np.dtype(a), np.dtype(b)
+  if not (jnp.issubdtype(a, jnp.floating) and jnp.issubdtype(b, jnp.floating)):
+    return False
+  fa, fb = jnp.finfo(a), jnp.finfo(b)
+  return fa.nmant >= fb.nmant and fa.nexp >= fb.nexp
+
+
+def _same_value(level, node, shape) -> Optional[Val]:
+  """The one operand of ``node`` that its output equals exactly (its canonical
+  form is the operand's and the output dtype widens it), else None."""
+  if node is None or node.subs or len(node.ins) != 1 or len(node.outs) != 1:
+    return None
+  (u,), (o,) = node.ins, node.outs
+  if not isinstance(u, Val) or u.shape != shape or o.shape != shape:
+    return None
+  if not _precise(o.dtype, u.dtype):
+    return None
+  U = A.atom(("kernel-source", u), shape)
+  with A.scope(), level.assuming({u: U}):
+    try:
+      return u if level.canon(o) == U else None
+    except A.Unrepresentable:
+      return None
+
+
+def _source(level, x: Val) -> tuple:
+  """(source, aliases): the value ``x`` exactly widens, and every value of the
+  same level that is an exact widening of the source (source included)."""
+  shape = tuple(x.shape)
+  src = x
+  while (u := _same_value(level, src.producer, shape)) is not None:
+    src = u
+  aliases, todo = [src], [src]
+  while todo:
+    v = todo.pop()
+    for node, _ in level.program.consumers.get(v, ()):
+      if _same_value(level, node, shape) is v and node.outs[0] not in aliases:
+        aliases.append(node.outs[0])
+        todo.append(node.outs[0])
+  return src, tuple(aliases)
+
+
+def _kernel_input(aliases: tuple, out_dtype) -> Optional[Val]:
+  """The alias the kernel reads so its output dtype is the program's: the one
+  of the output's dtype, else the source when the output is no wider."""
+  for a in aliases:
+    if np.dtype(a.dtype) == np.dtype(out_dtype):
+      return a
+  return aliases[0] if _precise(aliases[0].dtype, out_dtype) else None
+
+
+def prove_fused_add(level, src: Val, out: Val) -> tuple:
+  """(add path or None, reason): ``src`` is exactly ``a + b`` of two full-size
+  operands of its dtype, computed in the same call nest as the norm's output
+  ``out``, whose dtype is no wider than the sum's (the fused kernel writes
+  the normalized value in the operands' dtype)."""
+  node = src.producer
+  shape = tuple(src.shape)
+  if node is None or node.subs or len(node.ins) != 2 or len(node.outs) != 1:
+    return None, "the norm's input is not produced by a two-operand equation"
+  a, b = node.ins
+  dt = np.dtype(src.dtype)
+  if not all(isinstance(o, Val) and o.shape == shape and np.dtype(o.dtype) == dt for o in (a, b)):
+    return None, "the add's operands are not two full-size values of the sum's dtype"
+  if not _precise(dt, out.dtype):
+    return None, f"the norm's output ({np.dtype(out.dtype).name}) is wider than the sum ({dt.name})"
+  if tuple(c.path for c in node.calls) != tuple(c.path for c in out.producer.calls):
+    return None, "the add and the norm's output are in different calls"
+  Ea = A.atom(("add-a", a), shape)
+  Eb = Ea if b is a else A.atom(("add-b", b), shape)
+  with A.scope(), level.assuming({a: Ea, b: Eb}):
+    try:
+      ok = level.canon(src) == A.add(Ea, Eb)
+    except A.Unrepresentable:
+      ok = False
+  if not ok:
+    return None, "the norm's input is not exactly the sum of two values"
+  return node.path, ""
 
 
 def _vector_param(fid: int, hidden: int, top) -> Optional[Val]:
@@ -119,36 +212,42 @@ def prove_epilogue(site: Site) -> tuple:
   output only when its canonical form equals the kernel's formula."""
   level = site.level
   top = level.an.top.program
-  x = site.input
-  shape = tuple(x.shape)
+  shape = tuple(site.input.shape)
   rank = len(shape)
   if level.program is not top:
     return None, "the norm is inside a loop body"
   if site.axes != (rank - 1,) or not all(isinstance(d, int) for d in shape):
     return None, "the kernel normalizes the last axis of a fixed shape only"
-  if np.dtype(x.dtype) not in (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16)):
-    return None, f"the kernel computes in float32, less precise than this norm's {np.dtype(x.dtype).name}"
+  x, aliases = _source(level, site.input)
   prog = level.program
   zero = {r.outs[0]: A.ZERO for r in site.reduces}
   X = A.atom(("kernel-x", x), shape)
-  best = None
+  best, why = None, ""
   with A.scope(), level.assuming({**zero, x: X}):
-    frontier = collections.deque([(x, 0)])
+    frontier = collections.deque([(a, 0) for a in aliases])
     seen = set()
     while frontier:
       v, d = frontier.popleft()
       if v in seen or d > _MAX_DEPTH:
         continue
       seen.add(v)
-      if v is not x and tuple(v.shape) == shape and v.producer is not None:
+      if v not in aliases and tuple(v.shape) == shape and v.producer is not None:
         try:
           C = level.canon(v)
           m = _match(C, X, shape, top)
           if m is not None:
             eps, gamma, beta, g_val, b_val = m
-            if C == _formula(X, shape, eps, gamma, beta):
-              best = Epilogue(v.producer.path, x.key, g_val.key if g_val else None,
+            inp = _kernel_input(aliases, v.dtype)
+            if inp is None:
+              why = (f"the norm's output ({np.dtype(v.dtype).name}) is wider than every value "
+                     "the kernel could read")
+            elif np.dtype(inp.dtype) not in _KERNEL_DTYPES:
+              why = (f"the kernel computes in float32, less precise than this norm's "
+                     f"{np.dtype(inp.dtype).name}")
+            elif C == _formula(X, shape, eps, gamma, beta):
+              best = Epilogue(v.producer.path, inp.key, g_val.key if g_val else None,
                               b_val.key if b_val else None, float(eps), shape[-1])
+              best_out = v
         except A.Unrepresentable:
           pass
       for node, _ in prog.consumers.get(v, ()):
@@ -158,8 +257,12 @@ def prove_epilogue(site: Site) -> tuple:
           for o in node.outs:
             frontier.append((o, d + 1))
   if best is None:
-    return None, ("no value after the norm equals x·rsqrt(Σx²/n + ε)·γ + β exactly (e.g. a "
-                  "Bessel-corrected or rescaled variance); XLA's expression is kept")
+    return None, why or ("no value after the norm equals x·rsqrt(Σx²/n + ε)·γ + β exactly (e.g. "
+                         "a Bessel-corrected or rescaled variance); XLA's expression is kept")
+  if best.x == x.key:
+    add_path, _ = prove_fused_add(level, x, best_out)
+    if add_path is not None:
+      best = dataclasses.replace(best, add_path=add_path)
   return best, ""
 
 
@@ -192,3 +295,13 @@ def run_kernel(ep: Epilogue, x, gamma, beta, out_aval, interpret: bool):
   bias = jnp.reshape(beta, (hidden,)) if beta is not None else None
   y = pallas_kernels.rms_norm(x, scale, bias, eps=ep.eps, interpret=interpret)
   return y.astype(out_aval.dtype)
+
+
+def run_fused(ep: Epilogue, a, b, gamma, beta, interpret: bool) -> tuple:
+  """(normalized, sum) of the fused residual add + RMSNorm kernel."""
+  import jax.numpy as jnp
+  import pallas_kernels
+  hidden = ep.hidden
+  scale = jnp.reshape(gamma, (hidden,)) if gamma is not None else jnp.ones((hidden,), a.dtype)
+  bias = jnp.reshape(beta, (hidden,)) if beta is not None else None
+  return pallas_kernels.add_rms_norm(a, b, scale, bias, eps=ep.eps, interpret=interpret)

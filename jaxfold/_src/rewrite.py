@@ -7,7 +7,7 @@ reductions yield a symbolic ``Zero`` that each primitive's rule simplifies
 away (``h - 0 = h``, ``0 * y = 0``), auxiliary centerings are inserted after
 the values the plan names, captured constants are centered, untied copies
 replace a parameter at one use, and proven epilogues run as the RMSNorm
-kernel. A call whose body the plan does not touch is bound unchanged, so
+kernel (fused with the residual add that feeds them where that is proved). A call whose body the plan does not touch is bound unchanged, so
 its custom differentiation rules are kept.
 """
 
@@ -40,7 +40,9 @@ class Plan:
     paths = set(self.zero) | {k[0] for k, _ in self.aux} | {k[0] for k, _ in self.consts}
     paths |= {u for u, *_ in self.untied}
     paths |= {k[0] for k, _ in self.biases}
-    paths |= {e.out_path for e in self.epilogues} if self.norm_impl != "xla" else set()
+    if self.norm_impl != "xla":
+      paths |= {e.out_path for e in self.epilogues}
+      paths |= {e.add_path for e in self.epilogues if e.add_path is not None}
     return frozenset(p[:i] for p in paths for i in range(len(p) + 1))
 
 
@@ -112,6 +114,8 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
   values = {} if values is None else values
   env: dict = {}
   kernels_at = {e.out_path: e for e in plan.epilogues} if plan.norm_impl != "xla" else {}
+  fused_at = {e.add_path: e for e in plan.epilogues
+              if e.add_path is not None and plan.norm_impl != "xla"}
   aux = dict(plan.aux)
   biases = dict(plan.biases)
   centered = dict(plan.consts)
@@ -149,6 +153,8 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
     outs = None
     if path in kernels_at:
       outs = _kernel(kernels_at[path], eqn, values, plan)
+    elif path in fused_at and (path, "out", 0) not in aux:
+      outs = _fused(fused_at[path], eqn, invals, values, plan)
     if outs is not None:
       pass
     elif path in plan.zero:
@@ -179,8 +185,33 @@ def _aux(x, spec):
   return layout.center(x, dict(spec))
 
 
+def _fused_key(ep) -> tuple:
+  return ("fused-normalized", ep.out_path)
+
+
+def _fused(ep, eqn, invals, values, plan):
+  """The residual add as the fused add+RMSNorm kernel: returns the sum (used
+  by every consumer of the add) and keeps the normalized value for the
+  norm's output equation; None keeps the add (the norm then runs alone)."""
+  from jaxfold._src import kernels
+  a, b = invals
+  if isinstance(a, Zero) or isinstance(b, Zero):
+    return None
+  interpret = kernels.use_kernel(plan.norm_impl, a.shape, a.dtype)
+  if interpret is None or any(k is not None and k not in values for k in (ep.gamma, ep.beta)):
+    return None
+  gamma = values[ep.gamma] if ep.gamma is not None else None
+  beta = values[ep.beta] if ep.beta is not None else None
+  y, h = kernels.run_fused(ep, a, b, gamma, beta, interpret)
+  values[_fused_key(ep)] = y
+  return [h]
+
+
 def _kernel(ep, eqn, values, plan):
   from jaxfold._src import kernels
+  y = values.pop(_fused_key(ep), None)
+  if y is not None:
+    return [y.astype(eqn.outvars[0].aval.dtype)]
   x = values.get(ep.x)
   if x is None or isinstance(x, Zero):
     return None
