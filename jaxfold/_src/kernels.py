@@ -114,6 +114,9 @@ def prove_fused_add(level, src: Val, out: Val) -> tuple:
   dt = np.dtype(src.dtype)
   if not all(isinstance(o, Val) and o.shape == shape and np.dtype(o.dtype) == dt for o in (a, b)):
     return None, "the add's operands are not two full-size values of the sum's dtype"
+  if any(shape[d] > 1 for o in (a, b) for d in level.constant_dims(o, shape)):
+    return None, ("an operand of the add is a broadcast: the kernel would read it materialized, "
+                  "so the add stays in XLA")
   if not _precise(dt, out.dtype):
     return None, f"the norm's output ({np.dtype(out.dtype).name}) is wider than the sum ({dt.name})"
   if tuple(c.path for c in node.calls) != tuple(c.path for c in out.producer.calls):

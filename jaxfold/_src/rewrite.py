@@ -170,6 +170,12 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
           invals = [v.materialize() if isinstance(v, Zero) else v for v in invals]
       if outs is None:
         outs = compat.bind_eqn(eqn, invals)
+        if kernels_at and compat.is_call(eqn):
+          # A kernel may read a value the program sees inside this untouched
+          # call (program.Program flattens calls): record it under that key.
+          for k, key in _call_out_keys(eqn, path):
+            if key is not None and key not in values:
+              values[key] = outs[k]
     for k, (v, val) in enumerate(zip(eqn.outvars, outs)):
       write(v, val, (path, "out", k))
   return [v.materialize() if isinstance(v, Zero) else v
@@ -178,6 +184,32 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
 
 def _materialize(x):
   return x.materialize() if isinstance(x, Zero) else x
+
+
+def _call_out_keys(eqn, path) -> list:
+  """(k, key) per output of a call equation: the key program.Program gives the
+  value it returns (an equation output inside the body, at any depth)."""
+  inner, _ = compat.open_jaxpr(compat.call_jaxpr_of(eqn))
+  made = {}
+  for j, e in enumerate(inner.eqns):
+    for k, v in enumerate(e.outvars):
+      made[v] = (e, path + (j,), k)
+  consts = {v: i for i, v in enumerate(compat.constvars(inner))}
+  out = []
+  for k, v in enumerate(inner.outvars):
+    if compat.is_literal(v):
+      out.append((k, None))
+    elif v in consts:
+      out.append((k, (path, "const", consts[v])))
+    elif v in made:
+      e, p, i = made[v]
+      if compat.is_call(e):
+        out.append((k, dict(_call_out_keys(e, p))[i]))
+      else:
+        out.append((k, (p, "out", i)))
+    else:
+      out.append((k, None))  # an input of the call: already recorded outside
+  return out
 
 
 def _aux(x, spec):

@@ -28,7 +28,11 @@ def test_kernel_is_used_at_folded_sites_and_matches_xla():
   ker = jaxfold.fold(p, m.apply, ids, norm_impl="interpret")
   assert xla.report.num_folded == 3
   assert len(ker.apply_fn.analysis_for((ids,)).plan.epilogues) == 3
-  assert "pallas_call" in str(jax.make_jaxpr(ker.apply_fn)(ker.params, ids))
+  # The embedding's norm reads a value made inside the lookup's jit call: the
+  # kernel runs there too (one launch per folded site), the two residual adds
+  # feeding the other norms run fused with them.
+  assert _kernel_calls(ker.apply_fn, ker.params, ids) == [
+      "rms_norm_fwd", "fused_add_rms_norm_fwd", "fused_add_rms_norm_fwd"]
   assert "pallas_call" not in str(jax.make_jaxpr(xla.apply_fn)(xla.params, ids))
   assert rel_err(xla.apply_fn(xla.params, ids), ker.apply_fn(ker.params, ids)) < 2e-6
   assert rel_err(m.apply(p, ids), ker.apply_fn(ker.params, ids)) < 2e-5
@@ -47,3 +51,148 @@ def test_bad_norm_impl_is_named():
   p = m.init(jax.random.PRNGKey(0), ids)
   with pytest.raises(jaxfold.FoldError, match="norm_impl"):
     jaxfold.fold(p, m.apply, ids, norm_impl="cuda")
+
+
+# --------------------------------------------------------------------------
+# Fused residual add + RMSNorm.
+
+
+def _epilogues(folded, *args):
+  return folded.apply_fn.analysis_for(tuple(args)).plan.epilogues
+
+
+def _kernel_calls(fn, *args, dtypes: bool = False) -> list:
+  """Names of the pallas_calls in fn's jaxpr, in order (nested jaxprs included),
+  with the dtype of the kernel's first input if ``dtypes``."""
+  names = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call":
+        info = eqn.params.get("name_and_src_info") or eqn.params.get("name")
+        name = str(getattr(info, "name", info))
+        names.append((name, str(eqn.invars[0].aval.dtype)) if dtypes else name)
+        continue
+      for v in eqn.params.values():
+        j = getattr(v, "jaxpr", v)
+        if hasattr(j, "eqns"):
+          walk(j)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return names
+
+
+class Residual(nn.Module):
+  """A pre-LN block; also returns differences of the sum's features (they
+  cancel the fold's shift, so the sum itself is observable)."""
+  hidden: int = 24
+  op: str = "add"
+  dtype: object = None
+
+  @nn.compact
+  def __call__(self, x):
+    a = nn.Dense(self.hidden, dtype=self.dtype)(x)
+    f = nn.Dense(self.hidden, dtype=self.dtype)(jnp.tanh(x))
+    h = a + f if self.op == "add" else a - f
+    y = nn.LayerNorm(epsilon=1e-5, dtype=self.dtype)(h)
+    d = h[..., : self.hidden // 2] - h[..., self.hidden // 2:]
+    return nn.Dense(5, dtype=self.dtype)(jnp.tanh(y)), d, 2.0 * d
+
+
+def _folds(m, x):
+  p = randomize(m.init(jax.random.PRNGKey(1), x), seed=3)
+  return p, jaxfold.fold(p, m.apply, x, norm_impl="interpret"), jaxfold.fold(p, m.apply, x, norm_impl="xla")
+
+
+def test_fused_sum_is_the_value_used_downstream():
+  m, x = Residual(), jax.random.normal(jax.random.PRNGKey(2), (3, 5, 16))
+  p, ker, xla = _folds(m, x)
+  (ep,) = _epilogues(ker, x)
+  assert ep.add_path is not None
+  assert _kernel_calls(ker.apply_fn, ker.params, x) == ["fused_add_rms_norm_fwd"]
+  out, d, d2 = ker.apply_fn(ker.params, x)
+  ref_out, ref_d, ref_d2 = xla.apply_fn(xla.params, x)
+  # The kernel's sum replaces the add for every consumer: the same float32 sum.
+  assert bool(jnp.array_equal(d, ref_d)) and bool(jnp.array_equal(d2, ref_d2))
+  assert rel_err(ref_out, out) < 2e-6
+  assert rel_err(m.apply(p, x), (out, d, d2)) < 2e-5
+
+
+def test_fused_kernel_gradients_match():
+  m, x = Residual(), jax.random.normal(jax.random.PRNGKey(2), (3, 5, 16))
+  p, ker, _ = _folds(m, x)
+  r = jaxfold.cbwc(p, m.apply, x)
+
+  def loss(fn, params):
+    out, d, _ = fn(params, x)
+    return jnp.sum(jnp.sin(out)) + jnp.sum(d * d) / 7
+
+  g_ker = jax.grad(lambda q: loss(ker.apply_fn, q))(ker.params)
+  g_xla = jax.grad(lambda q: loss(jaxfold.fold(p, m.apply, x, norm_impl="xla").apply_fn, q))(ker.params)
+  assert rel_err(g_xla, g_ker) < 5e-5
+  # And the original model's gradients, through CBWC (same function of p).
+  assert rel_err(jax.grad(lambda q: loss(m.apply, q))(p), jax.grad(lambda q: loss(r.apply_fn, q))(p)) < 5e-5
+
+
+def test_difference_is_not_fused():
+  m, x = Residual(op="sub"), jax.random.normal(jax.random.PRNGKey(2), (3, 5, 16))
+  p, ker, _ = _folds(m, x)
+  (ep,) = _epilogues(ker, x)
+  assert ep.add_path is None
+  assert _kernel_calls(ker.apply_fn, ker.params, x) == ["rms_norm_fwd"]
+  assert rel_err(m.apply(p, x), ker.apply_fn(ker.params, x)) < 2e-5
+
+
+class Broadcast(nn.Module):
+  explicit: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    pos = self.param("pos", nn.initializers.normal(1.0), (1,) + x.shape[1:])
+    h = nn.Dense(x.shape[-1])(x)
+    # A (1, T, d) operand, or its full-size broadcast: fusing would make XLA
+    # materialize the broadcast for the kernel, so the add stays in XLA.
+    h = jax.lax.add(h, jnp.broadcast_to(pos, h.shape)) if self.explicit else h + pos
+    return nn.LayerNorm()(h)
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_broadcast_add_is_not_fused(explicit):
+  m, x = Broadcast(explicit), jax.random.normal(jax.random.PRNGKey(2), (3, 5, 16))
+  p, ker, _ = _folds(m, x)
+  (ep,) = _epilogues(ker, x)
+  assert ep.add_path is None
+  assert rel_err(m.apply(p, x), ker.apply_fn(ker.params, x)) < 2e-5
+
+
+def test_bf16_stream_reads_the_source_and_fuses():
+  # Flax's bf16 LayerNorm converts its input to float32 twice; the kernel reads
+  # the bf16 sum itself (its float32 widening is the kernel's own).
+  m, x = Residual(dtype=jnp.bfloat16), jax.random.normal(jax.random.PRNGKey(2), (4, 8, 16))
+  p, ker, xla = _folds(m, x)
+  (ep,) = _epilogues(ker, x)
+  assert ep.add_path is not None
+  assert _kernel_calls(ker.apply_fn, ker.params, x, dtypes=True) == [("fused_add_rms_norm_fwd", "bfloat16")]
+  out, d, _ = ker.apply_fn(ker.params, x)
+  ref_out, ref_d, _ = xla.apply_fn(xla.params, x)
+  assert d.dtype == jnp.bfloat16 and bool(jnp.array_equal(d, ref_d))
+  assert rel_err(ref_out, out) < 2e-2
+
+
+def test_wider_output_reads_the_widened_value():
+  # bf16 stream, float32 LayerNorm output (dtype=None, float32 γ/β): the kernel
+  # must compute a float32 result, so it reads the float32 widening, unfused.
+  class M(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.Dense(16, dtype=jnp.bfloat16)(x) + nn.Dense(16, dtype=jnp.bfloat16)(jnp.tanh(x))
+      y = nn.LayerNorm()(h)
+      assert y.dtype == jnp.float32
+      return nn.Dense(5)(y).astype(jnp.bfloat16)
+
+  x = jax.random.normal(jax.random.PRNGKey(2), (4, 8, 16))
+  p, ker, xla = _folds(M(), x)
+  (ep,) = _epilogues(ker, x)
+  assert ep.add_path is None
+  assert _kernel_calls(ker.apply_fn, ker.params, x, dtypes=True) == [("rms_norm_fwd", "float32")]
+  assert rel_err(xla.apply_fn(xla.params, x), ker.apply_fn(ker.params, x)) < 1e-2
