@@ -133,12 +133,13 @@ def analytic(variant: str, pass_: str, rows: int, hidden: int) -> list[Launch]:
         # dx = dh + norm_bwd(dy) in one kernel; dscale/dbias column sums in another.
         return fwd + [Launch("norm_bwd_dx", 3 * A + stats + P, A), Launch("norm_bwd_dparams", 2 * A + stats, 2 * P)]
     if variant == "RMSNorm (Pallas)":
-        fwd = [add, Launch("rms_norm_fwd", A + 2 * P, A + S)]
+        # The forward kernel writes the per-row rstd only when it is differentiated.
+        fwd = [add, Launch("rms_norm_fwd", A + 2 * P, A + (S if pass_ == "train" else 0))]
         if pass_ == "fwd":
             return fwd
         return fwd + [Launch("rms_norm_bwd", 2 * A + S + P, A + 2 * Q), Launch("add (residual grad)", 2 * A, A),
                       Launch("sum dscale partials", Q, P), Launch("sum dbias partials", Q, P)]
-    fwd = [Launch("fused_add_rms_norm_fwd", 2 * A + 2 * P, 2 * A + S)]
+    fwd = [Launch("fused_add_rms_norm_fwd", 2 * A + 2 * P, 2 * A + (S if pass_ == "train" else 0))]
     if pass_ == "fwd":
         return fwd
     return fwd + [Launch("fused_add_rms_norm_bwd", 3 * A + S + P, A + 2 * Q),

@@ -234,7 +234,7 @@ def _store(ref, value, mask):
         pallas_api("triton").store(ref, value, mask=mask)
 
 
-def _fwd_kernel(*refs, eps, n_rows, n_cols, has_res, has_bias, masked):
+def _fwd_kernel(*refs, eps, n_rows, n_cols, has_res, has_bias, masked, has_rstd):
     it = iter(refs)
     x_ref = next(it)
     r_ref = next(it) if has_res else None
@@ -242,7 +242,7 @@ def _fwd_kernel(*refs, eps, n_rows, n_cols, has_res, has_bias, masked):
     bias_ref = next(it) if has_bias else None
     y_ref = next(it)
     h_ref = next(it) if has_res else None
-    rstd_ref = next(it)
+    rstd_ref = next(it) if has_rstd else None
 
     br, hp = x_ref.shape
     row_ok, col_ok, mask = _masks(pl.program_id(0) * br, br, hp, n_rows, n_cols, masked)
@@ -259,7 +259,8 @@ def _fwd_kernel(*refs, eps, n_rows, n_cols, has_res, has_bias, masked):
     if has_bias:
         y = y + _load(bias_ref, col_ok).astype(_F32)[None, :]
     _store(y_ref, y.astype(y_ref.dtype), mask)
-    _store(rstd_ref, rstd, row_ok)
+    if has_rstd:
+        _store(rstd_ref, rstd, row_ok)
 
 
 def _bwd_kernel(*refs, n_rows, n_cols, steps, has_dres, has_bias, masked):
@@ -306,8 +307,12 @@ def _bwd_kernel(*refs, n_rows, n_cols, steps, has_dres, has_bias, masked):
 # --------------------------------------------------------------------------
 # pallas_call wrappers on 2-D inputs
 # --------------------------------------------------------------------------
-def _forward(x, residual, scale, bias, st: _Static):
-    """Returns (y, h or None, rstd) for 2-D ``x``."""
+def _forward(x, residual, scale, bias, st: _Static, stats: bool = True):
+    """Returns (y, h or None, rstd or None) for 2-D ``x``.
+
+    ``stats=False`` (the primal, not differentiated): no per-row rstd is
+    written, as nothing reads it.
+    """
     n_rows, hidden = x.shape
     masked = st.backend == "triton"
     br, hp = _tiling(n_rows, hidden, masked)
@@ -323,17 +328,20 @@ def _forward(x, residual, scale, bias, st: _Static):
     if has_res:
         out_shape.append(jax.ShapeDtypeStruct(x.shape, jnp.dtype(st.h_dtype)))
         out_specs.append(tile)
-    out_shape.append(jax.ShapeDtypeStruct((n_rows,), _F32))
-    out_specs.append(rows)
+    if stats:
+        out_shape.append(jax.ShapeDtypeStruct((n_rows,), _F32))
+        out_specs.append(rows)
 
     kernel = functools.partial(
-        _fwd_kernel, eps=st.eps, n_rows=n_rows, n_cols=hidden, has_res=has_res, has_bias=has_bias, masked=masked
+        _fwd_kernel, eps=st.eps, n_rows=n_rows, n_cols=hidden, has_res=has_res, has_bias=has_bias, masked=masked,
+        has_rstd=stats,
     )
     outs = _call(
         kernel, grid=(pl.cdiv(n_rows, br),), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, st=st, num_warps=_num_warps(br * hp, _FWD_ELEMS_PER_THREAD),
         name="fused_add_rms_norm_fwd" if has_res else "rms_norm_fwd",
     )(*inputs)
+    outs = list(outs) + [None] * (3 - len(outs))
     if has_res:
         return outs[0], outs[1], outs[2]
     return outs[0], None, outs[1]
@@ -380,7 +388,7 @@ def _backward(xn, scale, rstd, dy, dres, has_bias: bool, dx_dtype, st: _Static):
 # --------------------------------------------------------------------------
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _rms_core(x, scale, bias, st: _Static):
-    return _forward(x, None, scale, bias, st)[0]
+    return _forward(x, None, scale, bias, st, stats=False)[0]
 
 
 def _rms_core_fwd(x, scale, bias, st):
@@ -399,7 +407,7 @@ _rms_core.defvjp(_rms_core_fwd, _rms_core_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _fused_core(x, residual, scale, bias, st: _Static):
-    y, h, _ = _forward(x, residual, scale, bias, st)
+    y, h, _ = _forward(x, residual, scale, bias, st, stats=False)
     return y, h
 
 

@@ -101,6 +101,42 @@ def _kernel_input(aliases: tuple, out_dtype) -> Optional[Val]:
   return aliases[0] if _precise(aliases[0].dtype, out_dtype) else None
 
 
+def _partly_read(level, y: Val) -> bool:
+  """Every use of ``y`` (through exact re-layouts) reads a strict part of it:
+  its canonical form is a smaller view of ``y`` (a slice, say)."""
+  prog = level.program
+  n = _size(y)
+  Y = A.atom(("kernel-y", y), tuple(y.shape))
+  (yf,), = Y.terms.keys()
+  todo, seen, partial = [y], {y}, False
+  with A.scope(), level.assuming({y: Y}):
+    while todo:
+      v = todo.pop()
+      if v in prog.output_positions:
+        return False
+      for node, _ in prog.consumers.get(v, ()):
+        for o in node.outs:
+          try:
+            C = level.canon(o)
+          except A.Unrepresentable:
+            return False
+          terms = list(C.terms.items())
+          if len(terms) != 1 or terms[0][1] != 1 or len(terms[0][0]) != 1:
+            return False
+          f = A._FACTORS[terms[0][0][0]]
+          if not (terms[0][0][0] == yf or (f.kind == "view" and f.args[0] == yf)):
+            return False
+          if _size(o) < n:
+            partial = True
+          elif _size(o) == n:
+            if o not in seen:
+              seen.add(o)
+              todo.append(o)
+          else:
+            return False
+  return partial
+
+
 def prove_fused_add(level, src: Val, out: Val) -> tuple:
   """(add path or None, reason): ``src`` is exactly ``a + b`` of two full-size
   operands of its dtype, computed in the same call nest as the norm's output
@@ -262,6 +298,9 @@ def prove_epilogue(site: Site) -> tuple:
   if best is None:
     return None, why or ("no value after the norm equals x·rsqrt(Σx²/n + ε)·γ + β exactly (e.g. "
                          "a Bessel-corrected or rescaled variance); XLA's expression is kept")
+  if _partly_read(level, best_out):
+    return None, ("only a part of the norm's output is read (a class token, say): XLA computes "
+                  "just those rows, the kernel would write them all")
   if best.x == x.key:
     add_path, _ = prove_fused_add(level, x, best_out)
     if add_path is not None:
