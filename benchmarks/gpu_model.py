@@ -161,6 +161,94 @@ def compiled(variant: str, pass_: str, rows: int, hidden: int, target: str) -> C
 
 
 # --------------------------------------------------------------------------
+# Whole models: original vs folded (public API only)
+# --------------------------------------------------------------------------
+ZOO = ("gpt2", "opt-125m", "vit-b/16")
+# The paper's batch x sequence settings: batch 2 at 256-16384 tokens (its latency and
+# long-context figures), batch 8-128 at 256 tokens (its batch-size scaling); ViT-B/16 at
+# 224 px (197 tokens) for the same batches.
+ZOO_SIZES = "2x256,2x1024,2x4096,2x16384,8x256,32x256,128x256"
+IMAGE_BATCHES = "2,8,32,128"
+# Modelled peak math throughput (dense, no sparsity; bytes/s above): H100 SXM and A100 SXM
+# datasheet round numbers, by the dtype of a dot's operands.
+PEAK_FLOPS = {"h100": {"bf16": 989e12, "f16": 989e12, "f32": 67e12},
+              "a100": {"bf16": 312e12, "f16": 312e12, "f32": 19.5e12}}
+# GEMMs through cuBLAS in both programs: deviceless Triton-GEMM tiling fails on some of
+# ViT's 197-token shapes ("Couldn't find output tile sizes"), and cuBLAS is what a
+# deployment autotunes to for these sizes anyway.
+COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+
+def _bf16(tree):
+    import numpy as np
+
+    def cast(a):
+        dt = jnp.bfloat16 if jnp.issubdtype(a.dtype, jnp.floating) else a.dtype
+        return jax.ShapeDtypeStruct(np.shape(a), dt)
+
+    return jax.tree_util.tree_map(cast, tree)
+
+
+def zoo_model(name: str, batch: int, seq: Optional[int]):
+    """(apply_fn, params, args) of a zoo model in bfloat16, as ShapeDtypeStructs (no weights).
+
+    ``seq`` is the sequence length (text; position tables are extended to it) or
+    ``None`` (images: the configured 224 px)."""
+    import models
+
+    spec = models.get(name)
+    c = spec.config
+    if seq is not None:
+        for k, extra in (("n_positions", 0), ("max_position_embeddings", 2)):  # OPT offsets by 2
+            if hasattr(c, k) and getattr(c, k) < seq + extra:
+                c = dataclasses.replace(c, **{k: seq + extra})
+        spec = dataclasses.replace(spec, config=c)
+    params = _bf16(spec.abstract_init(batch, seq))
+    args = _bf16(spec.example_inputs(batch, seq, abstract=True))
+    return spec.apply_fn(), params, args
+
+
+def modelled_seconds(kernels: list, target: str) -> float:
+    """Σ over launches of max(bytes / peak bandwidth, flops / peak math): a roofline per launch."""
+    peaks = PEAK_FLOPS[target]
+    total = 0.0
+    for k in kernels:
+        flops_s = k.flops / peaks.get(k.flops_dtype, peaks["f32"]) if k.flops else 0.0
+        total += max(k.bytes / PEAK_BW[target], flops_s)
+    return total
+
+
+def summarize(c, target: str) -> dict:
+    """Launches, norm kernels, reductions, modelled bytes/flops/time of one compilation."""
+    return {"launches": c.launches(), "norm_kernels": c.launches(pk.FWD_KERNELS),
+            "fused": c.launches(["fused_add_rms_norm_fwd"]), "reductions": c.reductions(),
+            "bytes": c.hbm_bytes, "flops": c.flops, "seconds": modelled_seconds(c.kernels, target),
+            "spills": _spills(c)}
+
+
+def _spills(c) -> Optional[int]:
+    """Spilled bytes (stores + loads) over the norm kernels, by ptxas; None without ptxas."""
+    if aot.ptxas_path() is None:
+        return None
+    names = {k.name for k in c.kernels if k.name in pk.FWD_KERNELS + pk.BWD_KERNELS}
+    return sum(c.ptxas(n).spill_stores + c.ptxas(n).spill_loads for n in names)
+
+
+def zoo_compile(name: str, batch: int, seq: Optional[int], target: str) -> dict:
+    """Folds ``name`` (``norm_impl="pallas"``) and compiles original and folded for ``target``."""
+    import jaxfold
+
+    fn, params, args = zoo_model(name, batch, seq)
+    folded = jaxfold.fold(params, fn, *args, norm_impl="pallas")
+    orig = aot.compile(fn, params, *args, target=target, compiler_options=COMPILER_OPTIONS)
+    fold = aot.compile(folded.apply_fn, folded.params, *args, target=target, compiler_options=COMPILER_OPTIONS)
+    return {"model": name, "batch": batch, "seq": seq, "target": target,
+            "sites": folded.report.num_sites,
+            "folded": folded.report.num_folded, "orig": summarize(orig, target),
+            "fold": summarize(fold, target), "fold_kernels": [k.name for k in fold.kernels]}
+
+
+# --------------------------------------------------------------------------
 # Report
 # --------------------------------------------------------------------------
 def _mb(b: float) -> str:

@@ -332,7 +332,8 @@ class Kernel:
 
     @property
     def bytes(self) -> int:
-        """Modelled HBM traffic: every operand read once, every result written once."""
+        """Modelled HBM traffic: every operand read once, every result written once
+        (a cuBLAS/cuDNN workspace is not counted)."""
         return self.operand_bytes + self.result_bytes
 
 
@@ -357,6 +358,17 @@ def _parse_thunks(seq: str, meta: str) -> list[tuple[int, str, str, str]]:
 def _ints(text: str, key: str) -> tuple[int, ...]:
     m = re.search(rf"{key}:\s*\[([0-9,\s]*)\]", text)
     return tuple(int(d) for d in m.group(1).split(",") if d.strip()) if m else ()
+
+
+def _scratch_bytes(shape: str, cc_target: str) -> int:
+    """Bytes of a library call's scratch result (cuBLAS/cuDNN return their
+    workspace as a trailing ``s8[n]`` tuple element): memory the call may use,
+    not data it moves, so the traffic model leaves it out."""
+    arrays = _arrays(shape)
+    if not cc_target.startswith(("__cublas", "__cudnn")) or len(arrays) < 2:
+        return 0
+    dt, dims = arrays[-1]
+    return int(math.prod(dims)) if dt in ("s8", "u8") and len(dims) == 1 else 0
 
 
 @dataclasses.dataclass
@@ -458,7 +470,7 @@ def _read_dump(t: Target, d: str, compiled: Any) -> Compilation:
                 m = re.search(r'custom_call_target="([^"]*)"', ins.attrs)
                 cc_target = m.group(1) if m else ""
             operand_bytes = sum(shape_bytes(instrs[o].shape) for o in ins.operands if o in instrs)
-            result_bytes = shape_bytes(ins.shape)
+            result_bytes = shape_bytes(ins.shape) - _scratch_bytes(ins.shape, cc_target)
             flops, fdt, reduces = flops_of(annot, set())
         if name in FWD_KERNELS:
             reduces = 1

@@ -64,3 +64,47 @@ def test_script_runs_analytic_only(tmp_path, capsys):
     ratios = [float(v) for v in fused.split("|")[-2].split("/")]
     assert all(abs(r - 0.8) < 0.005 for r in ratios), ratios
     assert "| model |" in capsys.readouterr().out
+
+
+# (model, batch, seq, folded sites that keep XLA's expression): ViT's final LayerNorm is
+# read only at the class token, so XLA normalizes just those rows (jaxfold keeps it).
+# Tiny ViT at batch 8: 136 rows, a multiple of 8 (XLA pads GEMM rows otherwise, and the
+# kernel's operand would need a slice copy).
+ZOO_FAST = [("gpt2-tiny", 2, 16, 0), ("opt-tiny", 2, 16, 0), ("vit-tiny", 8, None, 1)]
+ZOO_FULL = [("gpt2", 2, 1024, 0), ("opt-125m", 2, 1024, 0), ("vit-b/16", 8, None, 1)]
+
+
+def _check_zoo(name, batch, seq, xla_sites, target):
+    gm = _gpu_model()
+    r = gm.zoo_compile(name, batch, seq, target)
+    orig, fold = r["orig"], r["fold"]
+    what = (name, target, orig, fold)
+    assert r["folded"] == r["sites"] and orig["norm_kernels"] == 0, what
+    # The kernel at every folded site whose output is read in full, fused with the
+    # residual add wherever an add of two activations feeds the norm (all but the
+    # embeddings' norm).
+    assert fold["norm_kernels"] == r["folded"] - xla_sites, what
+    assert fold["fused"] == fold["norm_kernels"] - 1, what
+    assert fold["spills"] == 0, what
+    assert fold["launches"] < orig["launches"], what
+    assert fold["bytes"] < orig["bytes"], what
+    assert fold["reductions"] < orig["reductions"], what
+    assert fold["flops"] == orig["flops"], what
+    assert fold["seconds"] < orig["seconds"], what
+    return r
+
+
+@pytest.mark.gpu_aot
+@needs_aot
+@pytest.mark.parametrize("name,batch,seq,xla_sites", ZOO_FAST)
+def test_folded_tiny_zoo_launches_fewer_kernels_on_h100(name, batch, seq, xla_sites):
+    _check_zoo(name, batch, seq, xla_sites, "h100")
+
+
+@pytest.mark.gpu_aot
+@pytest.mark.slow
+@needs_aot
+@pytest.mark.parametrize("target", aot.TARGETS)
+@pytest.mark.parametrize("name,batch,seq,xla_sites", ZOO_FULL + ZOO_FAST)
+def test_folded_zoo_launches_fewer_kernels_and_moves_fewer_bytes(name, batch, seq, xla_sites, target):
+    _check_zoo(name, batch, seq, xla_sites, target)
