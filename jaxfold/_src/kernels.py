@@ -123,7 +123,7 @@ def _partly_read(level, y: Val) -> bool:
           terms = list(C.terms.items())
           if len(terms) != 1 or terms[0][1] != 1 or len(terms[0][0]) != 1:
             return False
-          f = A._FACTORS[terms[0][0][0]]
+          f = A.factor(terms[0][0][0])
           if not (terms[0][0][0] == yf or (f.kind == "view" and f.args[0] == yf)):
             return False
           if _size(o) < n:

@@ -118,6 +118,7 @@ def test_fused_sum_is_the_value_used_downstream():
   assert rel_err(m.apply(p, x), (out, d, d2)) < 2e-5
 
 
+@pytest.mark.slow
 def test_fused_kernel_gradients_match():
   m, x = Residual(), jax.random.normal(jax.random.PRNGKey(2), (3, 5, 16))
   p, ker, _ = _folds(m, x)
