@@ -158,8 +158,16 @@ def test_max_hidden_is_where_the_backward_kernel_starts_to_spill(target):
 
 @needs_aot
 @needs_ptxas
-def test_forward_only_has_no_backward_kernel():
-    compile_and_check("rms_norm", "h100", "bfloat16", 2048, 4096, grad=False)
+@pytest.mark.parametrize("kind", KINDS)
+def test_forward_only_has_no_backward_kernel_and_writes_no_statistics(kind):
+    rows, hidden = 4096, 2048
+    c = compile_and_check(kind, "h100", "bfloat16", hidden, rows, grad=False)
+    (k,) = [k for k in c.kernels if k.name in pk.FWD_KERNELS]
+    act = rows * hidden * 2
+    vecs = 2 * hidden * 4  # f32 scale and bias
+    # Reads x (and the residual) and the vectors; writes y (and the sum): no per-row rstd.
+    n = 1 if kind == "rms_norm" else 2
+    assert (k.operand_bytes, k.result_bytes) == (n * act + vecs, n * act), k
 
 
 @needs_aot
