@@ -1,6 +1,19 @@
-"""A MODEL, not a measurement: HBM traffic of LayerNorm vs RMSNorm vs fused add+RMSNorm on H100/A100.
+"""A MODEL, not a measurement: folded vs original models, and one norm site, on H100/A100.
 
-No GPU is involved. For every norm site of a pre-LN transformer (a residual add feeding a
+No GPU is involved: every program is compiled ahead of time for the targets in
+``pallas_kernels/targets`` (``pallas_kernels.aot``, JAX's CUDA plugin on this CPU-only host).
+
+**Whole models** (``--zoo``): GPT-2 small, OPT-125m and ViT-B/16 in bfloat16, original and
+``jaxfold.fold(..., norm_impl="pallas")`` (the Pallas RMSNorm at every folded site, fused
+with the residual add where one feeds it), at the paper's batch x sequence settings
+(``--zoo-sizes``, ``--image-batches``). Per program: launches and row reductions from XLA's
+thunk sequence, modelled HBM bytes (each launch reads its HLO operands and writes its
+results once), flops of its GEMMs, and a modelled time = sum over launches of
+max(bytes / peak bandwidth, flops / peak math): a per-launch roofline without launch
+latency, L2 reuse or achieved-bandwidth losses. Folded/original ratios of each.
+
+**One norm site** (``--models``, ``--sizes``): for every norm site of a pre-LN
+transformer (a residual add feeding a
 norm: ``h = x + residual; y = norm(h)``, returning ``(y, h)``) at GPT-2 small/medium shapes
 in bfloat16, four implementations are compared:
 
@@ -30,8 +43,14 @@ each fed by a residual add; the first by the token + position embedding add).
 
 Usage (from the repository root; needs the ``gpu-aot`` extra for the compiled columns)::
 
-    python benchmarks/gpu_model.py                       # writes results/gpu_model.{md,png}
-    python benchmarks/gpu_model.py --sizes 8x1024 --no-compile   # analytic only
+    python benchmarks/gpu_model.py                       # writes results/gpu_model{.md,.png,_zoo.png}
+    python benchmarks/gpu_model.py --zoo gpt2 --zoo-sizes 2x1024 --no-sites   # one model, one size
+    python benchmarks/gpu_model.py --sizes 8x1024 --no-compile   # analytic one-site rows only
+
+**Kernels** (with the compiled columns): registers, spills and shared memory of the four
+Pallas kernels at 16384 x 4096 bf16 from ``ptxas -v``, and a modelled bandwidth utilisation
+(resident blocks x tile bytes in flight against bandwidth x an assumed DRAM latency, times
+the last wave's efficiency).
 """
 
 from __future__ import annotations
