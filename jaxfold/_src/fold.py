@@ -207,7 +207,7 @@ def _plan(planner: Planner, opts: FoldOptions) -> Plan:
   epilogues = []
   if opts.norm_impl != "xla":
     for s in sites:
-      ep, _ = kernels.prove_epilogue(s)
+      ep, _ = kernels.prove_epilogue(s, changed=frozenset(k for k, _ in aux))
       if ep is not None:
         epilogues.append(ep)
   return Plan(zero=zero, aux=aux, consts=consts, untied=untied, epilogues=tuple(epilogues),

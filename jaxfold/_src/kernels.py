@@ -246,9 +246,13 @@ def _size(v) -> int:
     return 1 << 62
 
 
-def prove_epilogue(site: Site) -> tuple:
+def prove_epilogue(site: Site, changed: frozenset = frozenset()) -> tuple:
   """(Epilogue or None, reason): the kernel may replace a folded site's
-  output only when its canonical form equals the kernel's formula."""
+  output only when its canonical form equals the kernel's formula.
+
+  ``changed``: keys of values the rewrite replaces (auxiliary centerings);
+  the kernel reads the norm's source only if all its widenings are read
+  unchanged (else it reads the norm's input, as the program does)."""
   level = site.level
   top = level.an.top.program
   shape = tuple(site.input.shape)
@@ -258,6 +262,8 @@ def prove_epilogue(site: Site) -> tuple:
   if site.axes != (rank - 1,) or not all(isinstance(d, int) for d in shape):
     return None, "the kernel normalizes the last axis of a fixed shape only"
   x, aliases = _source(level, site.input)
+  if any(a.key in changed for a in aliases[1:]):
+    x, aliases = site.input, (site.input,)
   prog = level.program
   zero = {r.outs[0]: A.ZERO for r in site.reduces}
   X = A.atom(("kernel-x", x), shape)
