@@ -205,7 +205,7 @@ def _plan(planner: Planner, opts: FoldOptions) -> Plan:
                   tuple(c.eqn for c in reversed(n.chain)))
                  for n in planner.untie_commit.values())
   epilogues = []
-  if opts.norm_impl != "xla":
+  if kernels.may_use_kernel(opts.norm_impl):
     for s in sites:
       ep, _ = kernels.prove_epilogue(s, changed=frozenset(k for k, _ in aux))
       if ep is not None:

@@ -314,6 +314,13 @@ def prove_epilogue(site: Site, changed: frozenset = frozenset()) -> tuple:
   return best, ""
 
 
+def may_use_kernel(impl: str) -> bool:
+  """Whether a fold with ``impl`` can run any kernel (else its proofs are moot:
+  ``"auto"`` uses the kernel only on a GPU host, see ``use_kernel``)."""
+  import jax
+  return impl in ("pallas", "interpret") or (impl == "auto" and jax.default_backend() == "gpu")
+
+
 def use_kernel(impl: str, shape, dtype) -> Optional[bool]:
   """None: keep XLA; else the ``interpret`` flag for pallas_kernels.rms_norm.
 
