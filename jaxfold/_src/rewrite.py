@@ -153,7 +153,8 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
     outs = None
     if path in kernels_at:
       outs = _kernel(kernels_at[path], eqn, values, plan)
-    elif path in fused_at and (path, "out", 0) not in aux:
+    elif path in fused_at and (path, "out", 0) not in aux and (path, "out", 0) not in biases:
+      # (the kernel's sum must be the value every consumer reads, unchanged)
       outs = _fused(fused_at[path], eqn, invals, values, plan)
     if outs is not None:
       pass
