@@ -127,8 +127,8 @@ def analyse(apply_fn: Callable, params: Any, args: tuple, opts: FoldOptions,
     an = Analyzer(Program(closed), cbwc=cbwc, through_dropout=opts.through_dropout)
     an.num_leaves = len(names)
     planner = Planner(an, names, opts).run()
-    plan = _plan(planner, opts)
-    report = planner.report()
+    plan, kernel_sites = _plan(planner, opts)
+    report = planner.report(kernel_sites)
   return Analysis(jaxpr, consts, jax.tree_util.tree_structure(out_shape), plan,
                   planner.leaf_specs(), planner.untied_specs(), report)
 
@@ -146,8 +146,9 @@ def _no_gc():
       gc.enable()
 
 
-def _plan(planner: Planner, opts: FoldOptions) -> Plan:
-  """The rewrite's instructions, keyed by call-site paths."""
+def _plan(planner: Planner, opts: FoldOptions) -> tuple:
+  """The rewrite's instructions, keyed by call-site paths, and the indices of
+  the sites whose epilogue the kernel may run."""
   sites = planner.folded_sites()
   zero = frozenset(r.path for s in sites for r in s.reduces)
   aux = tuple((v.key, s) for v, s in planner.aux_commit.items())
@@ -155,14 +156,16 @@ def _plan(planner: Planner, opts: FoldOptions) -> Plan:
   untied = tuple((n.use[0].path, n.use[1], planner.untied_name(n),
                   tuple(c.eqn for c in reversed(n.chain)))
                  for n in planner.untie_commit.values())
-  epilogues = []
+  epilogues, kernel_sites = [], set()
   if opts.norm_impl != "xla":
-    for s in sites:
-      ep, _ = kernels.prove_epilogue(s)
-      if ep is not None:
-        epilogues.append(ep)
+    for i, s in enumerate(planner.sites):
+      if planner.decisions[i].folded:
+        ep, _ = kernels.prove_epilogue(s)
+        if ep is not None:
+          epilogues.append(ep)
+          kernel_sites.add(i)
   return Plan(zero=zero, aux=aux, consts=consts, untied=untied, epilogues=tuple(epilogues),
-              norm_impl=opts.norm_impl)
+              norm_impl=opts.norm_impl), frozenset(kernel_sites)
 
 
 # ----------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from jaxfold._src.integrity import (MANIFEST, IntegrityError, NotADirectory, Not
                                     commit_directory, read_manifest,
                                     verify_file, verify_manifest, write_manifest)
 from jaxfold._src.integrity import versions as _versions
-from jaxfold._src.report import Centering, Report, Site
+from jaxfold._src.report import Report
 
 __all__ = ["save_fold", "load_fold", "load_report", "load_meta", "LoadedFold",
            "report_from_dict", "FORMAT_VERSION", "IntegrityError"]
@@ -96,15 +96,7 @@ def _decode_args(obj: Any) -> Any:
 
 def report_from_dict(d: dict) -> Report:
   """Inverse of ``Report.as_dict()``."""
-  sites = []
-  for s in d.get("sites", []):
-    s = dict(s)
-    s["centered"] = tuple(Centering(**{**c, "spec": tuple(tuple(x) for x in c.get("spec", ()))})
-                          for c in s.get("centered", ()))
-    s["shape"] = tuple(s["shape"])
-    s["axes"] = tuple(s["axes"])
-    sites.append(Site(**s))
-  return Report(tuple(sites), tuple(d.get("auxiliary", ())), int(d.get("untied_bytes", 0)))
+  return Report.from_dict(d)
 
 
 def _json_default(o: Any) -> Any:
