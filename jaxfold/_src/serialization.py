@@ -74,6 +74,8 @@ def _encode_args(args: Any) -> Any:
     return {"list": [_encode_args(v) for v in args]}
   if args is None:
     return {"none": None}
+  if isinstance(args, (bool, int, float, str)):   # static keyword arguments (train=True)
+    return {"value": args}
   if hasattr(args, "shape") and hasattr(args, "dtype"):
     return {"array": {"shape": [int(d) for d in np.shape(args)],
                       "dtype": jnp.dtype(args.dtype).name}}
@@ -91,6 +93,8 @@ def _decode_args(obj: Any) -> Any:
     return [_decode_args(v) for v in val]
   if kind == "none":
     return None
+  if kind == "value":
+    return val
   return jax.ShapeDtypeStruct(tuple(val["shape"]), jnp.dtype(val["dtype"]))
 
 
@@ -267,6 +271,7 @@ def save_fold(folded: Any, directory: str | os.PathLike, *, meta: Optional[dict]
       "format_version": FORMAT_VERSION,
       "options": options,
       "example_args": _encode_args(tuple(args)),
+      "example_kwargs": _encode_args(dict(getattr(folded.apply_fn, "example_kwargs", {}))),
       "untied": _is_untied(folded),
       "jax_version": jax.__version__,
   }
@@ -444,6 +449,7 @@ def load_fold(directory: str | os.PathLike, apply_fn: Callable, *,
     info = _read_json(info_path)
     version = info.get("format_version", 0)
     args = _decode_args(info["example_args"])
+    kwargs = _decode_args(info["example_kwargs"]) if "example_kwargs" in info else {}
     opts = dict(info["options"])
   except (ValueError, KeyError, TypeError, AttributeError) as e:
     raise IntegrityError(f"{info_path} is not a jaxfold fold description ({type(e).__name__}: "
@@ -470,7 +476,7 @@ def load_fold(directory: str | os.PathLike, apply_fn: Callable, *,
   opts.pop("through_dropout", None)  # a CBWC-only option; a saved fold never sets it
   opts = FoldOptions.from_dict(opts).to_dict()
   opts.pop("through_dropout", None)
-  refold = _fold(abstract, apply_fn, *args, **opts)
+  refold = _fold(abstract, apply_fn, *args, example_kwargs=kwargs, **opts)
   saved = load_report(directory, integrity=False)
   if verify:
     got = [(s.folded, s.shape, s.axes) for s in refold.report.sites]
