@@ -56,7 +56,7 @@ def main(argv=None) -> int:
   import jax
   import jaxfold
   import models
-  from jaxfold.cli import _max_rel_err
+  from jaxfold.benchmarking import max_rel_err as _max_rel_err
 
   rows, skipped, labels, ratios, noise = [], [], [], [], []
   for name in [m.strip() for m in args.models.split(",") if m.strip()]:

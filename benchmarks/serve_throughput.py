@@ -38,7 +38,7 @@ import _common as C
 
 import jaxfold
 from jaxfold import serving
-from jaxfold.cli import model_meta
+from models import serving_meta as model_meta
 
 
 def _start_server(artifact: str, args) -> tuple[subprocess.Popen, str]:

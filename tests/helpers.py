@@ -43,3 +43,19 @@ def x64_context():
     yield
   finally:
     jax.config.update("jax_enable_x64", prev)
+
+
+def center_blocks(x, spec: dict):
+  """Independent oracle of a centering: subtracts the mean over each joint block
+  of ``spec`` ({dim: block}), in NumPy float64, returned in ``x``'s dtype."""
+  a = np.asarray(x, np.float64)
+  split, axes = [], []
+  for d, s in enumerate(a.shape):
+    if d in spec:
+      split.extend([s // spec[d], spec[d]])
+      axes.append(len(split) - 1)
+    else:
+      split.append(s)
+  z = a.reshape(split)
+  z = z - z.mean(axis=tuple(axes), keepdims=True)
+  return z.reshape(a.shape).astype(np.asarray(x).dtype)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import jaxfold
-from jaxfold._src import integrity, serialization
+from jaxfold._src import integrity   # unit tests of jaxfold/_src/integrity.py (atomic commits)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

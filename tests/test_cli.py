@@ -119,7 +119,7 @@ def test_non_finite_outputs_are_refused(capsys, tmp_path):
   assert "max relative error" not in out
   # NaN weights: outputs are non-finite, no error or timing is printed for them
   import numpy as np
-  from jaxfold.cli import random_params
+  from models import random_params
   from models.safetensors_io import save_safetensors
   spec = models.get("gpt2-tiny")
   params = random_params(spec, 1, 8, seed=0)
@@ -136,11 +136,11 @@ def test_non_finite_outputs_are_refused(capsys, tmp_path):
 
 def test_max_rel_err_refuses_nan():
   import numpy as np
-  from jaxfold.cli import CLIError, max_rel_err
+  from jaxfold.benchmarking import NonFiniteError, max_rel_err
   assert max_rel_err(np.ones(3), np.ones(3)) == 0.0
-  with pytest.raises(CLIError, match="non-finite"):
+  with pytest.raises(NonFiniteError, match="non-finite"):
     max_rel_err(np.array([1.0, np.nan]), np.array([1.0, np.nan]))
-  with pytest.raises(CLIError, match="folded model"):
+  with pytest.raises(NonFiniteError, match="folded model"):
     max_rel_err(np.ones(2), np.array([1.0, np.inf]))
 
 

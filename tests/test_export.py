@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import jaxfold
-from jaxfold.cli import random_params
-from jaxfold._src.export import ExportWarning, export, exported_signature, load_exported
+from jaxfold.exporting import ExportWarning, export, exported_signature, load_exported
+from models import random_params
 
 models = pytest.importorskip("models")
 

@@ -257,6 +257,11 @@ class FoldedApply:
     return self._opts
 
   @property
+  def params_treedef(self) -> Any:
+    """The tree structure of the parameters this function takes."""
+    return self._tree
+
+  @property
   def original_fn(self) -> Callable:
     return self._apply_fn
 
