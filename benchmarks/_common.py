@@ -19,8 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:      # run as `python benchmarks/bench_*.py` from a source tree
   sys.path.insert(0, ROOT)
 
-from jaxfold.benchmarking import (compare_forward, device_string,  # noqa: E402
-                                  summarize_timings, time_variants)
+from jaxfold.benchmarking import compare_forward, device_string, summarize_timings, time_variants  # noqa: E402
 from models import random_params  # noqa: E402
 
 __all__ = ["compare_forward", "device_string", "random_params", "summarize_timings",
@@ -46,7 +45,8 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
       b, s = part.lower().split("x")
       out.append((int(b), int(s)))
     except ValueError:
-      raise argparse.ArgumentTypeError(f"sizes must look like 1x64,4x128 (batch x seq), got {part!r}")
+      raise argparse.ArgumentTypeError(
+          f"sizes must look like 1x64,4x128 (batch x seq), got {part!r}") from None
   return out
 
 

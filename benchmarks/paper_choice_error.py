@@ -21,7 +21,6 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxfold  # noqa: E402

@@ -20,7 +20,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax

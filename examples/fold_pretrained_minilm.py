@@ -78,6 +78,7 @@ def main(argv=None) -> int:
   if args.x64:
     jax.config.update("jax_enable_x64", True)
   import numpy as np
+
   import jaxfold
   import models
   from models.safetensors_io import load_safetensors

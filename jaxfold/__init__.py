@@ -12,13 +12,12 @@ serialization, benchmarking (timing, errors); jaxfold.serving (HTTP; needs the `
 is imported on demand.
 """
 
+from jaxfold import benchmarking, exporting, optax_transforms, serialization  # noqa: E402, I001
 from jaxfold._src.export import export, load_exported
-from jaxfold._src.fold import FoldError, Folded, FoldedParams, FoldOptions, Reparameterized, cbwc, fold
+from jaxfold._src.fold import Folded, FoldedParams, FoldError, FoldOptions, Reparameterized, cbwc, fold
 from jaxfold._src.integrity import IntegrityError
 from jaxfold._src.report import Auxiliary, Centering, Changes, Report, Site
 from jaxfold._src.serialization import load_fold, save_fold
-
-from jaxfold import benchmarking, exporting, optax_transforms, serialization  # noqa: E402, I001
 
 __all__ = ["fold", "cbwc", "Folded", "FoldedParams", "FoldOptions", "Reparameterized", "FoldError",
            "Report", "Site", "Centering", "Auxiliary", "Changes", "export", "load_exported",

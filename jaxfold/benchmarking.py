@@ -16,8 +16,15 @@ Example:
 """
 
 from jaxfold._src.paper_choice import paper_choice
-from jaxfold._src.timing import (NonFiniteError, check_finite, compare_forward, device_string,
-                                 max_rel_err, summarize_timings, time_variants)
+from jaxfold._src.timing import (
+                                 NonFiniteError,
+                                 check_finite,
+                                 compare_forward,
+                                 device_string,
+                                 max_rel_err,
+                                 summarize_timings,
+                                 time_variants,
+)
 
 __all__ = ["NonFiniteError", "device_string", "time_variants", "summarize_timings",
            "compare_forward", "check_finite", "max_rel_err", "paper_choice"]

@@ -13,8 +13,15 @@ Example:
     [(('batch', 'seq'), 'int32')]
 """
 
-from jaxfold._src.export import (ARTIFACT_VERSION, MAGIC, ExportWarning, export,
-                                 exported_signature, load_exported, read_artifact)
+from jaxfold._src.export import (
+                                 ARTIFACT_VERSION,
+                                 MAGIC,
+                                 ExportWarning,
+                                 export,
+                                 exported_signature,
+                                 load_exported,
+                                 read_artifact,
+)
 from jaxfold._src.integrity import IntegrityError
 from jaxfold._src.integrity import atomic_write_bytes as write_artifact
 

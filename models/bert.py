@@ -5,7 +5,8 @@ Parameter tree mirrors the HF `BertModel` safetensors layout (the `bert.` prefix
 
     embeddings.word_embeddings.weight              -> params['embeddings']['word_embeddings']['embedding']
     embeddings.LayerNorm.weight                    -> params['embeddings']['LayerNorm']['scale']
-    encoder.layer.0.attention.self.query.weight    -> params['encoder']['layer_0']['attention']['self']['query']['kernel'] (transposed)
+    encoder.layer.0.attention.self.query.weight    -> params['encoder']['layer_0']['attention']['self']['query']
+                                                      ['kernel'] (transposed)
     encoder.layer.0.output.LayerNorm.bias          -> params['encoder']['layer_0']['output']['LayerNorm']['bias']
 
 `__call__(input_ids, attention_mask=None, token_type_ids=None)` returns the last hidden
@@ -25,8 +26,17 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from models.common import (ModelSpec, attention, dense, embed, gelu_exact, layer_norm,
-                           merge_heads, padding_bias, split_heads)
+from models.common import (
+    ModelSpec,
+    attention,
+    dense,
+    embed,
+    gelu_exact,
+    layer_norm,
+    merge_heads,
+    padding_bias,
+    split_heads,
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,8 @@ checkpoints is stripped by the loader)::
 
     word_embeddings.weight                       -> params['word_embeddings']['embedding']
     word_embeddings_layernorm.weight             -> params['word_embeddings_layernorm']['scale']
-    h.0.self_attention.query_key_value.weight    -> params['h_0']['self_attention']['query_key_value']['kernel'] (transposed)
+    h.0.self_attention.query_key_value.weight    -> params['h_0']['self_attention']['query_key_value']
+                                                    ['kernel'] (transposed)
     h.0.mlp.dense_4h_to_h.bias                   -> params['h_0']['mlp']['dense_4h_to_h']['bias']
     ln_f.weight                                  -> params['ln_f']['scale']
 
@@ -29,8 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from models.common import (ModelSpec, attention, causal_bias, dense, embed, gelu_new,
-                           layer_norm, merge_heads)
+from models.common import ModelSpec, attention, causal_bias, dense, embed, gelu_new, layer_norm, merge_heads
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,8 +27,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import flax.linen as nn
+import jax
 
 from models.vit import ImageModelSpec
 

@@ -20,8 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.common import (ModelSpec, attention, causal_bias, gelu_new, merge_heads,
-                           split_heads, token_inputs)
+from models.common import ModelSpec, attention, causal_bias, gelu_new, merge_heads, split_heads, token_inputs
 from models.gpt2 import GPT2Config
 
 _INIT = nnx.initializers.normal(0.02)

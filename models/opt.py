@@ -5,7 +5,7 @@ Parameter tree mirrors HF `OPTForCausalLM` with the `model.decoder.` prefix stri
     model.decoder.embed_tokens.weight                  -> params['embed_tokens']['embedding']
     model.decoder.embed_positions.weight               -> params['embed_positions']['embedding'] (max_pos + 2 rows)
     model.decoder.project_in.weight                    -> params['project_in']['kernel'] (transposed; 350m only)
-    model.decoder.layers.0.self_attn.q_proj.weight     -> params['layers_0']['self_attn']['q_proj']['kernel'] (transposed)
+    model.decoder.layers.0.self_attn.q_proj.weight     -> params['layers_0']['self_attn']['q_proj']['kernel'] (transp.)
     model.decoder.layers.0.self_attn_layer_norm.weight -> params['layers_0']['self_attn_layer_norm']['scale']
     model.decoder.final_layer_norm.weight              -> params['final_layer_norm']['scale'] (pre-LN only)
     lm_head.weight                                     -> tied to embed_tokens, not stored
@@ -24,8 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from models.common import (ModelSpec, attention, causal_bias, dense, embed, layer_norm,
-                           merge_heads, split_heads)
+from models.common import ModelSpec, attention, causal_bias, dense, embed, layer_norm, merge_heads, split_heads
 
 POSITION_OFFSET = 2  # OPT's learned positions start at row 2 (a fairseq legacy)
 

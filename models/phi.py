@@ -24,8 +24,17 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from models.common import (ModelSpec, attention, causal_bias, dense, embed, gelu_new,
-                           layer_norm, merge_heads, split_heads)
+from models.common import (
+    ModelSpec,
+    attention,
+    causal_bias,
+    dense,
+    embed,
+    gelu_new,
+    layer_norm,
+    merge_heads,
+    split_heads,
+)
 
 
 @dataclasses.dataclass(frozen=True)

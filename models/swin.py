@@ -31,10 +31,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import numpy as np
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
+import numpy as np
 
 from models.vit import ImageModelSpec
 

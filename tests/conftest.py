@@ -3,7 +3,6 @@ modules that import them from conftest)."""
 
 import jax
 import pytest
-
 from helpers import randomize, rel_err, x64_context  # noqa: F401
 
 

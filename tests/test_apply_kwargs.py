@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import randomize, rel_err
 
 import jaxfold
-from helpers import randomize, rel_err
 
 F64 = jnp.float64
 

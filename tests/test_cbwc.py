@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import center_blocks
 
 import jaxfold
 from jaxfold import optax_transforms
-from helpers import center_blocks
 
 VOCAB, D, HEADS, LAYERS, T, B = 23, 16, 2, 2, 8, 4
 
@@ -419,7 +419,6 @@ def test_decay_on_v_is_l2_on_v_under_adam(reparam):
   wd, lr, steps = 0.05, 3e-3, 10
   data = [tokens_for(200 + k, (B, T + 1)) for k in range(steps)]
   base = loss_fn(reparam.apply_fn)
-  specs = dict(reparam.analysis.leaf_specs)
 
   def penalized(params, tok):
     v = optax_transforms.centered_weights(reparam)(params)     # V = P·W, differentiable

@@ -119,6 +119,7 @@ def test_non_finite_outputs_are_refused(capsys, tmp_path):
   assert "max relative error" not in out
   # NaN weights: outputs are non-finite, no error or timing is printed for them
   import numpy as np
+
   from models import random_params
   from models.safetensors_io import save_safetensors
   spec = models.get("gpt2-tiny")
@@ -136,6 +137,7 @@ def test_non_finite_outputs_are_refused(capsys, tmp_path):
 
 def test_max_rel_err_refuses_nan():
   import numpy as np
+
   from jaxfold.benchmarking import NonFiniteError, max_rel_err
   assert max_rel_err(np.ones(3), np.ones(3)) == 0.0
   with pytest.raises(NonFiniteError, match="non-finite"):

@@ -18,7 +18,7 @@ import pytest
 import jaxfold
 from jaxfold import exporting as jexport
 from jaxfold import serialization
-from jaxfold._src import integrity   # this file mirrors jaxfold/_src/integrity.py
+from jaxfold._src import integrity  # this file mirrors jaxfold/_src/integrity.py
 from models import random_params
 
 models = pytest.importorskip("models")

@@ -1,6 +1,5 @@
 """jaxfold.serialization: a saved fold loads back bit-for-bit."""
 
-import json
 import os
 
 import jax

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
-import gc
 import functools
+import gc
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from jaxfold._src import algebra
-from jaxfold._src import compat
-from jaxfold._src import kernels
-from jaxfold._src import layout
+from jaxfold._src import algebra, compat, kernels, layout
 from jaxfold._src.analysis import Analyzer
 from jaxfold._src.planner import Planner
 from jaxfold._src.program import Program

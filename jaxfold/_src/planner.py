@@ -17,14 +17,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfold._src import layout
-from jaxfold._src.analysis import (DROPOUT_NOTE, Analyzer, Blocker, LeafNeed, Level, Site,
-                                   find_sites, nested_sites, scan_levels, where)
+from jaxfold._src.analysis import (
+  DROPOUT_NOTE,
+  Analyzer,
+  Blocker,
+  LeafNeed,
+  Site,
+  find_sites,
+  nested_sites,
+  scan_levels,
+)
 from jaxfold._src.program import Val, call_note
 from jaxfold._src.report import Auxiliary, Centering, Changes, Report, param_label
 from jaxfold._src.report import Site as ReportSite
 from jaxfold._src.rules import rule_for
 from jaxfold._src.rules.base import freeze
-
 
 # ----------------------------------------------------------------------------
 # Typed actions and results.
@@ -301,7 +308,7 @@ class Planner:
     if not isinstance(v, Val):
       return None
     best, best_d = None, 13
-    for j, site in enumerate(self.sites):
+    for j in range(len(self.sites)):
       d = self._epilogue(j).get(v)
       if d is not None and d < best_d:
         best, best_d = j, d

@@ -39,9 +39,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfold._src.integrity import (MANIFEST, IntegrityError, NotADirectory, NotFoundError,
-                                    commit_directory, read_manifest,
-                                    verify_file, verify_manifest, write_manifest)
+from jaxfold._src.integrity import (
+  MANIFEST,
+  IntegrityError,
+  NotADirectory,
+  NotFoundError,
+  commit_directory,
+  read_manifest,
+  verify_file,
+  verify_manifest,
+  write_manifest,
+)
 from jaxfold._src.integrity import versions as _versions
 from jaxfold._src.report import Report
 
@@ -436,7 +444,8 @@ def load_fold(directory: str | os.PathLike, apply_fn: Callable, *,
     >>> again = load_fold("/tmp/gpt2-fold", models.get("gpt2-tiny").apply_fn())
     >>> logits = again.apply_fn(again.params, ids)
   """
-  from jaxfold._src.fold import FoldError, FoldedParams, FoldOptions, fold as _fold
+  from jaxfold._src.fold import FoldedParams, FoldError, FoldOptions
+  from jaxfold._src.fold import fold as _fold
 
   directory = os.path.abspath(os.fspath(directory))
   _check_dir(directory)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from jaxfold.benchmarking import compare_forward, device_string
 from jaxfold.cli import _util as U
-from jaxfold.cli._util import CLIError, Step
+from jaxfold.cli._util import Step
 
 
 def add_parser(sub) -> None:

@@ -28,6 +28,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
   import types
   import warnings
+
   from jaxfold import exporting as jexport
   from jaxfold import serialization
   if bool(args.model) == bool(args.from_dir):

@@ -24,6 +24,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
   import jax
+
   import jaxfold
   from jaxfold import serialization
   spec = U.spec_named(args.model)

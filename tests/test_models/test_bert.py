@@ -11,7 +11,6 @@ outnumber auxiliary centerings.
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import save_file

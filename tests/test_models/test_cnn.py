@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from models.common import max_rel_err, randomize_norms
 from models.cnn import CONFIGS
+from models.common import max_rel_err, randomize_norms
 from models.vit import image_inputs
 
 

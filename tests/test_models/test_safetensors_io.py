@@ -6,8 +6,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from models.safetensors_io import (from_hf_tensors, hf_key_to_path, load_safetensors,
-                                   path_to_hf_key, save_safetensors, to_hf_tensors)
+from models.safetensors_io import (
+    from_hf_tensors,
+    hf_key_to_path,
+    load_safetensors,
+    path_to_hf_key,
+    save_safetensors,
+    to_hf_tensors,
+)
 
 CASES = [  # (family, HF key, ndim, Flax path, transposed)
     ("gpt2", "h.11.attn.c_attn.weight", 2, ("h_11", "attn", "c_attn", "kernel"), False),

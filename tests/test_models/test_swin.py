@@ -40,8 +40,15 @@ import numpy as np
 import pytest
 
 from models.common import max_rel_err, randomize_norms
-from models.swin import (CONFIGS, SwinConfig, SwinForImageClassification, relative_position_index,
-                         shifted_window_mask, window_partition, window_reverse)
+from models.swin import (
+    CONFIGS,
+    SwinConfig,
+    SwinForImageClassification,
+    relative_position_index,
+    shifted_window_mask,
+    window_partition,
+    window_reverse,
+)
 from models.vit import ImageModelSpec, image_inputs
 
 TINY = CONFIGS["swin-tiny-test"]
