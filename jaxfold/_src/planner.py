@@ -437,9 +437,10 @@ def _value_text(v: Val) -> str:
   node = v.producer
   if node is None:
     return "a program input" if v.kind == "in" else "a captured constant"
-  what = f"the output of `{node.prim.name}`"
+  # (module path and line come from _value_where)
+  what = f"`{node.prim.name}`"
   if node.calls:
-    what += f" (in `{node.calls[-1].name}`)"
+    what += f" in `{node.calls[-1].name}`"
   return what
 
 

@@ -43,7 +43,7 @@ class Auxiliary:
   index: int            # 1-based: "A1", "A2", ...
   shape: tuple = ()
   axes: str = ""        # centered dims, as Centering.axes
-  value: str = ""       # what the centered value is, e.g. "the output of `gather`"
+  value: str = ""       # the operation producing the value, e.g. "`gather` in `_take`"
   where: str = ""       # module path, may be empty
   source: str = ""      # the user's line, file.py:line (function)
   sites: tuple = ()     # indices of the sites that rely on it
@@ -54,11 +54,16 @@ class Auxiliary:
 
   def describe(self) -> str:
     dims = self.axes.strip("()").replace("(groups of ", "/").replace(")", "")
-    loc = "".join(x for x in (f" in {self.where}" if self.where else "",
-                               f" at {self.source}" if self.source else ""))
+    if not self.shape:        # a report written before auxiliary centerings were structured
+      return f"{self.name}: {self.value}"
+    if self.where:
+      what = f"the output of {self.where} ({self.value})"
+    else:
+      what = self.value if self.value.startswith("a ") else f"the output of {self.value}"
+    at = f" at {self.source}" if self.source else ""
     used = f"; lets {len(self.sites)} site(s) fold" if self.sites else ""
-    return (f"{self.name}: {self.value}{loc}, {'x'.join(map(str, self.shape))} centered over "
-            f"[{dims}]{used}")
+    shape = "x".join(map(str, self.shape))
+    return f"{self.name}: centers {what}{at} over [{dims}] of {shape}{used}"
 
 
 @dataclasses.dataclass(frozen=True)
