@@ -280,7 +280,13 @@ def atom(key: Any, shape: Shape) -> Expr:
   return Expr({(_factor("atom", key, tuple(shape)),): Fraction(1)}, tuple(shape))
 
 
-def _single(fid: int) -> Expr:
+def factor(fid: int) -> "Factor":
+  """The interned factor ``fid`` of the current scope (what a monomial's ids name)."""
+  return _FACTORS[fid]
+
+
+def single(fid: int) -> Expr:
+  """The expression made of factor ``fid`` alone."""
   return Expr({(fid,): Fraction(1)}, _FACTORS[fid].shape)
 
 
@@ -362,7 +368,7 @@ def app(tag: Any, args: Sequence[Expr], shape: Shape, elementwise: bool = True,
   args = tuple(lift(a, shape) if elementwise else a for a in args)
   if commutative:
     args = tuple(sorted(args, key=_expr_order))
-  return _single(_factor("app", tag, shape, args, elementwise))
+  return single(_factor("app", tag, shape, args, elementwise))
 
 
 def _expr_order(e: Expr):
@@ -419,7 +425,7 @@ def _view_factor(fid: int, out_shape: Shape, op, tag, memo) -> int:
       new = op(view if view is not None else View.identity(f.shape))
     if new is None:
       # Not strided: nest the op opaquely around the whole factor.
-      res = _factor("app", ("layout", tag, f.shape), out_shape, (_single(fid),), False)
+      res = _factor("app", ("layout", tag, f.shape), out_shape, (single(fid),), False)
     elif new.is_identity and new.src == _FACTORS[base].shape:
       res = base
     else:

@@ -325,11 +325,14 @@ class Level:
       if len(polys) == 1 and not skip and not collect:
         (v, p), = polys.items()
         if p.is_pure:
-          key = (v, p.pattern(), node.index)
-          if key in memo:
-            result = memo[key]
-            break
-          trail.append(key)
+          pat = p.pattern()
+          seen = memo.get((v, node.index))
+          if seen is not None:
+            hit = _memo_lookup(seen, pat)
+            if hit is not _MISS:
+              result = hit
+              break
+          trail.append((v, node.index, pat))
       if node.index in skip:
         continue
       ins = [polys.get(a) if isinstance(a, Val) else None for a in node.ins]
@@ -357,8 +360,8 @@ class Level:
         del polys[v]
       if not polys:
         break
-    for key in trail:
-      memo[key] = result
+    for v, index, pat in trail:
+      memo.setdefault((v, index), {})[pat] = result
     return result, outputs
 
   # -- loops (called by rules.control) -----------------------------------------
@@ -495,6 +498,43 @@ class Level:
       return
     inner = freeze({d - 1: b for d, b in spec})
     return body._walk(ov, inner, None, (), out, ov, inner)
+
+
+_MISS = object()
+
+
+def _memo_lookup(seen: dict, pat: tuple):
+  """The memoised result for a pure shift of pattern ``pat`` on one value.
+
+  Exact hits return what was found. Otherwise a shift proved invisible for a
+  more general pattern is invisible for ``pat`` too: every tensor ``pat``
+  allows is one the general pattern allows. (A blocked general pattern says
+  nothing about ``pat``, so only invisibility carries over.)
+  """
+  if pat in seen:
+    return seen[pat]
+  for general, result in seen.items():
+    if result is None and _subsumes(general, pat):
+      return None
+  return _MISS
+
+
+def _subsumes(general: tuple, special: tuple) -> bool:
+  """Whether every shift of pattern ``special`` is one of pattern ``general``.
+
+  ``general`` must vary independently along each of its dims (distinct
+  labels: an arbitrary tensor over them), and wherever ``special`` varies,
+  ``general`` varies on blocks that tile ``special``'s blocks.
+  """
+  labels = [e[0] for e in general if e is not None]
+  if len(labels) != len(set(labels)) or len(general) != len(special):
+    return False
+  for g, s in zip(general, special):
+    if s is None:
+      continue
+    if g is None or s[1] % g[1]:
+      return False
+  return True
 
 
 def _merge(a: tuple, b: tuple) -> tuple:

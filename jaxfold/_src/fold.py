@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
 import gc
+import weakref
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -31,6 +33,16 @@ class FoldOptions:
   tied_weights: str = "auto"     # "auto" | "copy" | "auxiliary"
   through_dropout: bool = False  # CBWC only: fold across dropout masks (inexact)
   norm_impl: str = "auto"        # folded norms: "auto" | "xla" | "pallas" | "interpret"
+
+  def __post_init__(self):
+    # The one validation of options: fold, cbwc, load_fold and the CLI all build these.
+    for name in ("auxiliary_centering", "through_dropout"):
+      if not isinstance(getattr(self, name), bool):
+        raise FoldError(f"{name} must be True or False, got {getattr(self, name)!r}")
+    if self.tied_weights not in ("auto", "copy", "auxiliary"):
+      raise FoldError(f"tied_weights must be 'auto', 'copy' or 'auxiliary', got {self.tied_weights!r}")
+    if self.norm_impl not in kernels.IMPLS:
+      raise FoldError(f"norm_impl must be one of {kernels.IMPLS}, got {self.norm_impl!r}")
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -115,23 +127,61 @@ def analyse(apply_fn: Callable, params: Any, args: tuple, opts: FoldOptions,
   paths_leaves = _check_params(params)
   abstract_params = jax.tree_util.tree_map(_abstract, params)
   abstract_args = jax.tree_util.tree_map(_abstract, args)
-  closed, out_shape = _trace(apply_fn, abstract_params, abstract_args)
-  jaxpr, consts = compat.open_jaxpr(closed)
+  with _no_gc():
+    closed, out_shape = _trace(apply_fn, abstract_params, abstract_args)
   names = [jax.tree_util.keystr(p) for p, _ in paths_leaves]
+  key = (opts, cbwc, tuple(names))
+  cached = _ANALYSES.get(closed, key)
+  if cached is not None:
+    return cached
+  jaxpr, consts = compat.open_jaxpr(closed)
   with algebra.scope(), _no_gc():
     an = Analyzer(Program(closed), cbwc=cbwc, through_dropout=opts.through_dropout)
     an.num_leaves = len(names)
     planner = Planner(an, names, opts).run()
     plan, kernel_sites = _plan(planner, opts)
     report = planner.report(kernel_sites)
-  return Analysis(jaxpr, consts, jax.tree_util.tree_structure(out_shape), plan,
-                  planner.leaf_specs(), planner.untied_specs(), report)
+  result = Analysis(jaxpr, consts, jax.tree_util.tree_structure(out_shape), plan,
+                    planner.leaf_specs(), planner.untied_specs(), report)
+  _ANALYSES.put(closed, key, result)
+  return result
+
+
+class _AnalysisCache:
+  """Analyses of the last few programs, keyed by the traced jaxpr's identity.
+
+  jax's tracing cache hands back the *same* ClosedJaxpr object when the same
+  function is traced at the same abstract inputs and config, so identity means
+  the same program: a later fold of it reuses the (immutable) analysis. The
+  entry holds a weak reference to check that identity, and the cache is
+  small, so it keeps few programs alive beyond jax's own cache.
+  """
+
+  def __init__(self, size: int = 8):
+    self.size = size
+    self.entries: collections.OrderedDict = collections.OrderedDict()
+
+  def get(self, closed: Any, key: tuple) -> Optional[Analysis]:
+    entry = self.entries.get((id(closed), key))
+    if entry is None or entry[0]() is not closed:
+      return None
+    self.entries.move_to_end((id(closed), key))
+    return entry[1]
+
+  def put(self, closed: Any, key: tuple, analysis: Analysis) -> None:
+    self.entries[(id(closed), key)] = (weakref.ref(closed), analysis)
+    while len(self.entries) > self.size:
+      self.entries.popitem(last=False)
+
+
+_ANALYSES = _AnalysisCache()
 
 
 @contextlib.contextmanager
 def _no_gc():
-  """The analysis allocates many small, short-lived objects and no cycles
-  worth collecting mid-way: the collector's pauses are pure overhead."""
+  """Tracing and the analysis allocate many small, short-lived objects and no
+  cycles worth collecting mid-way: the collector's pauses are pure overhead
+  (a third of a cold fold)."""
   enabled = gc.isenabled()
   gc.disable()
   try:
@@ -433,14 +483,10 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
     >>> bool(jnp.allclose(f.apply_fn(f.params, x), m.apply(p, x), atol=1e-5))
     True
   """
-  if tied_weights not in ("auto", "copy", "auxiliary"):
-    raise FoldError(f"tied_weights must be 'auto', 'copy' or 'auxiliary', got {tied_weights!r}")
+  opts = FoldOptions(auxiliary_centering, tied_weights, norm_impl=norm_impl)
   if not callable(apply_fn):
     raise FoldError(f"apply_fn must be callable, got {type(apply_fn).__name__}")
-  if norm_impl not in kernels.IMPLS:
-    raise FoldError(f"norm_impl must be one of {kernels.IMPLS}, got {norm_impl!r}")
   _refuse_traced(params)
-  opts = FoldOptions(auxiliary_centering, tied_weights, norm_impl=norm_impl)
   call = _bind(apply_fn, example_args, example_kwargs or {})
   an = analyse(call.fn, params, call.args, opts)
   leaves, tree = jax.tree_util.tree_flatten(params)
@@ -478,6 +524,8 @@ def cbwc(params: Any, apply_fn: Callable, *example_args: Any,
     True
   """
   opts = FoldOptions(auxiliary_centering, tied_weights, through_dropout)
+  if not callable(apply_fn):
+    raise FoldError(f"apply_fn must be callable, got {type(apply_fn).__name__}")
   call = _bind(apply_fn, example_args, example_kwargs or {})
   an = analyse(call.fn, params, call.args, opts, cbwc=True)
   _, tree = jax.tree_util.tree_flatten(params)

@@ -39,10 +39,10 @@ class Epilogue:
 
 def _vector_param(fid: int, hidden: int, top) -> Optional[Val]:
   """The Val behind a factor that is a (hidden,)-vector broadcast over rows."""
-  f = A._FACTORS[fid]
+  f = A.factor(fid)
   if f.kind != "view":
     return None
-  base = A._FACTORS[f.args[0]]
+  base = A.factor(f.args[0])
   v = f.key
   if base.kind != "atom" or not isinstance(base.key, Val) or base.key.program is not top:
     return None
@@ -81,10 +81,10 @@ def _match(C: A.Expr, X: A.Expr, shape: tuple, top) -> Optional[tuple]:
   if len(main) != 1:
     return None
   rest = [f for f in main[0] if f != xf]
-  rs = [f for f in rest if A._FACTORS[f].kind == "app" and A._FACTORS[f].key == ("rsqrt",)]
+  rs = [f for f in rest if A.factor(f).kind == "app" and A.factor(f).key == ("rsqrt",)]
   if len(rs) != 1 or main[0].count(xf) != 1:
     return None
-  arg = A._FACTORS[rs[0]].args[0]
+  arg = A.factor(rs[0]).args[0]
   eps = arg.const_value
   if eps <= 0:
     return None
@@ -102,8 +102,8 @@ def _match(C: A.Expr, X: A.Expr, shape: tuple, top) -> Optional[tuple]:
     b_val = _vector_param(b_terms[0][0], hidden, top)
     if b_val is None:
       return None
-  gamma = A._single(others[0]) if others else None
-  beta = A._single(b_terms[0][0]) if b_terms else None
+  gamma = A.single(others[0]) if others else None
+  beta = A.single(b_terms[0][0]) if b_terms else None
   return eps, gamma, beta, g_val, b_val
 
 

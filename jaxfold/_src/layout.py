@@ -6,19 +6,21 @@ of ``block`` consecutive elements of every listed dimension.
 
 from __future__ import annotations
 
+import numpy as np
+
 Spec = dict  # {dim: block}
 
 
 def center(x, spec: Spec):
-  """Subtracts the mean over each joint block of ``spec`` (float32 or wider).
+  """Subtracts the mean over each joint block of ``spec``, keeping ``x``'s dtype.
 
-  Works on jax and NumPy arrays alike (only array methods are used).
+  Works on jax and NumPy arrays alike. On the host (NumPy) the mean is
+  accumulated in float64 and the subtraction writes the only full-size array
+  (no float64 copy of a large table); under jax the arithmetic runs in at
+  least float32.
   """
-  import jax.numpy as jnp
   dtype = x.dtype
-  acc = jnp.promote_types(dtype, jnp.float32)
-  y = x.astype(acc)
-  shape = list(y.shape)
+  shape = tuple(x.shape)
   split, axes = [], []
   for d, s in enumerate(shape):
     b = spec.get(d)
@@ -27,8 +29,19 @@ def center(x, spec: Spec):
     else:
       split.extend([s // b, b])
       axes.append(len(split) - 1)
-  z = y.reshape(split)
-  z = z - z.mean(axis=tuple(axes), keepdims=True)
+  axes = tuple(axes)
+  if isinstance(x, np.ndarray):
+    z = x.reshape(split)
+    m = z.mean(axis=axes, dtype=np.float64, keepdims=True)
+    if dtype in (np.float32, np.float64):
+      out = z - m.astype(dtype)
+    else:  # bfloat16/float16: subtract in float32, round once
+      out = (z.astype(np.float32) - m.astype(np.float32)).astype(dtype)
+    return out.reshape(shape)
+  import jax.numpy as jnp
+  acc = jnp.promote_types(dtype, jnp.float32)
+  z = x.astype(acc).reshape(split)
+  z = z - z.mean(axis=axes, keepdims=True)
   return z.reshape(shape).astype(dtype)
 
 
