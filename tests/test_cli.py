@@ -53,6 +53,20 @@ def test_report_for_model_uses_abstract_init(capsys):
   assert code == 0
   d = json.loads(out)
   assert d["num_sites"] == 5 and d["num_auxiliary"] == 0
+  assert d["changes"]["reductions_removed"] == d["num_folded"]
+  code, out, _ = run(capsys, "report", "--model", "gpt2-tiny", "--diff")
+  assert code == 0 and "h_0…h_1/ln_2" in out and "what changed" in out and "A1" in out
+  code, out, _ = run(capsys, "report", "--model", "gpt2-tiny", "--all")
+  assert code == 0 and "h_1/ln_2" in out and "…" not in out
+
+
+def test_models_lists_the_zoo(capsys):
+  code, out, _ = run(capsys, "models")
+  assert code == 0 and "gpt2-tiny" in out and "bert-base" in out and "family" in out
+  code, out, _ = run(capsys, "models", "--names")
+  assert code == 0 and out.split() == models.names()
+  code, out, _ = run(capsys, "report", "--model", "?")   # the old spelling still works
+  assert code == 0 and out.split() == models.names()
 
 
 def test_fold_report_export_roundtrip(capsys, tmp_path):
@@ -71,8 +85,8 @@ def test_fold_report_export_roundtrip(capsys, tmp_path):
   p = load_safetensors(out_dir / "model.safetensors", "gpt2")
   assert p["h_0"]["ln_1"]["scale"].shape == (32,)
 
-  code, out, _ = run(capsys, "report", str(out_dir))
-  assert code == 0 and "saved fold of gpt2-tiny" in out and "5/5" in out
+  code, out, _ = run(capsys, "report", str(out_dir), "--diff")
+  assert code == 0 and "saved fold of gpt2-tiny" in out and "5/5" in out and "what changed" in out
 
   art = tmp_path / "m.jaxexport"
   code, out, err = run(capsys, "export", "--from", str(out_dir), "--out", str(art),

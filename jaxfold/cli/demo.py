@@ -32,6 +32,8 @@ def run(args) -> int:
   print()
   print(folded.report)
   print()
+  print(folded.report.diff())
+  print()
   jitted = U.jit_pair(apply_fn, folded)
   orig, fold_fn = jitted
   with Step("checking outputs (jit)"):
