@@ -22,7 +22,13 @@ def paper_choice(params, apply_fn, *args):
   post-LN models, which is what it measures).
 
   Example:
-    >>> out, n = paper_choice(params, model.apply, ids)   # compare out with model.apply(params, ids)
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> from jaxfold.benchmarking import paper_choice
+    >>> m = nn.Sequential([nn.Dense(8), nn.LayerNorm(), nn.Dense(8), nn.LayerNorm()])
+    >>> x = jnp.ones((2, 4)); p = m.init(jax.random.PRNGKey(0), x)
+    >>> out, n = paper_choice(p, m.apply, x)     # compare with m.apply(p, x)
+    >>> n
+    2
   """
   # Walk each site and center every parameter it needs, visible or not.
   closed, out_shape = jax.make_jaxpr(apply_fn, return_shape=True)(params, *args)
