@@ -12,7 +12,7 @@ from jaxfold.cli._util import CLIError, Step
 
 def add_parser(sub) -> None:
   f = sub.add_parser("fold", help="fold a model and save it")
-  f.add_argument("--model", required=True, help="model name (see `jaxfold report --model ?`)")
+  f.add_argument("--model", required=True, help="model name (`jaxfold models` lists them)")
   f.add_argument("--checkpoint", help="HF .safetensors file (default: random weights)")
   f.add_argument("--out", help="output directory (default ./folded-NAME)")
   f.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
