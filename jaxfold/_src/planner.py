@@ -300,7 +300,7 @@ class Planner:
     if j is None:
       return b.reason
     src = self.sites[j].node.source()
-    return (f"it carries the output of site #{j} ({self.site_where(j)}"
+    return (f"it carries the output of normalization #{j} ({self.site_where(j)}"
             f"{', ' + src if src else ''}): γ ⊙ n + β is not zero-mean when γ is non-uniform")
 
   def _norm_output_of(self, v) -> Optional[int]:
