@@ -191,11 +191,10 @@ class Report:
   def table(self, group: bool = True) -> str:
     """The per-site table; ``group=True`` merges sites that differ only in a
     layer number (``h_0…h_11/ln_1  (12)``)."""
-    prefix = _common_root([s.where for s in self.sites])
     rows = []
-    for members in (_groups(self.sites, prefix) if group else [[s] for s in self.sites]):
+    for members in (_groups(self.sites) if group else [[s] for s in self.sites]):
       s = members[0]
-      label = _group_label([_strip(m.where, prefix) for m in members])
+      label = _group_label([m.where for m in members])
       if len(members) > 1:
         label += f"  ({len(members)})"
       if s.folded:
@@ -208,12 +207,10 @@ class Report:
           what = "[inexact] " + what
       else:
         what = _merge_texts([m.reason for m in members])
-      if prefix:
-        what = what.replace(prefix, "")
       idx = _indices([m.index for m in members])
       rows.append((idx, "yes" if s.folded else "no", label, "x".join(map(str, s.shape)),
                    ",".join(map(str, s.axes)), what))
-    head = ("#", "folded", "site" + (f" (under {prefix.rstrip('/')}/)" if prefix else ""),
+    head = ("#", "folded", "site",
             "shape", "axes", "own centerings (folded) / reason (not folded)")
     return _render([head] + rows)
 
@@ -235,9 +232,8 @@ class Report:
       lines.append(f"  reductions (reduce_sum, all): {ch.reductions_before} -> "
                    f"{ch.reductions_after} (-{ch.reductions_removed} mean reduction(s) at "
                    f"{len(folded)} folded site(s){added})")
-    prefix = _common_root([s.where for s in self.sites])
-    for members in _groups(folded, prefix):
-      label = _group_label([_strip(m.where, prefix) for m in members])
+    for members in _groups(folded):
+      label = _group_label([m.where for m in members])
       n = sum(m.num_reductions for m in members)
       each = f" ({members[0].num_reductions} each)" if len(members) > 1 else ""
       lines.append(f"    {label}: -{n} reduction(s){each}, LayerNorm -> RMSNorm")
@@ -299,18 +295,6 @@ def _bytes(n: int) -> str:
   return f"{n} B"
 
 
-def _common_root(wheres: list) -> str:
-  """A first module-path component shared by every site (``GPT2LMHeadModel/``)."""
-  roots = {w.split("/")[0] + "/" for w in wheres if "/" in w and " " not in w.split("/")[0]}
-  if len(roots) == 1 and all(w.startswith(next(iter(roots))) for w in wheres):
-    return next(iter(roots))
-  return ""
-
-
-def _strip(where: str, prefix: str) -> str:
-  return where[len(prefix):] if prefix and where.startswith(prefix) else where
-
-
 _NUM = re.compile(r"\d+")
 
 
@@ -318,21 +302,21 @@ def _template(text: str) -> str:
   return _NUM.sub("#", text)
 
 
-def _site_key(s: Site, prefix: str) -> tuple:
-  return (_template(_strip(s.where, prefix)), s.folded, _template(s.reason), s.shape, s.axes,
+def _site_key(s: Site) -> tuple:
+  return (_template(s.where), s.folded, _template(s.reason), s.shape, s.axes,
           tuple(_template(c.label()) for c in s.centered), s.aux, s.exact, s.requires > len(s.centered),
           s.num_reductions)
 
 
-def _groups(sites, prefix: str) -> list:
+def _groups(sites) -> list:
   """Sites whose rows differ only in one number (a layer index) form a group,
   in order of first appearance; anything else stays alone."""
   by_key: dict = {}
   for s in sites:
-    by_key.setdefault(_site_key(s, prefix), []).append(s)
+    by_key.setdefault(_site_key(s), []).append(s)
   out = []
   for members in by_key.values():
-    if len(members) == 1 or _varying(_strip(m.where, prefix) for m in members) is not None:
+    if len(members) == 1 or _varying(m.where for m in members) is not None:
       out.append(members)
     else:
       out.extend([m] for m in members)
