@@ -1,6 +1,6 @@
 """Shared helpers of the jaxfold benchmarks: timing, model setup, markdown and PNG output.
 
-The timing core lives in ``jaxfold.cli`` (the ``jaxfold bench``/``demo`` commands use
+The timing core is ``jaxfold.benchmarking`` (the ``jaxfold bench``/``demo`` commands use
 the same code): variants are timed *interleaved*, their order rotated every round, after
 warm-up (compilation), with enough calls per measurement to last >= 20 ms; we report the
 median of per-round ratios and an A/A figure (the original executable against itself)
@@ -19,8 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:      # run as `python benchmarks/bench_*.py` from a source tree
   sys.path.insert(0, ROOT)
 
-from jaxfold.cli import (compare_forward, device_string, random_params,  # noqa: E402
-                         summarize_timings, time_variants)
+from jaxfold.benchmarking import compare_forward, device_string, summarize_timings, time_variants  # noqa: E402
+from models import random_params  # noqa: E402
 
 __all__ = ["compare_forward", "device_string", "random_params", "summarize_timings",
            "time_variants", "parse_sizes", "is_image", "max_positions", "markdown_table",
@@ -45,7 +45,8 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
       b, s = part.lower().split("x")
       out.append((int(b), int(s)))
     except ValueError:
-      raise argparse.ArgumentTypeError(f"sizes must look like 1x64,4x128 (batch x seq), got {part!r}")
+      raise argparse.ArgumentTypeError(
+          f"sizes must look like 1x64,4x128 (batch x seq), got {part!r}") from None
   return out
 
 

@@ -57,6 +57,7 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
 
   import jax
+
   import jaxfold
   import models
 
@@ -75,15 +76,15 @@ def main(argv=None) -> int:
       n = C.num_params(abstract)
       C.log(f"{name} {batch}x{seq or 'img'} ({n / 1e6:.1f}M params)")
       reps = args.repeats if n <= args.max_alloc else args.repeats_big
-      t_trace = median_time(lambda: jax.make_jaxpr(spec.apply_fn())(abstract, *ex), reps)
+      t_trace = median_time(lambda s=spec, a=abstract, e=ex: jax.make_jaxpr(s.apply_fn())(a, *e), reps)
       kept = []
-      t_abs = median_time(lambda: jaxfold.fold(abstract, spec.apply_fn(), *ex), reps, kept)
+      t_abs = median_time(lambda s=spec, a=abstract, e=ex: jaxfold.fold(a, s.apply_fn(), *e), reps, kept)
       folded = kept[0]
       t_real = None
       if n <= args.max_alloc:
         params = jax.block_until_ready(C.random_params(spec, batch, seq, 0))
 
-        def real():
+        def real(params=params, spec=spec, ex=ex):
           f = jaxfold.fold(params, spec.apply_fn(), *ex)
           jax.block_until_ready(f.params)
         real()
@@ -110,8 +111,9 @@ def main(argv=None) -> int:
           "analysis ms",
           "transform ms", "fold total ms"]
   lines = C.header("jaxfold.fold time", sys.argv[1:] if argv is None else argv)
-  lines += ["Median of %d cold runs each (%d for models above %.0fM parameters; jax caches cleared, a fresh apply function per run, "
-            "so every run traces from scratch as a first fold in a process does). `analysis` = fold on abstract parameters minus the trace; "
+  lines += ["Median of %d cold runs each (%d for models above %.0fM parameters; jax caches cleared, a fresh "
+            "apply function per run, so every run traces from scratch as a first fold in a process does). "
+            "`analysis` = fold on abstract parameters minus the trace; "
             "`transform` = fold on real (random) parameters minus fold on abstract ones "
             "(— : not allocated, above --max-alloc); differences of separately measured medians, "
             "clipped at 0 where the noise exceeds them. Default options (auxiliary centering on, "

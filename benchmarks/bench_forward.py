@@ -54,9 +54,10 @@ def main(argv=None) -> int:
   sizes = C.grid(PAPER_BATCHES, PAPER_SEQS) if args.grid == "paper" else args.sizes
 
   import jax
+
   import jaxfold
   import models
-  from jaxfold.cli import _max_rel_err
+  from jaxfold.benchmarking import max_rel_err as _max_rel_err
 
   rows, skipped, labels, ratios, noise = [], [], [], [], []
   for name in [m.strip() for m in args.models.split(",") if m.strip()]:
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
       apply = spec.apply_fn()
       ex = spec.example_inputs(batch) if seq is None else spec.example_inputs(batch, seq)
       folded = jaxfold.fold(params, apply, *ex, auxiliary_centering=not args.no_auxiliary)
-      orig_j = jax.jit(lambda p_, *a: apply(p_, *a))
+      orig_j = jax.jit(lambda p_, *a, g=apply: g(p_, *a))
       fold_j = jax.jit(lambda p_, *a, f=folded: f.apply_fn(p_, *a))
       err = _max_rel_err(orig_j(params, *ex), fold_j(folded.params, *ex))
       s = C.compare_forward(apply, params, folded, ex, rounds=args.rounds, warmup=args.warmup,

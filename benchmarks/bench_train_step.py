@@ -41,8 +41,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-import jaxfold  # noqa: E402
 import _train_common as common  # noqa: E402
+
+import jaxfold  # noqa: E402
 
 ORDER = ("ln", "ln_b", "cbwc", "rms")
 

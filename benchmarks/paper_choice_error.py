@@ -21,17 +21,11 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxfold  # noqa: E402
 import models  # noqa: E402
-from jaxfold._src import algebra, compat, layout  # noqa: E402
-from jaxfold._src.analysis import Analyzer, LeafNeed  # noqa: E402
-from jaxfold._src.planner import Planner  # noqa: E402
-from jaxfold._src.program import Program  # noqa: E402
-from jaxfold._src.rewrite import Plan, evaluate  # noqa: E402
-from jaxfold._src.rules.base import freeze  # noqa: E402
+from jaxfold.benchmarking import paper_choice  # noqa: E402
 from models.safetensors_io import load_safetensors  # noqa: E402
 
 SENTENCES = [
@@ -39,32 +33,6 @@ SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
     "Soundness before coverage: a wrong fold is the worst bug.",
 ]
-
-
-def paper_choice(params, apply_fn, *args):
-  """Every site's mean removed; every centerable additive source centered."""
-  # Walk each site and center every parameter it needs, visible or not.
-  closed, out_shape = jax.make_jaxpr(apply_fn, return_shape=True)(params, *args)
-  jaxpr, consts = compat.open_jaxpr(closed)
-  n = len(jax.tree_util.tree_leaves(params))
-  specs: dict = {}
-  zero = set()
-  with algebra.scope():
-    an = Analyzer(Program(closed))
-    an.num_leaves = n
-    planner = Planner(an, [str(i) for i in range(n)], jaxfold.FoldOptions())
-    for site in planner.sites:
-      zero |= {r.path for r in site.reduces}
-      spec = freeze(layout.full_spec(site.input.shape, site.axes))
-      for need in site.level.needs(site.input, spec):
-        if isinstance(need, LeafNeed) and planner.is_leaf(need.var):
-          specs.setdefault(need.var.index, need.spec)
-    num_sites = len(planner.sites)
-  leaves, tree = jax.tree_util.tree_flatten(params)
-  leaves = [layout.center(x, dict(specs[i])) if i in specs else x for i, x in enumerate(leaves)]
-  flat = leaves + jax.tree_util.tree_leaves(args)
-  out = evaluate(jaxpr, consts, flat, Plan(zero=frozenset(zero)), {})
-  return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), out), num_sites
 
 
 def main(argv=None) -> str:

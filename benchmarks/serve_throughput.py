@@ -32,13 +32,12 @@ import time
 import types
 import urllib.request
 
-import numpy as np
-
 import _common as C
+import numpy as np
 
 import jaxfold
 from jaxfold import serving
-from jaxfold.cli import model_meta
+from models import serving_meta as model_meta
 
 
 def _start_server(artifact: str, args) -> tuple[subprocess.Popen, str]:
@@ -66,7 +65,7 @@ def _wait_ready(proc: subprocess.Popen, log: str, timeout: float = 900) -> str:
       return url
     except OSError:
       if time.monotonic() > deadline or proc.poll() is not None:
-        raise SystemExit(f"server at {url} not healthy")
+        raise SystemExit(f"server at {url} not healthy") from None
       time.sleep(0.1)
 
 
@@ -151,7 +150,7 @@ def main(argv=None) -> int:
     results = {}
     for level in levels:
       payloads = _payloads(args.requests, args.seq, vocab, args.seed + level, encoding)
-      for name, u in urls.items():   # warm the connections' path (buckets are compiled)
+      for u in urls.values():   # warm the connections' path (buckets are compiled)
         serving.load_test(u + "/predict", payloads[:2 * level], concurrency=level,
                           timeout=args.timeout, keep_bodies=False)
       for r in range(args.rounds):

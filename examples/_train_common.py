@@ -20,7 +20,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -186,6 +186,7 @@ def run_variants(args, make_model: Callable[[str], nn.Module], example: Any,
                  title: str, log: Callable[[str], None] = print) -> dict:
   """Trains each requested variant from the same initial parameters (the RMS
   model from the same seed) and writes curves.png, results.md, results.json."""
+  require_plotting()
   names = [v.strip() for v in args.variants.split(",") if v.strip()]
   for n in names:
     if n not in VARIANTS:
@@ -223,7 +224,16 @@ def _device() -> str:
   return f"{d.platform} ({d.device_kind}), {os.cpu_count()} CPUs, jax {jax.__version__}"
 
 
+def require_plotting() -> None:
+  """Fails *before* training when the plot could not be written at the end."""
+  import importlib.util
+  if importlib.util.find_spec("matplotlib") is None:
+    raise SystemExit("this example plots its curves with matplotlib, which is not installed: "
+                     "pip install -e \".[examples]\" (matplotlib, scikit-learn)")
+
+
 def write_results(histories: dict, out: str, title: str, args) -> None:
+  require_plotting()
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt

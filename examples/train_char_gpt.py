@@ -20,12 +20,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import jax  # noqa: E402
+import _train_common as common  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-
-import _train_common as common  # noqa: E402
 
 
 def load_text(max_bytes: int) -> np.ndarray:

@@ -3,24 +3,30 @@
 Public API:
   fold(params, apply_fn, *example_args) -> Folded(params, apply_fn, report)
   cbwc(params, apply_fn, *example_args) -> Reparameterized(apply_fn, report, analysis)
+  Report: str(report) (per site), report.diff() (what changed), report.to_json() (for tools)
   export(folded, *example_args, meta=...) -> bytes; load_exported(bytes | path) -> callable
   save_fold(folded, directory); load_fold(directory, apply_fn)   (atomic; content-hashed)
   IntegrityError: a saved fold or an artifact is damaged, truncated or foreign
   fuse_affine(folded) -> Fused(params, apply_fn, report)   (γ/β into the readers; or fold(..., fuse_affine=True))
   rotate(fused, q) -> Rotated(params, apply_fn, report)     (orthogonal q on the residual stream)
-  jaxfold.serving: the HTTP inference service behind `jaxfold serve` (needs the `serve` extra)
+Submodules (imported with jaxfold): optax_transforms (CBWC weight decay), exporting,
+serialization, benchmarking (timing, errors); jaxfold.serving (HTTP; needs the `serve` extra)
+is imported on demand.
 """
 
-from jaxfold._src.fold import FoldError, Folded, FoldedParams, FoldOptions, Reparameterized, cbwc, fold
+from jaxfold import benchmarking, exporting, optax_transforms, serialization  # noqa: E402, I001
 from jaxfold._src.export import export, load_exported
+from jaxfold._src.fold import Folded, FoldedParams, FoldError, FoldOptions, Reparameterized, cbwc, fold
 from jaxfold._src.integrity import IntegrityError
-from jaxfold._src.report import Centering, Report, Site
-from jaxfold._src.serialization import load_fold, save_fold
+from jaxfold._src.report import Auxiliary, Centering, Changes, Report, Site
 from jaxfold._src.affine import Fused, FusedParams, FuseError, FuseReport, fuse_affine
 from jaxfold._src.rotate import Rotated, RotateReport, rotate
+from jaxfold._src.serialization import load_fold, save_fold
 
-__all__ = ["fold", "cbwc", "Folded", "FoldedParams", "FoldOptions", "Reparameterized", "FoldError", "Report", "Site",
-           "Centering", "export", "load_exported", "save_fold", "load_fold", "IntegrityError"]
+__all__ = ["fold", "cbwc", "Folded", "FoldedParams", "FoldOptions", "Reparameterized", "FoldError",
+           "Report", "Site", "Centering", "Auxiliary", "Changes", "export", "load_exported",
+           "save_fold", "load_fold", "IntegrityError", "optax_transforms", "exporting",
+           "serialization", "benchmarking"]
 __all__ += ["fuse_affine", "Fused", "FusedParams", "FuseError", "FuseReport", "rotate", "Rotated",
             "RotateReport"]
 __version__ = "0.1.0"

@@ -13,10 +13,17 @@ Example:
     [(('batch', 'seq'), 'int32')]
 """
 
-from jaxfold._src.export import (ARTIFACT_VERSION, ExportWarning, export, exported_signature,
-                                 load_exported, read_artifact)
+from jaxfold._src.export import (
+                                 ARTIFACT_VERSION,
+                                 MAGIC,
+                                 ExportWarning,
+                                 export,
+                                 exported_signature,
+                                 load_exported,
+                                 read_artifact,
+)
 from jaxfold._src.integrity import IntegrityError
 from jaxfold._src.integrity import atomic_write_bytes as write_artifact
 
 __all__ = ["export", "load_exported", "ExportWarning", "exported_signature", "read_artifact",
-           "write_artifact", "IntegrityError", "ARTIFACT_VERSION"]
+           "write_artifact", "IntegrityError", "ARTIFACT_VERSION", "MAGIC"]

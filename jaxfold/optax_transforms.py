@@ -11,25 +11,21 @@ Appendix variant): :func:`decay_centered_weights`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import jax
 import optax
 
 from jaxfold._src import layout
 
-__all__ = ["decay_centered_weights", "DecayCenteredWeightsState"]
-
-
-class DecayCenteredWeightsState(NamedTuple):
-  """No state is needed."""
+__all__ = ["decay_centered_weights", "centered_weights"]
 
 
 def _leaf_specs(reparam: Any) -> tuple[dict, Any]:
   """Returns ({leaf index: spec dict}, expected treedef or None)."""
   tree = None
   if hasattr(reparam, "analysis") and hasattr(reparam, "apply_fn"):   # Reparameterized
-    tree = getattr(reparam.apply_fn, "_tree", None)
+    tree = getattr(reparam.apply_fn, "params_treedef", None)
     specs = reparam.analysis.leaf_specs
   elif hasattr(reparam, "leaf_specs"):                                  # Analysis
     specs = reparam.leaf_specs
@@ -44,8 +40,48 @@ def _leaf_specs(reparam: Any) -> tuple[dict, Any]:
   return out, tree
 
 
+def centered_weights(reparam: Any) -> Callable[[Any], Any]:
+  """``params -> V``: the weights a CBWC forward pass uses (V = P·W on the
+  leaves ``reparam`` centers, W elsewhere).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxfold
+    >>> m = nn.Sequential([nn.Dense(8), nn.LayerNorm()])
+    >>> x = jnp.ones((2, 3)); p = m.init(jax.random.PRNGKey(0), x)
+    >>> v = jaxfold.optax_transforms.centered_weights(jaxfold.cbwc(p, m.apply, x))(p)
+    >>> bool(jnp.allclose(v['params']['layers_0']['kernel'].sum(-1), 0, atol=1e-6))
+    True
+  """
+  specs, expected_tree = _leaf_specs(reparam)
+  if expected_tree is None:      # leaf indices only: the whole parameter tree is expected
+    def center(params):
+      leaves, tree = jax.tree_util.tree_flatten(params)
+      if specs and max(specs) >= len(leaves):
+        raise ValueError(f"reparam centers leaf {max(specs)} but params has only "
+                         f"{len(leaves)} leaves")
+      return jax.tree_util.tree_unflatten(
+          tree, [layout.center(x, specs[i]) if i in specs else x for i, x in enumerate(leaves)])
+    return center
+  # Keyed by path, so a subtree selected by optax.masked is centered correctly too.
+  skeleton = jax.tree_util.tree_unflatten(expected_tree, range(expected_tree.num_leaves))
+  by_path = {jax.tree_util.keystr(k): specs.get(i)
+             for k, i in jax.tree_util.tree_flatten_with_path(skeleton)[0]}
+
+  def center(params):
+    def one(path, x):
+      key = jax.tree_util.keystr(path)
+      if key not in by_path:
+        raise ValueError(f"params leaf {key} is not in the parameters reparam was made for "
+                         f"({expected_tree})")
+      spec = by_path[key]
+      return layout.center(x, spec) if spec else x
+    return jax.tree_util.tree_map_with_path(one, params)
+
+  return center
+
+
 def decay_centered_weights(
-    weight_decay: Union[float, jax.Array],
+    weight_decay: Union[float, jax.Array, Callable[[Any], Any]],
     reparam: Any,
     mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
 ) -> optax.GradientTransformation:
@@ -79,13 +115,16 @@ def decay_centered_weights(
   of a tied weight) are decayed on W, since W itself is used too.
 
   Args:
-    weight_decay: the decay rate (a float or a scalar array / schedule value).
+    weight_decay: the decay rate: a float, a scalar array, or an optax
+      schedule (``step -> rate``, e.g. ``optax.cosine_decay_schedule``).
     reparam: ``jaxfold.cbwc(params, apply_fn, *args)``, or its ``.analysis``,
       or its ``.analysis.leaf_specs``.
-    mask: as in ``optax.add_decayed_weights``.
+    mask: as in ``optax.add_decayed_weights`` (applied with ``optax.masked``).
 
   Returns:
-    An ``optax.GradientTransformation`` whose ``update`` requires ``params``.
+    An ``optax.GradientTransformation`` whose ``update`` requires ``params``:
+    ``optax.scale`` (or ``optax.scale_by_schedule``) applied to V, added to
+    the updates, wrapped in ``optax.masked`` when ``mask`` is given.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, optax, jaxfold
@@ -107,41 +146,19 @@ def decay_centered_weights(
     >>> bool(jnp.allclose(u['params']['layers_0']['kernel'].mean(-1), 0, atol=1e-7))
     True
   """
-  specs, expected_tree = _leaf_specs(reparam)
-
-  def init_fn(params):
-    del params
-    return DecayCenteredWeightsState()
+  center = centered_weights(reparam)
+  rate = (optax.scale_by_schedule(weight_decay) if callable(weight_decay)
+          else optax.scale(weight_decay))
 
   def update_fn(updates, state, params=None):
     if params is None:
       raise ValueError("decay_centered_weights needs the current params: call "
                        "update(updates, state, params).")
-    p_leaves, p_tree = jax.tree_util.tree_flatten(params)
-    u_leaves, u_tree = jax.tree_util.tree_flatten(updates)
-    if expected_tree is not None and p_tree != expected_tree:
-      raise ValueError(f"params has structure {p_tree}, but reparam was made for "
-                       f"{expected_tree}")
-    if u_tree != p_tree:
-      raise ValueError(f"updates structure {u_tree} differs from params structure {p_tree}")
-    if specs and max(specs) >= len(p_leaves):
-      raise ValueError(f"reparam centers leaf {max(specs)} but params has only "
-                       f"{len(p_leaves)} leaves")
-    if mask is None:
-      m_leaves = [True] * len(p_leaves)
-    else:
-      m = mask(params) if callable(mask) else mask
-      m_leaves = jax.tree_util.tree_leaves(m)
-      if len(m_leaves) != len(p_leaves):
-        raise ValueError(f"mask has {len(m_leaves)} leaves, params has {len(p_leaves)}")
-    out = []
-    for i, (u, p, keep) in enumerate(zip(u_leaves, p_leaves, m_leaves)):
-      if u is None or not keep:
-        out.append(u)
-        continue
-      w = layout.center(p, specs[i]) if i in specs else p
-      out.append((u + weight_decay * w).astype(u.dtype) if hasattr(u, "dtype") else
-                 u + weight_decay * w)
-    return jax.tree_util.tree_unflatten(u_tree, out), state
+    if jax.tree_util.tree_structure(updates) != jax.tree_util.tree_structure(params):
+      raise ValueError(f"updates structure {jax.tree_util.tree_structure(updates)} differs "
+                       f"from params structure {jax.tree_util.tree_structure(params)}")
+    decay, state = rate.update(center(params), state)
+    return jax.tree_util.tree_map(lambda u, d: (u + d).astype(u.dtype), updates, decay), state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  t = optax.GradientTransformation(rate.init, update_fn)
+  return optax.masked(t, mask) if mask is not None else t

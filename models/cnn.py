@@ -27,8 +27,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import flax.linen as nn
+import jax
 
 from models.vit import ImageModelSpec
 
@@ -37,48 +37,48 @@ __all__ = ["CNNConfig", "GroupNormCNN", "group_norm", "CONFIGS"]
 
 @dataclasses.dataclass(frozen=True)
 class CNNConfig:
-    """``widths`` conv channels, each normalized with ``num_groups`` groups."""
+  """``widths`` conv channels, each normalized with ``num_groups`` groups."""
 
-    image_size: int = 16
-    num_channels: int = 3
-    widths: tuple[int, ...] = (16, 32)
-    num_groups: int = 4
-    per_position: bool = False
-    num_labels: int = 10
-    eps: float = 1e-5
+  image_size: int = 16
+  num_channels: int = 3
+  widths: tuple[int, ...] = (16, 32)
+  num_groups: int = 4
+  per_position: bool = False
+  num_labels: int = 10
+  eps: float = 1e-5
 
 
 def group_norm(config: CNNConfig, name: str) -> nn.GroupNorm:
-    """flax's own GroupNorm; per-position statistics when ``config.per_position``.
+  """flax's own GroupNorm; per-position statistics when ``config.per_position``.
 
-    ``reduction_axes=(-1,)`` keeps only the in-group channel axis in the statistics (flax
-    reshapes channels to (G, C/G) and reduces the last axis), so the spatial axes are no
-    longer reduced.
+  ``reduction_axes=(-1,)`` keeps only the in-group channel axis in the statistics (flax
+  reshapes channels to (G, C/G) and reduces the last axis), so the spatial axes are no
+  longer reduced.
 
-    Example:
-        >>> group_norm(CNNConfig(per_position=True), "norm_0").reduction_axes
-        (-1,)
-    """
-    axes = (-1,) if config.per_position else None
-    return nn.GroupNorm(num_groups=config.num_groups, epsilon=config.eps, reduction_axes=axes, name=name)
+  Example:
+      >>> group_norm(CNNConfig(per_position=True), "norm_0").reduction_axes
+      (-1,)
+  """
+  axes = (-1,) if config.per_position else None
+  return nn.GroupNorm(num_groups=config.num_groups, epsilon=config.eps, reduction_axes=axes, name=name)
 
 
 class GroupNormCNN(nn.Module):
-    """(B, H, W, C) images -> (B, num_labels) logits."""
+  """(B, H, W, C) images -> (B, num_labels) logits."""
 
-    config: CNNConfig
+  config: CNNConfig
 
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        for i, width in enumerate(self.config.widths):
-            stride = 1 if i == 0 else 2
-            x = nn.Conv(width, (3, 3), strides=(stride, stride), padding="SAME", name=f"conv_{i}")(x)
-            x = nn.relu(group_norm(self.config, f"norm_{i}")(x))
-        return nn.Dense(self.config.num_labels, name="head")(x.mean(axis=(1, 2)))
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    for i, width in enumerate(self.config.widths):
+      stride = 1 if i == 0 else 2
+      x = nn.Conv(width, (3, 3), strides=(stride, stride), padding="SAME", name=f"conv_{i}")(x)
+      x = nn.relu(group_norm(self.config, f"norm_{i}")(x))
+    return nn.Dense(self.config.num_labels, name="head")(x.mean(axis=(1, 2)))
 
 
 def _spec(name: str, **kw: Any) -> ImageModelSpec:
-    return ImageModelSpec(name=name, family="cnn", config=CNNConfig(**kw), build=GroupNormCNN)
+  return ImageModelSpec(name=name, family="cnn", config=CNNConfig(**kw), build=GroupNormCNN)
 
 
 CONFIGS: dict[str, ImageModelSpec] = {

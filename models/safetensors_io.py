@@ -42,27 +42,27 @@ PyTree = Any
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Per-family facts the generic rule needs.
+  """Per-family facts the generic rule needs.
 
-    strip_prefixes: wrapper prefixes removed on load (first match wins).
-    save_prefix: prefix written on save for base-model keys.
-    top_level: first path components that live outside the wrapper (e.g. Phi's `lm_head`).
-    embeddings: module names whose `weight` is an embedding table.
-    conv1d: True when 2-D weights are stored (in, out) (GPT-2's Conv1D): no transpose.
-    tied_head: key of a head tied to an embedding (dropped on load, never saved).
-    layer_lists: module names whose numbered children are fused on load (`h.0` -> `h_0`) and
-        split again on save; needed because a Flax name like GPT-2's `ln_1` must stay whole.
-    ignore: regexes of keys (after prefix stripping) that the Flax model has no use for.
-    """
+  strip_prefixes: wrapper prefixes removed on load (first match wins).
+  save_prefix: prefix written on save for base-model keys.
+  top_level: first path components that live outside the wrapper (e.g. Phi's `lm_head`).
+  embeddings: module names whose `weight` is an embedding table.
+  conv1d: True when 2-D weights are stored (in, out) (GPT-2's Conv1D): no transpose.
+  tied_head: key of a head tied to an embedding (dropped on load, never saved).
+  layer_lists: module names whose numbered children are fused on load (`h.0` -> `h_0`) and
+      split again on save; needed because a Flax name like GPT-2's `ln_1` must stay whole.
+  ignore: regexes of keys (after prefix stripping) that the Flax model has no use for.
+  """
 
-    strip_prefixes: tuple[str, ...]
-    save_prefix: str
-    layer_lists: frozenset[str]
-    embeddings: frozenset[str]
-    top_level: frozenset[str] = frozenset()
-    conv1d: bool = False
-    tied_head: tuple[str, str] | None = None  # (head key, embedding module name)
-    ignore: tuple[str, ...] = ()
+  strip_prefixes: tuple[str, ...]
+  save_prefix: str
+  layer_lists: frozenset[str]
+  embeddings: frozenset[str]
+  top_level: frozenset[str] = frozenset()
+  conv1d: bool = False
+  tied_head: tuple[str, str] | None = None  # (head key, embedding module name)
+  ignore: tuple[str, ...] = ()
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -97,11 +97,11 @@ LAYOUTS: dict[str, Layout] = {
 
 
 def layout(family: str) -> Layout:
-    """The `Layout` of a family ('gpt2', 'bert', 'opt', 'bloom', 'phi')."""
-    try:
-        return LAYOUTS[family]
-    except KeyError:
-        raise ValueError(f"unknown family {family!r}; known: {sorted(LAYOUTS)}") from None
+  """The `Layout` of a family ('gpt2', 'bert', 'opt', 'bloom', 'phi')."""
+  try:
+    return LAYOUTS[family]
+  except KeyError:
+    raise ValueError(f"unknown family {family!r}; known: {sorted(LAYOUTS)}") from None
 
 
 # --------------------------------------------------------------------------------------
@@ -110,66 +110,66 @@ def layout(family: str) -> Layout:
 
 
 def _strip(key: str, lay: Layout) -> str:
-    for prefix in lay.strip_prefixes:
-        if key.startswith(prefix):
-            return key[len(prefix):]
-    return key
+  for prefix in lay.strip_prefixes:
+    if key.startswith(prefix):
+      return key[len(prefix):]
+  return key
 
 
 def hf_key_to_path(key: str, ndim: int, family: str) -> tuple[tuple[str, ...], bool] | None:
-    """(Flax path, transpose?) for an HF key, or None when the key is skipped.
+  """(Flax path, transpose?) for an HF key, or None when the key is skipped.
 
-    Example:
-        >>> hf_key_to_path("bert.encoder.layer.0.attention.self.query.weight", 2, "bert")
-        (('encoder', 'layer_0', 'attention', 'self', 'query', 'kernel'), True)
-    """
-    lay = layout(family)
-    key = _strip(key, lay)
-    if any(re.search(p, key) for p in lay.ignore):
-        return None
-    parts: list[str] = []
-    for seg in key.split("."):
-        if seg.isdigit() and parts:
-            parts[-1] = f"{parts[-1]}_{seg}"
-        else:
-            parts.append(seg)
-    *modules, leaf = parts
-    transpose = False
-    if leaf in ("bias", "beta"):
-        leaf = "bias"
-    elif leaf == "gamma" or (leaf == "weight" and ndim == 1):
-        leaf = "scale"
-    elif leaf == "weight" and modules and modules[-1] in lay.embeddings:
-        leaf = "embedding"
-    elif leaf == "weight":
-        leaf, transpose = "kernel", (ndim == 2 and not lay.conv1d)
-    return tuple(modules) + (leaf,), transpose
+  Example:
+      >>> hf_key_to_path("bert.encoder.layer.0.attention.self.query.weight", 2, "bert")
+      (('encoder', 'layer_0', 'attention', 'self', 'query', 'kernel'), True)
+  """
+  lay = layout(family)
+  key = _strip(key, lay)
+  if any(re.search(p, key) for p in lay.ignore):
+    return None
+  parts: list[str] = []
+  for seg in key.split("."):
+    if seg.isdigit() and parts:
+      parts[-1] = f"{parts[-1]}_{seg}"
+    else:
+      parts.append(seg)
+  *modules, leaf = parts
+  transpose = False
+  if leaf in ("bias", "beta"):
+    leaf = "bias"
+  elif leaf == "gamma" or (leaf == "weight" and ndim == 1):
+    leaf = "scale"
+  elif leaf == "weight" and modules and modules[-1] in lay.embeddings:
+    leaf = "embedding"
+  elif leaf == "weight":
+    leaf, transpose = "kernel", (ndim == 2 and not lay.conv1d)
+  return tuple(modules) + (leaf,), transpose
 
 
 def _split_numbered(name: str, lay: Layout) -> str:
-    """`h_0` -> `h.0` for the family's layer lists; any other name (`ln_1`) is kept."""
-    m = re.fullmatch(r"(.*)_(\d+)", name)
-    return f"{m.group(1)}.{m.group(2)}" if m and m.group(1) in lay.layer_lists else name
+  """`h_0` -> `h.0` for the family's layer lists; any other name (`ln_1`) is kept."""
+  m = re.fullmatch(r"(.*)_(\d+)", name)
+  return f"{m.group(1)}.{m.group(2)}" if m and m.group(1) in lay.layer_lists else name
 
 
 def path_to_hf_key(path: tuple[str, ...], ndim: int, family: str) -> tuple[str, bool]:
-    """(HF key, transpose?) for a Flax path; the inverse of `hf_key_to_path`.
+  """(HF key, transpose?) for a Flax path; the inverse of `hf_key_to_path`.
 
-    Example:
-        >>> path_to_hf_key(("h_0", "ln_1", "scale"), 1, "gpt2")
-        ('h.0.ln_1.weight', False)
-    """
-    lay = layout(family)
-    *modules, leaf = path
-    segs = [_split_numbered(m, lay) for m in modules]
-    transpose = False
-    if leaf in ("scale", "embedding"):
-        leaf = "weight"
-    elif leaf == "kernel":
-        leaf, transpose = "weight", (ndim == 2 and not lay.conv1d)
-    key = ".".join(segs + [leaf])
-    prefix = "" if modules and modules[0] in lay.top_level else lay.save_prefix
-    return prefix + key, transpose
+  Example:
+      >>> path_to_hf_key(("h_0", "ln_1", "scale"), 1, "gpt2")
+      ('h.0.ln_1.weight', False)
+  """
+  lay = layout(family)
+  *modules, leaf = path
+  segs = [_split_numbered(m, lay) for m in modules]
+  transpose = False
+  if leaf in ("scale", "embedding"):
+    leaf = "weight"
+  elif leaf == "kernel":
+    leaf, transpose = "weight", (ndim == 2 and not lay.conv1d)
+  key = ".".join(segs + [leaf])
+  prefix = "" if modules and modules[0] in lay.top_level else lay.save_prefix
+  return prefix + key, transpose
 
 
 # --------------------------------------------------------------------------------------
@@ -178,66 +178,66 @@ def path_to_hf_key(path: tuple[str, ...], ndim: int, family: str) -> tuple[str, 
 
 
 def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
-    for p in path[:-1]:
-        tree = tree.setdefault(p, {})
-    if path[-1] in tree:
-        raise ValueError(f"two checkpoint keys map to {'/'.join(path)}")
-    tree[path[-1]] = value
+  for p in path[:-1]:
+    tree = tree.setdefault(p, {})
+  if path[-1] in tree:
+    raise ValueError(f"two checkpoint keys map to {'/'.join(path)}")
+  tree[path[-1]] = value
 
 
 def _get(tree: Mapping, path: tuple[str, ...]) -> Any:
-    for p in path:
-        tree = tree[p]
-    return tree
+  for p in path:
+    tree = tree[p]
+  return tree
 
 
 def from_hf_tensors(tensors: Mapping[str, Any], family: str) -> dict:
-    """HF-named tensors -> nested Flax params dict (arrays as jnp, dtypes kept)."""
-    lay = layout(family)
-    params: dict = {}
-    head = None
-    for key, value in tensors.items():
-        if lay.tied_head and _strip(key, lay) == lay.tied_head[0]:
-            head = value
-            continue
-        mapped = hf_key_to_path(key, np.ndim(value), family)
-        if mapped is None:
-            continue
-        path, transpose = mapped
-        arr = jnp.asarray(value)
-        _set(params, path, arr.T if transpose else arr)
-    if head is not None:
-        _check_tied(params, head, lay)
-    return params
+  """HF-named tensors -> nested Flax params dict (arrays as jnp, dtypes kept)."""
+  lay = layout(family)
+  params: dict = {}
+  head = None
+  for key, value in tensors.items():
+    if lay.tied_head and _strip(key, lay) == lay.tied_head[0]:
+      head = value
+      continue
+    mapped = hf_key_to_path(key, np.ndim(value), family)
+    if mapped is None:
+      continue
+    path, transpose = mapped
+    arr = jnp.asarray(value)
+    _set(params, path, arr.T if transpose else arr)
+  if head is not None:
+    _check_tied(params, head, lay)
+  return params
 
 
 def _check_tied(params: dict, head: Any, lay: Layout) -> None:
-    """A tied head must equal its embedding: the Flax model cannot represent an untied one."""
-    table = params.get(lay.tied_head[1], {}).get("embedding")
-    if table is None or table.shape != np.shape(head) or not np.array_equal(
-            np.asarray(table), np.asarray(head)):
-        raise ValueError(f"{lay.tied_head[0]} is not tied to {lay.tied_head[1]}: this model "
-                         "family's Flax module uses the embedding as its head")
+  """A tied head must equal its embedding: the Flax model cannot represent an untied one."""
+  table = params.get(lay.tied_head[1], {}).get("embedding")
+  if table is None or table.shape != np.shape(head) or not np.array_equal(
+          np.asarray(table), np.asarray(head)):
+    raise ValueError(f"{lay.tied_head[0]} is not tied to {lay.tied_head[1]}: this model "
+                     "family's Flax module uses the embedding as its head")
 
 
 def to_hf_tensors(params: PyTree, family: str) -> dict[str, jax.Array]:
-    """Nested Flax params -> HF-named tensors (inverse of `from_hf_tensors`)."""
-    out: dict[str, jax.Array] = {}
-    for kp, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        path = tuple(_key_name(k) for k in kp)
-        arr = jnp.asarray(leaf)
-        key, transpose = path_to_hf_key(path, arr.ndim, family)
-        if key in out:
-            raise ValueError(f"two parameters map to HF key {key}")
-        out[key] = arr.T if transpose else arr
-    return out
+  """Nested Flax params -> HF-named tensors (inverse of `from_hf_tensors`)."""
+  out: dict[str, jax.Array] = {}
+  for kp, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    path = tuple(_key_name(k) for k in kp)
+    arr = jnp.asarray(leaf)
+    key, transpose = path_to_hf_key(path, arr.ndim, family)
+    if key in out:
+      raise ValueError(f"two parameters map to HF key {key}")
+    out[key] = arr.T if transpose else arr
+  return out
 
 
 def _key_name(k: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
+  for attr in ("key", "name", "idx"):
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
 
 
 # --------------------------------------------------------------------------------------
@@ -246,24 +246,24 @@ def _key_name(k: Any) -> str:
 
 
 def load_safetensors(path: str | os.PathLike, family: str) -> dict:
-    """Load an HF safetensors file as the Flax params pytree of `family`.
+  """Load an HF safetensors file as the Flax params pytree of `family`.
 
-    Example:
-        >>> params = load_safetensors("gpt2/model.safetensors", "gpt2")
-        >>> params["h_0"]["attn"]["c_attn"]["kernel"].shape     # Conv1D: kept (in, out)
-        (768, 2304)
-    """
-    with safe_open(os.fspath(path), framework="flax") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    return from_hf_tensors(tensors, family)
+  Example:
+      >>> params = load_safetensors("gpt2/model.safetensors", "gpt2")
+      >>> params["h_0"]["attn"]["c_attn"]["kernel"].shape     # Conv1D: kept (in, out)
+      (768, 2304)
+  """
+  with safe_open(os.fspath(path), framework="flax") as f:
+    tensors = {k: f.get_tensor(k) for k in f.keys()}
+  return from_hf_tensors(tensors, family)
 
 
 def save_safetensors(params: PyTree, path: str | os.PathLike, family: str,
                      metadata: dict[str, str] | None = None) -> None:
-    """Write a Flax params pytree in HF naming (inverse of `load_safetensors`).
+  """Write a Flax params pytree in HF naming (inverse of `load_safetensors`).
 
-    Example:
-        >>> save_safetensors(folded.params, "folded.safetensors", "gpt2")
-    """
-    tensors = {k: jnp.asarray(v) for k, v in to_hf_tensors(params, family).items()}
-    save_file(tensors, os.fspath(path), metadata={"format": "pt", **(metadata or {})})
+  Example:
+      >>> save_safetensors(folded.params, "folded.safetensors", "gpt2")
+  """
+  tensors = {k: jnp.asarray(v) for k, v in to_hf_tensors(params, family).items()}
+  save_file(tensors, os.fspath(path), metadata={"format": "pt", **(metadata or {})})

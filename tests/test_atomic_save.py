@@ -2,7 +2,6 @@
 whole directory, and concurrent writers (threads, processes) end with exactly
 one complete fold."""
 
-import glob
 import os
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 
 import jaxfold
-from jaxfold._src import integrity, serialization
+from jaxfold._src import integrity  # unit tests of jaxfold/_src/integrity.py (atomic commits)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

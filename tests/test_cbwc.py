@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import center_blocks
 
 import jaxfold
 from jaxfold import optax_transforms
-from jaxfold._src import layout
 
 VOCAB, D, HEADS, LAYERS, T, B = 23, 16, 2, 2, 8, 4
 
@@ -377,15 +377,15 @@ def test_decay_on_v_keeps_the_ones_component(reparam):
   for i, x in enumerate(leaves):
     if i in specs:
       spec = dict(specs[i])
-      ones = x - layout.center(x, spec)                 # component along 11ᵀ/m
-      np.testing.assert_allclose(lv[i] - layout.center(lv[i], spec), ones, atol=1e-6)
+      ones = x - center_blocks(x, spec)                 # component along 11ᵀ/m
+      np.testing.assert_allclose(lv[i] - center_blocks(lv[i], spec), ones, atol=1e-6)
       # W decay shrinks that invisible component too; V decay does not.
-      np.testing.assert_allclose(lw[i] - layout.center(lw[i], spec), (1 - lr * wd) * ones,
+      np.testing.assert_allclose(lw[i] - center_blocks(lw[i], spec), (1 - lr * wd) * ones,
                                  atol=1e-6)
       assert float(jnp.max(jnp.abs(ones))) > 1e-2
       # The visible part P·W shrinks alike.
-      np.testing.assert_allclose(layout.center(lv[i], spec),
-                                 (1 - lr * wd) * layout.center(x, spec), atol=1e-6)
+      np.testing.assert_allclose(center_blocks(lv[i], spec),
+                                 (1 - lr * wd) * center_blocks(x, spec), atol=1e-6)
     else:   # like optax.add_decayed_weights
       np.testing.assert_allclose(lv[i], lw[i], rtol=1e-7)
   # The function after either step is the same (only P·W matters).
@@ -406,7 +406,7 @@ def test_decay_on_v_mask(reparam):
     if x.ndim < 2:
       assert float(jnp.max(jnp.abs(ui))) == 0.0
     elif i in specs:
-      np.testing.assert_allclose(ui, 0.2 * layout.center(x, dict(specs[i])), rtol=1e-6, atol=1e-7)
+      np.testing.assert_allclose(ui, 0.2 * center_blocks(x, dict(specs[i])), rtol=1e-6, atol=1e-7)
     else:
       np.testing.assert_allclose(ui, 0.2 * x, rtol=1e-7)
   with pytest.raises(ValueError):
@@ -419,12 +419,10 @@ def test_decay_on_v_is_l2_on_v_under_adam(reparam):
   wd, lr, steps = 0.05, 3e-3, 10
   data = [tokens_for(200 + k, (B, T + 1)) for k in range(steps)]
   base = loss_fn(reparam.apply_fn)
-  specs = dict(reparam.analysis.leaf_specs)
 
   def penalized(params, tok):
-    leaves = jax.tree_util.tree_leaves(params)
-    pen = sum(jnp.sum(jnp.square(layout.center(x, dict(specs[i])) if i in specs else x))
-              for i, x in enumerate(leaves))
+    v = optax_transforms.centered_weights(reparam)(params)     # V = P·W, differentiable
+    pen = sum(jnp.sum(jnp.square(x)) for x in jax.tree_util.tree_leaves(v))
     return base(params, tok) + 0.5 * wd * pen
 
   ours = optax.chain(optax_transforms.decay_centered_weights(wd, reparam),
@@ -458,3 +456,17 @@ def test_decay_centered_weights_rejects_wrong_structure(reparam):
   bad = {"w": jnp.ones((3, 3))}
   with pytest.raises(ValueError):
     t.update(bad, t.init(bad), bad)
+
+
+def test_decay_on_v_follows_a_schedule(reparam):
+  p = make_params(8)
+  zero = jax.tree_util.tree_map(jnp.zeros_like, p)
+  sched = optax.linear_schedule(0.3, 0.1, 2)
+  t = optax_transforms.decay_centered_weights(sched, reparam)
+  v = optax_transforms.centered_weights(reparam)(p)
+  state = t.init(p)
+  for step in range(3):
+    u, state = t.update(zero, state, p)
+    for ui, vi in zip(jax.tree_util.tree_leaves(u), jax.tree_util.tree_leaves(v)):
+      np.testing.assert_allclose(ui, float(sched(step)) * vi, rtol=1e-6, atol=1e-7)
+  assert "optax_transforms" in dir(jaxfold)   # an attribute after `import jaxfold`

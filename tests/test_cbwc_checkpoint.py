@@ -108,8 +108,8 @@ def test_checkpoint_resume_is_bit_identical_and_folds(tmp_path):
   np.testing.assert_allclose(folded.apply_fn(folded.params, x), ref, rtol=1e-5, atol=1e-5)
   # The fold's centered weights are the V = P·W the CBWC forward used.
   specs = dict(r.analysis.leaf_specs)
-  from jaxfold._src import layout
+  from helpers import center_blocks
   for i, (w, v) in enumerate(zip(jax.tree_util.tree_leaves(p_full),
                                  jax.tree_util.tree_leaves(folded.params.params))):
-    expect = layout.center(w, dict(specs[i])) if i in specs else w
+    expect = center_blocks(w, dict(specs[i])) if i in specs else w
     np.testing.assert_allclose(v, expect, atol=1e-6)

@@ -53,6 +53,20 @@ def test_report_for_model_uses_abstract_init(capsys):
   assert code == 0
   d = json.loads(out)
   assert d["num_sites"] == 5 and d["num_auxiliary"] == 0
+  assert d["changes"]["reductions_removed"] == d["num_folded"]
+  code, out, _ = run(capsys, "report", "--model", "gpt2-tiny", "--diff")
+  assert code == 0 and "h_0…h_1/ln_2" in out and "what changed" in out and "A1" in out
+  code, out, _ = run(capsys, "report", "--model", "gpt2-tiny", "--all")
+  assert code == 0 and "h_1/ln_2" in out and "…" not in out
+
+
+def test_models_lists_the_zoo(capsys):
+  code, out, _ = run(capsys, "models")
+  assert code == 0 and "gpt2-tiny" in out and "bert-base" in out and "family" in out
+  code, out, _ = run(capsys, "models", "--names")
+  assert code == 0 and out.split() == models.names()
+  code, out, _ = run(capsys, "report", "--model", "?")   # the old spelling still works
+  assert code == 0 and out.split() == models.names()
 
 
 def test_fold_report_export_roundtrip(capsys, tmp_path):
@@ -71,8 +85,8 @@ def test_fold_report_export_roundtrip(capsys, tmp_path):
   p = load_safetensors(out_dir / "model.safetensors", "gpt2")
   assert p["h_0"]["ln_1"]["scale"].shape == (32,)
 
-  code, out, _ = run(capsys, "report", str(out_dir))
-  assert code == 0 and "saved fold of gpt2-tiny" in out and "5/5" in out
+  code, out, _ = run(capsys, "report", str(out_dir), "--diff")
+  assert code == 0 and "saved fold of gpt2-tiny" in out and "5/5" in out and "what changed" in out
 
   art = tmp_path / "m.jaxexport"
   code, out, err = run(capsys, "export", "--from", str(out_dir), "--out", str(art),
@@ -119,7 +133,8 @@ def test_non_finite_outputs_are_refused(capsys, tmp_path):
   assert "max relative error" not in out
   # NaN weights: outputs are non-finite, no error or timing is printed for them
   import numpy as np
-  from jaxfold.cli import random_params
+
+  from models import random_params
   from models.safetensors_io import save_safetensors
   spec = models.get("gpt2-tiny")
   params = random_params(spec, 1, 8, seed=0)
@@ -136,11 +151,12 @@ def test_non_finite_outputs_are_refused(capsys, tmp_path):
 
 def test_max_rel_err_refuses_nan():
   import numpy as np
-  from jaxfold.cli import CLIError, max_rel_err
+
+  from jaxfold.benchmarking import NonFiniteError, max_rel_err
   assert max_rel_err(np.ones(3), np.ones(3)) == 0.0
-  with pytest.raises(CLIError, match="non-finite"):
+  with pytest.raises(NonFiniteError, match="non-finite"):
     max_rel_err(np.array([1.0, np.nan]), np.array([1.0, np.nan]))
-  with pytest.raises(CLIError, match="folded model"):
+  with pytest.raises(NonFiniteError, match="folded model"):
     max_rel_err(np.ones(2), np.array([1.0, np.inf]))
 
 

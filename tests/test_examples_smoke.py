@@ -39,3 +39,15 @@ def test_example_smoke(name, tmp_path):
   assert abs(ln[0] - cbwc[0]) <= 1e-5 * abs(ln[0])        # same function at step 1
   assert max(abs(a - b) for a, b in zip(ln, cbwc)) <= 1e-4  # and (up to rounding) after
   assert "LayerNorms folded" in md
+
+
+def test_folded_safetensors_run_in_a_plain_rmsnorm_model(tmp_path):
+  """The guide's claim: the folded file + RMSNorm (same γ, β, ε) + the auxiliary
+  centering reproduce the LayerNorm model; without the auxiliary centering they do not."""
+  mod = _load("rmsnorm_from_folded")
+  try:
+    err = mod.main(["--out", str(tmp_path)])
+  finally:
+    import jax
+    jax.config.update("jax_enable_x64", False)
+  assert err < 1e-6 and (tmp_path / "model.safetensors").exists()

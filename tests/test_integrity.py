@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 import jaxfold
-from jaxfold.cli import random_params
-from jaxfold._src import export as jexport
-from jaxfold._src import integrity, serialization
+from jaxfold import exporting as jexport
+from jaxfold import serialization
+from jaxfold._src import integrity  # this file mirrors jaxfold/_src/integrity.py
+from models import random_params
 
 models = pytest.importorskip("models")
 

@@ -26,10 +26,8 @@ import textwrap
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 
 import jaxfold
 

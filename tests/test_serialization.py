@@ -1,6 +1,5 @@
 """jaxfold.serialization: a saved fold loads back bit-for-bit."""
 
-import json
 import os
 
 import jax
@@ -8,8 +7,8 @@ import numpy as np
 import pytest
 
 import jaxfold
-from jaxfold.cli import random_params
-from jaxfold._src.serialization import load_fold, load_meta, load_report, save_fold
+from jaxfold.serialization import load_fold, load_meta, load_report, save_fold
+from models import random_params
 
 models = pytest.importorskip("models")
 

@@ -23,7 +23,8 @@ import pytest
 
 import jaxfold
 from jaxfold.cli import main as cli_main
-from jaxfold.cli import model_meta, random_params
+from models import random_params
+from models import serving_meta as model_meta
 
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")

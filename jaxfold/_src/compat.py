@@ -10,6 +10,7 @@ programs, so we compare them by identity and never by name.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Sequence
 
 import jax
@@ -67,6 +68,54 @@ def source_summary(eqn: Any) -> str:
     return siu.summarize(eqn.source_info)
   except Exception:  # pragma: no cover - best effort only
     return "<unknown>"
+
+
+# Frames inside these packages are library code, never "the user's line".
+_LIBRARIES = ("flax", "optax", "chex", "numpy", "jaxfold", "pallas_kernels", "transformers",
+              "orbax", "einops", "equinox", "haiku")
+
+
+@functools.lru_cache(maxsize=1)
+def _library_dirs() -> tuple:
+  import importlib.util
+  dirs = []
+  for name in _LIBRARIES:
+    try:
+      spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+      continue
+    for d in (spec.submodule_search_locations or []) if spec else []:
+      dirs.append(os.path.join(os.path.realpath(d), ""))
+  return tuple(dirs)
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_library_file(path: str) -> bool:
+  return os.path.realpath(path).startswith(_library_dirs())
+
+
+def _short_path(path: str) -> str:
+  try:
+    rel = os.path.relpath(path)
+  except ValueError:  # another drive (Windows)
+    rel = path
+  if not rel.startswith(".."):
+    return rel
+  parts = path.replace(os.sep, "/").split("/")
+  return "/".join(parts[-2:])
+
+
+def user_source(eqn: Any) -> str:
+  """``file.py:line (function)`` of the innermost frame outside jax and the
+  libraries above (so never a line of flax's LayerNorm); "" without one."""
+  try:
+    from jax._src import source_info_util as siu
+    for f in siu.user_frames(eqn.source_info.traceback):
+      if not _is_library_file(f.file_name):
+        return f"{_short_path(f.file_name)}:{f.start_line} ({f.function_name})"
+  except Exception:  # pragma: no cover - best effort only
+    pass
+  return ""
 
 
 def name_stack(eqn: Any) -> str:

@@ -5,20 +5,16 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import gc
 import functools
+import gc
 import weakref
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from jaxfold._src import algebra
-from jaxfold._src import compat
-from jaxfold._src import kernels
-from jaxfold._src import layout
+from jaxfold._src import algebra, compat, kernels, layout
 from jaxfold._src.analysis import Analyzer
 from jaxfold._src.planner import Planner
 from jaxfold._src.program import Program
@@ -143,8 +139,8 @@ def analyse(apply_fn: Callable, params: Any, args: tuple, opts: FoldOptions,
     an = Analyzer(Program(closed), cbwc=cbwc, through_dropout=opts.through_dropout)
     an.num_leaves = len(names)
     planner = Planner(an, names, opts).run()
-    plan = _plan(planner, opts)
-    report = planner.report()
+    plan, kernel_sites = _plan(planner, opts)
+    report = planner.report(kernel_sites)
   result = Analysis(jaxpr, consts, jax.tree_util.tree_structure(out_shape), plan,
                     planner.leaf_specs(), planner.untied_specs(), report)
   _ANALYSES.put(closed, key, result)
@@ -195,8 +191,9 @@ def _no_gc():
       gc.enable()
 
 
-def _plan(planner: Planner, opts: FoldOptions) -> Plan:
-  """The rewrite's instructions, keyed by call-site paths."""
+def _plan(planner: Planner, opts: FoldOptions) -> tuple:
+  """The rewrite's instructions, keyed by call-site paths, and the indices of
+  the sites whose epilogue the kernel may run."""
   sites = planner.folded_sites()
   zero = frozenset(r.path for s in sites for r in s.reduces)
   aux = tuple((v.key, s) for v, s in planner.aux_commit.items())
@@ -204,14 +201,17 @@ def _plan(planner: Planner, opts: FoldOptions) -> Plan:
   untied = tuple((n.use[0].path, n.use[1], planner.untied_name(n),
                   tuple(c.eqn for c in reversed(n.chain)))
                  for n in planner.untie_commit.values())
-  epilogues = []
+  epilogues, kernel_sites = [], set()
   if kernels.may_use_kernel(opts.norm_impl):
-    for s in sites:
-      ep, _ = kernels.prove_epilogue(s, changed=frozenset(k for k, _ in aux))
-      if ep is not None:
-        epilogues.append(ep)
+    changed = frozenset(k for k, _ in aux)
+    for i, s in enumerate(planner.sites):
+      if planner.decisions[i].folded:
+        ep, _ = kernels.prove_epilogue(s, changed=changed)
+        if ep is not None:
+          epilogues.append(ep)
+          kernel_sites.add(i)
   return Plan(zero=zero, aux=aux, consts=consts, untied=untied, epilogues=tuple(epilogues),
-              norm_impl=opts.norm_impl)
+              norm_impl=opts.norm_impl), frozenset(kernel_sites)
 
 
 # ----------------------------------------------------------------------------
@@ -220,29 +220,92 @@ def _plan(planner: Planner, opts: FoldOptions) -> Plan:
 
 def _signature(args: tuple) -> tuple:
   leaves, tree = jax.tree_util.tree_flatten(args)
-  return (tree, tuple((tuple(np.shape(x)), str(jnp.result_type(x))) for x in leaves))
+  return (tree, tuple((tuple(np.shape(x)), str(_dtype(x))) for x in leaves))
+
+
+def _dtype(x):
+  return x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
+
+
+def _is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """One call's arguments: array leaves of the keyword arguments (PRNG keys,
+  masks) are traced like positional ones, the rest (``train=True``) are
+  static: a new value is a new analysis."""
+  key: tuple
+  fn: Callable
+  args: tuple        # positional args, then the list of array kwargs (when any)
+
+
+def _bind(apply_fn: Callable, args: tuple, kwargs: dict) -> _Call:
+  if not kwargs:
+    return _Call(_signature(args), apply_fn, tuple(args))
+  leaves, tree = jax.tree_util.tree_flatten(kwargs)
+  dyn = tuple(_is_array(x) for x in leaves)
+  static = tuple(x for x, d in zip(leaves, dyn) if not d)
+  try:
+    hash(static)
+  except TypeError:
+    bad = next(x for x in static if not _hashable(x))
+    raise FoldError(f"keyword argument value {bad!r:.60} is neither an array nor hashable: "
+                    "a folded apply_fn traces array keyword arguments and re-analyses per value "
+                    "of the others") from None
+  arrays = [x for x, d in zip(leaves, dyn) if d]
+  n = len(args)
+
+  def bound(params, *a):
+    it = iter(a[n])
+    full = [next(it) if d else x for x, d in zip(leaves, dyn)]
+    return apply_fn(params, *a[:n], **jax.tree_util.tree_unflatten(tree, full))
+
+  call_args = (*args, arrays)
+  return _Call((_signature(call_args), tree, dyn, static), bound, call_args)
+
+
+def _hashable(x: Any) -> bool:
+  try:
+    hash(x)
+    return True
+  except TypeError:
+    return False
+
+
+def _kwargs_text(kwargs: dict) -> str:
+  return ", ".join(f"{k}={'<array>' if _is_array(v) else repr(v)}" for k, v in kwargs.items())
 
 
 class FoldedApply:
-  """The folded apply function; re-analyses (and caches) per input signature."""
+  """The folded apply function; re-analyses (and caches) per input signature
+  and per value of static keyword arguments (``train=True``); array keyword
+  arguments (``rngs={"dropout": key}``) are traced like positional ones."""
 
-  def __init__(self, apply_fn, params_abstract, params_tree, opts, base: Analysis, sig,
-               center_in_forward: bool):
+  def __init__(self, apply_fn, params_abstract, params_tree, opts, base: Analysis, call: _Call,
+               center_in_forward: bool, example_args: tuple = (), example_kwargs: Optional[dict] = None):
     self._apply_fn = apply_fn
     self._params = params_abstract
     self._tree = params_tree
     self._opts = opts
     self._base = base
-    self._cache = {(sig, None): base}
+    self._cache = {(call.key, None): base}
     self._param_sig = tuple((tuple(x.shape), str(jnp.dtype(x.dtype)))
                             for x in jax.tree_util.tree_leaves(params_abstract))
     self._center = center_in_forward
-    self._example_sig = sig
+    self._example = jax.tree_util.tree_map(lambda v: _abstract(v) if _is_array(v) else v,
+                                           (tuple(example_args), dict(example_kwargs or {})))
     functools.update_wrapper(self, apply_fn, updated=())
 
   @property
   def options(self) -> FoldOptions:
     return self._opts
+
+  @property
+  def params_treedef(self) -> Any:
+    """The tree structure of the parameters this function takes."""
+    return self._tree
 
   @property
   def original_fn(self) -> Callable:
@@ -251,33 +314,45 @@ class FoldedApply:
   @property
   def example_args(self) -> Any:
     """The abstract example arguments the fold was traced with."""
-    tree, leaves = self._example_sig
-    return jax.tree_util.tree_unflatten(
-        tree, [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in leaves])
+    return self._example[0]
 
-  def analysis_for(self, args: tuple, leaves: Optional[list] = None) -> Analysis:
+  @property
+  def example_kwargs(self) -> dict:
+    """The abstract example keyword arguments the fold was traced with."""
+    return self._example[1]
+
+  def analysis_for(self, args: tuple, leaves: Optional[list] = None,
+                   kwargs: Optional[dict] = None) -> Analysis:
     """The analysis at these arguments (and parameter avals, when given)."""
+    return self._analysis(_bind(self._apply_fn, tuple(args), kwargs or {}), leaves, kwargs)
+
+  def _analysis(self, call: _Call, leaves: Optional[list], kwargs: Optional[dict]) -> Analysis:
     psig = None
     if leaves is not None:
       psig = tuple((tuple(np.shape(x)), str(jnp.result_type(x))) for x in leaves)
       if psig == self._param_sig:
         psig = None
-    sig = (_signature(args), psig)
-    if sig not in self._cache:
+    key = (call.key, psig)
+    if key not in self._cache:
       params = self._params
       if psig is not None:
         params = jax.tree_util.tree_unflatten(self._tree, [_abstract(x) for x in leaves])
-      an = analyse(self._apply_fn, params, args, self._opts, cbwc=self._center)
-      if an.param_key != self._base.param_key:
+      an = analyse(call.fn, params, call.args, self._opts, cbwc=self._center)
+      # CBWC centers in the forward pass, per analysis; a fold's parameters are fixed.
+      if not self._center and an.param_key != self._base.param_key:
         what = "parameters of these shapes/dtypes" if psig is not None else "inputs of these shapes"
+        if kwargs:
+          what += f" with keyword arguments {_kwargs_text(kwargs)}"
         raise FoldError(
-            f"{what} ({[s for s in sig[0][1]]}) need different folded parameters than the "
+            f"{what} ({list(call.key[0][1])}) need different folded parameters than the "
             "example that fold() was given (a different set of parameters or axes can be "
-            "centered). Call jaxfold.fold/cbwc again with arguments of this shape and dtype.")
-      self._cache[sig] = an
-    return self._cache[sig]
+            "centered; e.g. in training mode dropout makes centering visible). Call "
+            "jaxfold.fold again with these arguments (example_kwargs= for keyword ones), or "
+            "use jaxfold.cbwc, whose apply_fn takes the original parameters, for training.")
+      self._cache[key] = an
+    return self._cache[key]
 
-  def __call__(self, params, *args):
+  def __call__(self, params, *args, **kwargs):
     extras = {}
     if self._center:
       tree = params
@@ -291,14 +366,15 @@ class FoldedApply:
     leaves, tree_def = jax.tree_util.tree_flatten(tree)
     if tree_def != self._tree:
       raise FoldError(f"params has structure {tree_def}, but the fold was made for {self._tree}")
-    an = self.analysis_for(args, leaves)
+    call = _bind(self._apply_fn, args, kwargs)
+    an = self._analysis(call, leaves, kwargs)
     if self._center:
       # CBWC: the stored parameters stay W; the forward pass uses P·W.
       specs = dict(an.leaf_specs)
       src = list(leaves)
       leaves = [layout.center(x, dict(specs[i])) if i in specs else x for i, x in enumerate(src)]
       extras = {name: layout.center(src[i], dict(spec)) for name, i, spec in an.untied}
-    flat = list(leaves) + jax.tree_util.tree_leaves(args)
+    flat = list(leaves) + jax.tree_util.tree_leaves(call.args)
     outs = evaluate(an.jaxpr, an.consts, flat, an.plan, extras)
     return jax.tree_util.tree_unflatten(an.out_tree, outs)
 
@@ -365,7 +441,8 @@ def _refuse_traced(params: Any) -> None:
 
 def fold(params: Any, apply_fn: Callable, *example_args: Any,
          auxiliary_centering: bool = True, tied_weights: str = "auto",
-         norm_impl: str = "auto", fuse_affine: bool = False) -> Folded:
+         norm_impl: str = "auto", example_kwargs: Optional[dict] = None,
+         fuse_affine: bool = False) -> Folded:
   """Folds every provably foldable LayerNorm/GroupNorm of ``apply_fn`` into an RMSNorm.
 
   Args:
@@ -386,6 +463,10 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
       GPUs where ``pallas_kernels.choose`` expects it to beat XLA, XLA's
       expression elsewhere), ``"xla"``, ``"pallas"`` (force the kernel) or
       ``"interpret"`` (the kernel in Pallas interpret mode, for CPU tests).
+    example_kwargs: keyword arguments of ``apply_fn`` for tracing (e.g.
+      ``{"train": False}``). The folded ``apply_fn`` takes the same keyword
+      arguments: arrays (``rngs={"dropout": key}``) are traced, other values
+      re-analyse once per value.
     fuse_affine: also move the folded norms' γ and β into the layers that
       read them (``jaxfold.fuse_affine`` of the fold; returns its ``Fused``).
 
@@ -410,7 +491,8 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
   if not callable(apply_fn):
     raise FoldError(f"apply_fn must be callable, got {type(apply_fn).__name__}")
   _refuse_traced(params)
-  an = analyse(apply_fn, params, example_args, opts)
+  call = _bind(apply_fn, example_args, example_kwargs or {})
+  an = analyse(call.fn, params, call.args, opts)
   leaves, tree = jax.tree_util.tree_flatten(params)
   specs = dict(an.leaf_specs)
   new_leaves = [_center_leaf(x, specs[i]) if i in specs else x for i, x in enumerate(leaves)]
@@ -418,7 +500,7 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
   extras = {name: _center_leaf(leaves[i], spec) for name, i, spec in an.untied}
   new_params = FoldedParams(new_params, extras)
   abstract = jax.tree_util.tree_map(_abstract, params)
-  fn = FoldedApply(apply_fn, abstract, tree, opts, an, _signature(example_args), False)
+  fn = FoldedApply(apply_fn, abstract, tree, opts, an, call, False, example_args, example_kwargs)
   if fuse_affine:
     from jaxfold._src.affine import fuse_affine as fuse  # noqa: PLC0415 - composes after the fold
     return fuse(Folded(new_params, fn, an.report))
@@ -427,7 +509,7 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
 
 def cbwc(params: Any, apply_fn: Callable, *example_args: Any,
          auxiliary_centering: bool = True, tied_weights: str = "auto",
-         through_dropout: bool = False) -> Reparameterized:
+         through_dropout: bool = False, example_kwargs: Optional[dict] = None) -> Reparameterized:
   """Column-centered weights for training (CBWC): same function, cheaper norms.
 
   ``r.apply_fn(params, *args)`` equals ``apply_fn(params, *args)`` for every
@@ -451,8 +533,9 @@ def cbwc(params: Any, apply_fn: Callable, *example_args: Any,
   opts = FoldOptions(auxiliary_centering, tied_weights, through_dropout)
   if not callable(apply_fn):
     raise FoldError(f"apply_fn must be callable, got {type(apply_fn).__name__}")
-  an = analyse(apply_fn, params, example_args, opts, cbwc=True)
+  call = _bind(apply_fn, example_args, example_kwargs or {})
+  an = analyse(call.fn, params, call.args, opts, cbwc=True)
   _, tree = jax.tree_util.tree_flatten(params)
   abstract = jax.tree_util.tree_map(_abstract, params)
-  fn = FoldedApply(apply_fn, abstract, tree, opts, an, _signature(example_args), True)
+  fn = FoldedApply(apply_fn, abstract, tree, opts, an, call, True, example_args, example_kwargs)
   return Reparameterized(fn, an.report, an)

@@ -32,8 +32,8 @@ from typing import Iterable, Optional
 
 from jaxfold._src.fold import FoldError
 
-__all__ = ["IntegrityError", "NotFoundError", "NotADirectory", "IsADirectory", "versions", "sha256_file", "sha256_bytes", "write_manifest",
-           "verify_manifest", "read_manifest", "verify_file", "commit_directory",
+__all__ = ["IntegrityError", "NotFoundError", "NotADirectory", "IsADirectory", "versions", "sha256_file",
+           "sha256_bytes", "write_manifest", "verify_manifest", "read_manifest", "verify_file", "commit_directory",
            "atomic_write_bytes", "MANIFEST"]
 
 MANIFEST = "manifest.json"

@@ -17,13 +17,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfold._src import layout
-from jaxfold._src.analysis import (DROPOUT_NOTE, Analyzer, Blocker, LeafNeed, Level, Site,
-                                   find_sites, nested_sites, scan_levels, where)
-from jaxfold._src.program import Val
-from jaxfold._src.report import Centering, Report, Site as ReportSite
+from jaxfold._src.analysis import (
+  DROPOUT_NOTE,
+  Analyzer,
+  Blocker,
+  LeafNeed,
+  Site,
+  find_sites,
+  nested_sites,
+  scan_levels,
+)
+from jaxfold._src.program import Val, call_note
+from jaxfold._src.report import Auxiliary, Centering, Changes, Report, param_label
+from jaxfold._src.report import Site as ReportSite
 from jaxfold._src.rules import rule_for
 from jaxfold._src.rules.base import freeze
-
 
 # ----------------------------------------------------------------------------
 # Typed actions and results.
@@ -60,6 +68,7 @@ class Decision:
   centered: tuple = ()          # report.Centering, what this site itself needed
   auxiliary: bool = False
   exact: bool = True
+  aux_vars: tuple = ()          # the auxiliary centerings (Vals) it relies on
 
 
 def _spec_dict(spec: tuple) -> dict:
@@ -137,6 +146,10 @@ class Planner:
       return self.names[var.index]
     return f"<captured constant {var.shape}>"
 
+  def label(self, var: Val, spec: tuple) -> str:
+    """``h_0.attn.kernel[1]``: a parameter and the dims centering it would touch."""
+    return Centering(self.name(var), layout.fmt_spec(_spec_dict(spec), var.shape), "").label()
+
   def is_leaf(self, var: Val) -> bool:
     return var.kind == "in" and var.index < len(self.names)
 
@@ -195,14 +208,14 @@ class Planner:
   def _decide_leaf(self, n: LeafNeed, assume_aux, actions, blockers) -> None:
     var, spec = n.var, n.spec
     if not jnp.issubdtype(var.dtype, jnp.inexact):
-      blockers.append(Blocker(n.out_var, n.out_spec, f"{self.name(var)} is not a float array"))
+      blockers.append(Blocker(n.out_var, n.out_spec, f"{param_label(self.name(var))} is not a float array"))
       return
     if var in self.leaf_commit:
       if self.leaf_commit[var] == spec:
         actions.append(CenterLeaf(var, spec))
       else:
         blockers.append(Blocker(n.out_var, n.out_spec,
-                                f"{self.name(var)} is already centered over other axes for "
+                                f"{param_label(self.name(var))} is already centered over other axes for "
                                 "another site"))
       return
     reason = self.leaf_visible(var, spec)
@@ -217,16 +230,15 @@ class Planner:
           actions.append(AuxCenter(at.var, at.spec))
         else:
           blockers.append(Blocker(n.out_var, n.out_spec,
-                                  f"{self.name(var)} is also used where centering it is visible "
+                                  f"{param_label(self.name(var))} is also used where centering it is visible "
                                   f"({reason}); an auxiliary centering or an untied copy would "
                                   "fold it"))
       else:
         actions.append(UntieUse(n))
       return
     blockers.append(Blocker(n.out_var, n.out_spec,
-                            f"centering {self.name(var)} over "
-                            f"{layout.fmt_spec(_spec_dict(spec), var.shape)} would change the "
-                            f"output: {reason}"))
+                            f"centering {self.label(var, spec)} would change the output: "
+                            f"{reason}"))
 
   def commit(self, i: int, actions: list) -> None:
     centered = []
@@ -245,13 +257,14 @@ class Planner:
                                   "untied copy", _nbytes(n.var), spec=n.spec))
       else:
         self.aux_commit[a.var] = a.spec
-    aux = any(isinstance(a, AuxCenter) for a in actions)
+    aux_vars = tuple(dict.fromkeys(a.var for a in actions if isinstance(a, AuxCenter)))
+    aux = bool(aux_vars)
     reason = "input is zero-sum over the normalized axes"
     reason += " after an auxiliary centering" if aux else (" after centering" if centered else "")
     if self._inexact:
       reason += DROPOUT_NOTE
     self.decisions[i] = Decision(True, reason, tuple(dict.fromkeys(centered)), aux,
-                                 not self._inexact)
+                                 not self._inexact, aux_vars)
 
   def run(self) -> "Planner":
     failed = {}
@@ -313,16 +326,16 @@ class Planner:
     j = self._norm_output_of(b.var)
     if j is None:
       return b.reason
-    return (f"the value comes from the output of normalization #{j} "
-            f"(γ ⊙ n + β is not zero-mean when γ is non-uniform) [at "
-            f"{self.sites[j].node.where()}]")
+    src = self.sites[j].node.source()
+    return (f"it carries the output of normalization #{j} ({self.site_where(j)}"
+            f"{', ' + src if src else ''}): γ ⊙ n + β is not zero-mean when γ is non-uniform")
 
   def _norm_output_of(self, v) -> Optional[int]:
     """The nearest site whose elementwise epilogue produces ``v``, if any."""
     if not isinstance(v, Val):
       return None
     best, best_d = None, 13
-    for j, site in enumerate(self.sites):
+    for j in range(len(self.sites)):
       d = self._epilogue(j).get(v)
       if d is not None and d < best_d:
         best, best_d = j, d
@@ -359,25 +372,69 @@ class Planner:
 
   # -- results ---------------------------------------------------------------
 
-  def report(self) -> Report:
-    sites = []
+  def report(self, kernel_sites: frozenset = frozenset()) -> Report:
+    """The per-site results; ``kernel_sites``: indices of the folded sites
+    proved equal to the Pallas kernel's formula."""
+    aux_index = {v: k + 1 for k, v in enumerate(self.aux_commit)}
+    aux_users: dict = {v: [] for v in self.aux_commit}
+    sites, seen = [], set()
     for i, s in enumerate(self.sites):
       d = self.decisions[i]
-      sites.append(ReportSite(index=len(sites), where=_site_where(s.node), shape=s.input.shape,
+      own = tuple(c for c in d.centered if (c.param, c.spec, c.mode) not in seen)
+      seen |= {(c.param, c.spec, c.mode) for c in d.centered}
+      for v in d.aux_vars:
+        aux_users[v].append(len(sites))
+      sites.append(ReportSite(index=len(sites), where=self.site_where(i), shape=s.input.shape,
                               axes=s.axes, folded=d.folded, reason=d.reason,
-                              centered=d.centered, auxiliary=d.auxiliary,
+                              centered=own, auxiliary=d.auxiliary,
                               num_reductions=len(s.reduces), exact=d.exact,
-                              source=s.node.source()))
+                              source=s.node.source(), requires=len(d.centered),
+                              aux=tuple(aux_index[v] for v in d.aux_vars),
+                              kernel=d.folded and i in kernel_sites))
     for loop, s in nested_sites(self.top):
       sites.append(ReportSite(index=len(sites), where=_site_where(s.node), shape=s.input.shape,
                               axes=s.axes, folded=False,
                               reason=f"inside a `{loop.prim.name}` body, which the analysis "
                                      "does not enter yet",
                               num_reductions=len(s.reduces), source=s.node.source()))
-    aux = tuple(f"{v.shape} over {layout.fmt_spec(_spec_dict(s), v.shape)} at {where(v)}"
-                for v, s in self.aux_commit.items())
+    aux = tuple(Auxiliary(aux_index[v], tuple(v.shape), layout.fmt_spec(_spec_dict(sp), v.shape),
+                          _value_text(v), *_value_where(v), tuple(aux_users[v]))
+                for v, sp in self.aux_commit.items())
     copies = {(n.var, n.spec) for n in self.untie_commit.values()}
-    return Report(tuple(sites), aux, sum(_nbytes(v) for v, _ in copies))
+    leaves = [v for v in self.leaf_commit if self.is_leaf(v)]
+    changes = Changes(
+        reductions_before=sum(rule_for(n.prim).name == "reduce_sum"
+                              for p in self.top.program.programs() for n in p.nodes),
+        reductions_removed=sum(len(s.reduces) for s in self.folded_sites()),
+        reductions_added=len(self.aux_commit),
+        params_centered=len(leaves), params_centered_bytes=sum(_nbytes(v) for v in leaves),
+        norm_impl=self.opts.norm_impl)
+    return Report(tuple(sites), aux, sum(_nbytes(v) for v, _ in copies), changes)
+
+  def site_where(self, j: int) -> str:
+    """Module path of site ``j``: the name stack (linen), else the path of the
+    norm's own γ/β parameters (nnx, plain functions), else the user's line."""
+    node = self.sites[j].node
+    text = node.module() or self._param_module(j) or node.source()
+    if node.calls and not node.module():
+      text += " " + call_note(node.calls)
+    return text
+
+  def _param_module(self, j: int) -> str:
+    """``h_0/ln_1`` from a γ or β leaf (``['h_0']['ln_1']['scale']``) that the
+    site's epilogue multiplies by or adds."""
+    prog = self.sites[j].level.program
+    for v in sorted(self._epilogue(j), key=lambda v: self._epilogue(j)[v]):
+      for node, _ in prog.consumers.get(v, ()):
+        if rule_for(node.prim).name not in ("mul", "add"):
+          continue
+        for a in node.ins:
+          while isinstance(a, Val) and a.producer is not None and len(a.producer.ins) == 1:
+            a = a.producer.ins[0]
+          if isinstance(a, Val) and self.is_leaf(a):
+            parts = param_label(self.name(a)).split(".")
+            return "/".join(parts[:-1]) if len(parts) > 1 else ""
+    return ""
 
   def untied_name(self, n: LeafNeed) -> str:
     # Named by parameter and axes, not by equation position, so the same
@@ -398,9 +455,31 @@ class Planner:
 def _site_where(node) -> str:
   text = node.module() or node.source()
   if node.calls:
-    from jaxfold._src.program import call_note
     text += " " + call_note(node.calls)
   return text
+
+
+def _value_text(v: Val) -> str:
+  """What an intermediate value is, in the user's terms."""
+  node = v.producer
+  if node is None:
+    return "a program input" if v.kind == "in" else "a captured constant"
+  # (module path and line come from _value_where)
+  what = f"`{node.prim.name}`"
+  if node.calls:
+    what += f" in `{node.calls[-1].name}`"
+  return what
+
+
+def _value_where(v: Val) -> tuple:
+  """(module path, user's line) of the equation that produces ``v``."""
+  node = v.producer
+  if node is None:
+    return "", ""
+  if node.calls:
+    c = node.calls[0]   # the outermost call: the user's line, not a jnp internal
+    return node.module() or c.stack, c.source
+  return node.module(), node.source()
 
 
 def seed_poly(shape: tuple, spec: tuple):

@@ -116,7 +116,9 @@ class Node:
     return compat.name_stack(self.eqn)
 
   def source(self) -> str:
-    return compat.source_summary(self.eqn)
+    """The user's line that made this equation (``file.py:line (function)``),
+    skipping frames inside jax and libraries such as flax."""
+    return compat.user_source(self.eqn) or compat.source_summary(self.eqn)
 
   def where(self) -> str:
     stack, src = self.module(), self.source()
@@ -174,7 +176,8 @@ class Program:
         for v, a in zip(inner.invars, ins):
           sub[v] = a
         site = CallSite(path, compat.call_kind(eqn), compat.call_name(eqn),
-                        compat.source_summary(eqn), compat.name_stack(eqn))
+                        compat.user_source(eqn) or compat.source_summary(eqn),
+                        compat.name_stack(eqn))
         self._flatten(inner, path, sub, calls + (site,))
         for ov, iv in zip(eqn.outvars, inner.outvars):
           env[ov] = _read(sub, iv)

@@ -1,35 +1,88 @@
-"""What the fold found, per normalization site, in a form people can read."""
+"""What the fold found and what it changed, per normalization site, in a form
+people (``str(report)``, ``report.diff()``) and tools (``report.to_json()``) read.
+
+A report is plain data: it is saved with a fold (``report.json``) and loaded
+without any JAX work, so everything here works from the fields alone.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
+from typing import Optional
+
+LEGEND = (
+    "legend: p[d]: parameter p made zero-mean along its dim d (0-based; p[d, e]: jointly; "
+    "p[d/g]: in blocks of g);\n"
+    "        (copy): a centered copy for this use of a tied parameter; A1, A2: auxiliary "
+    "centerings;\n"
+    "        own centerings: what this site needed first (it also relies on earlier sites'); "
+    "axes: normalized axes")
 
 
 @dataclasses.dataclass(frozen=True)
 class Centering:
   """One parameter (or captured constant) centered for a site."""
   param: str            # pytree path, e.g. "['params']['Dense_0']['kernel']"
-  axes: str             # the centered dims, e.g. "(1,)" or "(3(groups of 4))"
+  axes: str             # the centered dims, e.g. "(1)" or "(3(groups of 4))"
   mode: str             # "in place" | "untied copy" | "constant"
   extra_bytes: int = 0
   spec: tuple = ()      # ((dim, block), ...): zero-sum over blocks of `block` along `dim`
+
+  def label(self) -> str:
+    """Compact form, e.g. ``h_0.attn.c_proj.kernel[1]`` (see :data:`LEGEND`)."""
+    dims = self.axes.strip("()").replace("(groups of ", "/").replace(")", "")
+    tag = {"in place": "", "untied copy": " (copy)", "constant": " (constant)"}.get(self.mode, "")
+    return f"{param_label(self.param)}[{dims}]{tag}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Auxiliary:
+  """An inserted centering of an intermediate value (one mean reduction)."""
+  index: int            # 1-based: "A1", "A2", ...
+  shape: tuple = ()
+  axes: str = ""        # centered dims, as Centering.axes
+  value: str = ""       # the operation producing the value, e.g. "`gather` in `_take`"
+  where: str = ""       # module path, may be empty
+  source: str = ""      # the user's line, file.py:line (function)
+  sites: tuple = ()     # indices of the sites that rely on it
+
+  @property
+  def name(self) -> str:
+    return f"A{self.index}"
+
+  def describe(self) -> str:
+    dims = self.axes.strip("()").replace("(groups of ", "/").replace(")", "")
+    if not self.shape:        # a report written before auxiliary centerings were structured
+      return f"{self.name}: {self.value}"
+    if self.where:
+      what = f"the output of {self.where} ({self.value})"
+    else:
+      what = self.value if self.value.startswith("a ") else f"the output of {self.value}"
+    at = f" at {self.source}" if self.source else ""
+    used = f"; lets {len(self.sites)} site(s) fold" if self.sites else ""
+    shape = "x".join(map(str, self.shape))
+    return f"{self.name}: centers {what}{at} over [{dims}] of {shape}{used}"
 
 
 @dataclasses.dataclass(frozen=True)
 class Site:
   """One mean reduction that a LayerNorm/GroupNorm performs."""
   index: int
-  where: str            # module path (name stack), or the source line without one
+  where: str            # module path (name stack or the norm's parameters), else the user's line
   shape: tuple          # shape of the normalized value
   axes: tuple           # reduced axes, in that value's layout
   folded: bool
   reason: str
-  centered: tuple = ()  # tuple[Centering, ...]
+  centered: tuple = ()  # tuple[Centering, ...]: the centerings this site needed first
   auxiliary: bool = False
   num_reductions: int = 1
   exact: bool = True    # False only for CBWC sites folded across dropout
-  source: str = ""      # file:line (function) of the mean reduction
+  source: str = ""      # file.py:line (function) of the mean reduction in the user's code
+  requires: int = 0     # all centerings its proof relies on (own + earlier sites')
+  aux: tuple = ()       # indices of the Auxiliary centerings it relies on
+  kernel: bool = False  # proved equal to the Pallas RMSNorm kernel's formula
 
   def as_dict(self) -> dict:
     d = dataclasses.asdict(self)
@@ -38,11 +91,42 @@ class Site:
 
 
 @dataclasses.dataclass(frozen=True)
+class Changes:
+  """Before/after counts of the program (see :meth:`Report.diff`)."""
+  reductions_before: int = 0    # reduce_sum equations, per call site
+  reductions_removed: int = 0   # at folded sites
+  reductions_added: int = 0     # by auxiliary centerings
+  params_centered: int = 0      # leaves centered in place (same shapes, new values)
+  params_centered_bytes: int = 0
+  norm_impl: str = "auto"
+
+  @property
+  def reductions_after(self) -> int:
+    return self.reductions_before - self.reductions_removed + self.reductions_added
+
+
+@dataclasses.dataclass(frozen=True)
 class Report:
-  """Per-site results of :func:`jaxfold.fold` (or :func:`jaxfold.cbwc`)."""
+  """Per-site results of :func:`jaxfold.fold` (or :func:`jaxfold.cbwc`).
+
+  ``str(report)`` groups identical rows, ``report.table(group=False)`` lists
+  every site, ``report.diff()`` says what changed, ``report.to_json()`` is for
+  tools.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxfold
+    >>> m = nn.Sequential([nn.Dense(8), nn.LayerNorm()])
+    >>> x = jnp.ones((2, 4)); p = m.init(jax.random.PRNGKey(0), x)
+    >>> r = jaxfold.fold(p, m.apply, x).report
+    >>> r.num_folded, r.sites[0].centered[0].label()
+    (1, 'layers_0.kernel[1]')
+    >>> print(r.diff().splitlines()[1])
+      reductions (reduce_sum, all): 2 -> 1 (-1 mean reduction(s) at 1 folded site(s))
+  """
   sites: tuple = ()
-  auxiliary: tuple = ()        # descriptions of inserted auxiliary centerings
+  auxiliary: tuple = ()        # tuple[Auxiliary, ...]
   untied_bytes: int = 0
+  changes: Optional[Changes] = None
 
   @property
   def num_sites(self) -> int:
@@ -56,43 +140,250 @@ class Report:
   def num_auxiliary(self) -> int:
     return len(self.auxiliary)
 
+  # -- data ------------------------------------------------------------------
+
   def as_dict(self) -> dict:
-    return {"num_sites": self.num_sites, "num_folded": self.num_folded,
-            "num_auxiliary": self.num_auxiliary, "untied_bytes": self.untied_bytes,
-            "auxiliary": list(self.auxiliary),
-            "sites": [s.as_dict() for s in self.sites]}
+    d = {"num_sites": self.num_sites, "num_folded": self.num_folded,
+         "num_auxiliary": self.num_auxiliary, "untied_bytes": self.untied_bytes,
+         "auxiliary": [dataclasses.asdict(a) for a in self.auxiliary],
+         "sites": [s.as_dict() for s in self.sites]}
+    if self.changes is not None:
+      d["changes"] = {**dataclasses.asdict(self.changes),
+                      "reductions_after": self.changes.reductions_after}
+    return d
 
   def to_json(self) -> str:
     return json.dumps(self.as_dict(), indent=2, default=str)
 
-  def __str__(self) -> str:
-    rows = [("#", "folded", "where", "shape", "axes", "why / centered")]
-    for s in self.sites:
-      why = s.reason
-      if s.folded and s.centered:
-        names = [f"{c.param}{c.axes}" + ("" if c.mode == "in place" else f" [{c.mode}]")
-                 for c in s.centered]
-        more = f" (+{len(names) - 2} more)" if len(names) > 2 else ""
-        why += f"; relies on {len(names)} centered: " + ", ".join(names[-2:]) + more
-      if not s.exact:
-        why = "[inexact] " + why
-      rows.append((str(s.index), "yes" if s.folded else "no", _short(s.where, 48),
-                   "x".join(map(str, s.shape)), str(s.axes), why))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    lines = []
-    for k, r in enumerate(rows):
-      lines.append("  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5])
-      if k == 0:
-        lines.append("-" * (sum(widths) + 12 + len(r[5])))
-    summary = (f"{self.num_folded}/{self.num_sites} normalization sites folded, "
-               f"{self.num_auxiliary} auxiliary centering(s)")
+  @classmethod
+  def from_dict(cls, d: dict) -> "Report":
+    """Inverse of :meth:`as_dict` (also reads reports saved by earlier versions)."""
+    sites = []
+    for s in d.get("sites", []):
+      s = dict(s)
+      s["centered"] = tuple(Centering(**{**c, "spec": tuple(tuple(x) for x in c.get("spec", ()))})
+                            for c in s.get("centered", ()))
+      for k in ("shape", "axes", "aux"):
+        s[k] = tuple(s.get(k, ()))
+      sites.append(Site(**s))
+    aux = []
+    for i, a in enumerate(d.get("auxiliary", ())):
+      if isinstance(a, str):   # written before auxiliary centerings were structured
+        aux.append(Auxiliary(i + 1, value=a))
+      else:
+        aux.append(Auxiliary(**{**a, "shape": tuple(a.get("shape", ())),
+                                "sites": tuple(a.get("sites", ()))}))
+    ch = d.get("changes")
+    changes = None
+    if ch:
+      changes = Changes(**{k: v for k, v in ch.items() if k != "reductions_after"})
+    return cls(tuple(sites), tuple(aux), int(d.get("untied_bytes", 0)), changes)
+
+  # -- text ------------------------------------------------------------------
+
+  def summary(self) -> str:
+    s = (f"{self.num_folded}/{self.num_sites} normalization sites folded, "
+         f"{self.num_auxiliary} auxiliary centering(s)")
     if self.untied_bytes:
-      summary += f", {self.untied_bytes / 2**20:.1f} MiB of untied parameter copies"
-    lines.append(summary)
+      s += f", {_bytes(self.untied_bytes)} of untied parameter copies"
+    return s
+
+  def table(self, group: bool = True) -> str:
+    """The per-site table; ``group=True`` merges sites that differ only in a
+    layer number (``h_0…h_11/ln_1  (12)``)."""
+    rows = []
+    for members in (_groups(self.sites) if group else [[s] for s in self.sites]):
+      s = members[0]
+      label = _group_label([m.where for m in members])
+      if len(members) > 1:
+        label += f"  ({len(members)})"
+      if s.folded:
+        own = [_merge_texts([m.centered[k].label() for m in members])
+               for k in range(len(s.centered))]
+        what = ", ".join(own) if own else "nothing new"
+        if s.aux:
+          what += "; after " + ", ".join(f"A{a}" for a in s.aux)
+        if not s.exact:
+          what = "[inexact] " + what
+      else:
+        what = _merge_texts([m.reason for m in members])
+      idx = _indices([m.index for m in members])
+      rows.append((idx, "yes" if s.folded else "no", label, "x".join(map(str, s.shape)),
+                   ",".join(map(str, s.axes)), what))
+    head = ("#", "folded", "site",
+            "shape", "axes", "own centerings (folded) / reason (not folded)")
+    return _render([head] + rows)
+
+  def __str__(self) -> str:
+    lines = [self.table(group=True), self.summary()]
     for a in self.auxiliary:
-      lines.append(f"  auxiliary centering: {a}")
+      lines.append("  auxiliary centering " + a.describe())
+    lines.append(LEGEND)
+    return "\n".join(lines)
+
+  def diff(self) -> str:
+    """What the fold changed: mean reductions per site, auxiliary centerings
+    inserted, kernels substituted, parameters centered and untied copies."""
+    ch = self.changes or Changes()
+    folded = [s for s in self.sites if s.folded]
+    lines = ["what changed (original -> folded program):"]
+    if self.changes is not None:
+      added = f", +{ch.reductions_added} for auxiliary centering(s)" if ch.reductions_added else ""
+      lines.append(f"  reductions (reduce_sum, all): {ch.reductions_before} -> "
+                   f"{ch.reductions_after} (-{ch.reductions_removed} mean reduction(s) at "
+                   f"{len(folded)} folded site(s){added})")
+    for members in _groups(folded):
+      label = _group_label([m.where for m in members])
+      n = sum(m.num_reductions for m in members)
+      each = f" ({members[0].num_reductions} each)" if len(members) > 1 else ""
+      lines.append(f"    {label}: -{n} reduction(s){each}, LayerNorm -> RMSNorm")
+    for a in self.auxiliary:
+      lines.append(f"  + auxiliary centering {a.describe()}")
+    kern = sum(s.kernel for s in folded)
+    impl = ch.norm_impl
+    if impl == "xla" or not kern:
+      lines.append(f"  kernels substituted: none (norm_impl={impl!r}; {kern} site(s) proved "
+                   "equal to the Pallas RMSNorm formula)")
+    elif impl == "auto":
+      lines.append(f"  kernels substituted: {kern} site(s) proved equal to the Pallas RMSNorm "
+                   "formula; norm_impl='auto' runs the kernel on a GPU where "
+                   "pallas_kernels.choose expects it to win, XLA elsewhere")
+    else:
+      lines.append(f"  kernels substituted: {kern} site(s) run the Pallas RMSNorm kernel "
+                   f"(norm_impl={impl!r})")
+    if self.changes is not None:
+      lines.append(f"  parameters centered in place: {ch.params_centered} leaves "
+                   f"({_bytes(ch.params_centered_bytes)}; same shapes and dtypes, new values)")
+    copies = {(c.param, c.axes): c.extra_bytes for s in self.sites for c in s.centered
+              if c.mode == "untied copy"}
+    if copies:
+      lines.append(f"  untied centered copies: {len(copies)} ({_bytes(self.untied_bytes)} extra)")
+      for (p, ax), b in copies.items():
+        lines.append(f"    {param_label(p)}{ax}: {_bytes(b)}")
+    else:
+      lines.append("  untied centered copies: none (0 B extra)")
+    not_folded = self.num_sites - len(folded)
+    if not_folded:
+      lines.append(f"  unchanged: {not_folded} site(s) keep their LayerNorm (see str(report))")
     return "\n".join(lines)
 
 
-def _short(s: str, n: int) -> str:
-  return s if len(s) <= n else "…" + s[-(n - 1):]
+# ----------------------------------------------------------------------------
+# Formatting helpers.
+
+
+_KEY = re.compile(r"\['([^']*)'\]|\[(\d+)\]|\.([A-Za-z_]\w*)")
+
+
+def param_label(path: str) -> str:
+  """``"['params']['h_0']['attn']['kernel']"`` -> ``"h_0.attn.kernel"``."""
+  parts = [a or b or c for a, b, c in _KEY.findall(path)]
+  if not parts:
+    return path
+  if parts[0] == "params" and len(parts) > 1:
+    parts = parts[1:]
+  if parts[-1] == "value" and len(parts) > 1:   # nnx.Variable leaves
+    parts = parts[:-1]
+  return ".".join(parts)
+
+
+def _bytes(n: int) -> str:
+  if n >= 2**20:
+    return f"{n / 2**20:.1f} MiB"
+  if n >= 2**10:
+    return f"{n / 2**10:.1f} KiB"
+  return f"{n} B"
+
+
+_NUM = re.compile(r"\d+")
+
+
+def _template(text: str) -> str:
+  return _NUM.sub("#", text)
+
+
+def _site_key(s: Site) -> tuple:
+  return (_template(s.where), s.folded, _template(s.reason), s.shape, s.axes,
+          tuple(_template(c.label()) for c in s.centered), s.aux, s.exact, s.requires > len(s.centered),
+          s.num_reductions)
+
+
+def _groups(sites) -> list:
+  """Sites whose rows differ only in one number (a layer index) form a group,
+  in order of first appearance; anything else stays alone."""
+  by_key: dict = {}
+  for s in sites:
+    by_key.setdefault(_site_key(s), []).append(s)
+  out = []
+  for members in by_key.values():
+    if len(members) == 1 or _varying(m.where for m in members) is not None:
+      out.append(members)
+    else:
+      out.extend([m] for m in members)
+  out.sort(key=lambda g: g[0].index)
+  return out
+
+
+def _varying(texts) -> Optional[int]:
+  """The position of the one number that differs between ``texts`` (-1 if none
+  differs); None when several do."""
+  nums = [_NUM.findall(t) for t in texts]
+  if not nums or len({len(n) for n in nums}) != 1:
+    return None
+  diff = [k for k in range(len(nums[0])) if len({n[k] for n in nums}) > 1]
+  if not diff:
+    return -1
+  return diff[0] if len(diff) == 1 else None
+
+
+def _group_label(texts: list) -> str:
+  """``["h_0/ln_1", "h_1/ln_1", "h_2/ln_1"]`` -> ``"h_0…h_2/ln_1"``."""
+  if len(texts) == 1:
+    return texts[0]
+  k = _varying(texts)
+  if k is None or k < 0:
+    return f"{texts[0]} x{len(texts)}"
+  values = [int(_NUM.findall(t)[k]) for t in texts]
+  spans = list(_NUM.finditer(texts[0]))
+  m = spans[k]
+  # the token the number belongs to (e.g. "h_0" in "h_0/ln_1"), repeated at both ends
+  start = max(texts[0].rfind("/", 0, m.start()), texts[0].rfind(".", 0, m.start())) + 1
+  end_candidates = [i for i in (texts[0].find("/", m.end()), texts[0].find(".", m.end())) if i >= 0]
+  end = min(end_candidates) if end_candidates else len(texts[0])
+  token_pre, token_post = texts[0][start:m.start()], texts[0][m.end():end]
+  lo, hi = min(values), max(values)
+  if sorted(values) == list(range(lo, hi + 1)):
+    rng = f"{token_pre}{lo}{token_post}…{token_pre}{hi}{token_post}"
+  else:
+    rng = "{" + ",".join(f"{token_pre}{v}{token_post}" for v in values) + "}"
+  return texts[0][:start] + rng + texts[0][end:]
+
+
+def _indices(ix: list) -> str:
+  if len(ix) <= 3:
+    return ",".join(map(str, ix))
+  return f"{ix[0]},{ix[1]},…,{ix[-1]}"
+
+
+def _merge_texts(texts: list) -> str:
+  """One text for grouped rows: every number that differs between them is
+  written ``*`` (``h_*.attn.c_proj.kernel[1]``)."""
+  nums = [_NUM.findall(t) for t in texts]
+  if len({len(n) for n in nums}) != 1 or len({_template(t) for t in texts}) != 1:
+    return texts[0]
+  vary = {k for k in range(len(nums[0])) if len({n[k] for n in nums}) > 1}
+  out, last = [], 0
+  for k, m in enumerate(_NUM.finditer(texts[0])):
+    out.append(texts[0][last:m.start()] + ("*" if k in vary else m.group()))
+    last = m.end()
+  return "".join(out) + texts[0][last:]
+
+
+def _render(rows: list) -> str:
+  widths = [max(len(r[i]) for r in rows) for i in range(5)]
+  lines = []
+  for k, r in enumerate(rows):
+    lines.append("  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5])
+    if k == 0:
+      lines.append("-" * min(len(lines[0]), 120))
+  return "\n".join(lines)

@@ -39,11 +39,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfold._src.integrity import (MANIFEST, IntegrityError, NotADirectory, NotFoundError,
-                                    commit_directory, read_manifest,
-                                    verify_file, verify_manifest, write_manifest)
+from jaxfold._src.integrity import (
+  MANIFEST,
+  IntegrityError,
+  NotADirectory,
+  NotFoundError,
+  commit_directory,
+  read_manifest,
+  verify_file,
+  verify_manifest,
+  write_manifest,
+)
 from jaxfold._src.integrity import versions as _versions
-from jaxfold._src.report import Centering, Report, Site
+from jaxfold._src.report import Report
 
 __all__ = ["save_fold", "load_fold", "load_report", "load_meta", "LoadedFold",
            "report_from_dict", "FORMAT_VERSION", "IntegrityError"]
@@ -74,6 +82,8 @@ def _encode_args(args: Any) -> Any:
     return {"list": [_encode_args(v) for v in args]}
   if args is None:
     return {"none": None}
+  if isinstance(args, (bool, int, float, str)):   # static keyword arguments (train=True)
+    return {"value": args}
   if hasattr(args, "shape") and hasattr(args, "dtype"):
     return {"array": {"shape": [int(d) for d in np.shape(args)],
                       "dtype": jnp.dtype(args.dtype).name}}
@@ -91,20 +101,14 @@ def _decode_args(obj: Any) -> Any:
     return [_decode_args(v) for v in val]
   if kind == "none":
     return None
+  if kind == "value":
+    return val
   return jax.ShapeDtypeStruct(tuple(val["shape"]), jnp.dtype(val["dtype"]))
 
 
 def report_from_dict(d: dict) -> Report:
   """Inverse of ``Report.as_dict()``."""
-  sites = []
-  for s in d.get("sites", []):
-    s = dict(s)
-    s["centered"] = tuple(Centering(**{**c, "spec": tuple(tuple(x) for x in c.get("spec", ()))})
-                          for c in s.get("centered", ()))
-    s["shape"] = tuple(s["shape"])
-    s["axes"] = tuple(s["axes"])
-    sites.append(Site(**s))
-  return Report(tuple(sites), tuple(d.get("auxiliary", ())), int(d.get("untied_bytes", 0)))
+  return Report.from_dict(d)
 
 
 def _json_default(o: Any) -> Any:
@@ -275,6 +279,7 @@ def save_fold(folded: Any, directory: str | os.PathLike, *, meta: Optional[dict]
       "format_version": FORMAT_VERSION,
       "options": options,
       "example_args": _encode_args(tuple(args)),
+      "example_kwargs": _encode_args(dict(getattr(folded.apply_fn, "example_kwargs", {}))),
       "untied": _is_untied(folded),
       "jax_version": jax.__version__,
   }
@@ -439,7 +444,8 @@ def load_fold(directory: str | os.PathLike, apply_fn: Callable, *,
     >>> again = load_fold("/tmp/gpt2-fold", models.get("gpt2-tiny").apply_fn())
     >>> logits = again.apply_fn(again.params, ids)
   """
-  from jaxfold._src.fold import FoldError, FoldedParams, FoldOptions, fold as _fold
+  from jaxfold._src.fold import FoldedParams, FoldError, FoldOptions
+  from jaxfold._src.fold import fold as _fold
 
   directory = os.path.abspath(os.fspath(directory))
   _check_dir(directory)
@@ -452,6 +458,7 @@ def load_fold(directory: str | os.PathLike, apply_fn: Callable, *,
     info = _read_json(info_path)
     version = info.get("format_version", 0)
     args = _decode_args(info["example_args"])
+    kwargs = _decode_args(info["example_kwargs"]) if "example_kwargs" in info else {}
     opts = dict(info["options"])
   except (ValueError, KeyError, TypeError, AttributeError) as e:
     raise IntegrityError(f"{info_path} is not a jaxfold fold description ({type(e).__name__}: "
@@ -478,7 +485,7 @@ def load_fold(directory: str | os.PathLike, apply_fn: Callable, *,
   opts.pop("through_dropout", None)  # a CBWC-only option; a saved fold never sets it
   opts = FoldOptions.from_dict(opts).to_dict()
   opts.pop("through_dropout", None)
-  refold = _fold(abstract, apply_fn, *args, **opts)
+  refold = _fold(abstract, apply_fn, *args, example_kwargs=kwargs, **opts)
   saved = load_report(directory, integrity=False)
   if verify:
     got = [(s.folded, s.shape, s.axes) for s in refold.report.sites]

@@ -23,7 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import json

@@ -293,7 +293,7 @@ class ServedModel:
     rows = sum(r.rows for r in reqs)
     total = self.batch_rows(rows) if self.batch_sym else rows
     args = []
-    for i, spec in enumerate(self.inputs):
+    for i in range(len(self.inputs)):
       parts = []
       for r in reqs:
         a = r.args[i]
@@ -335,7 +335,7 @@ class ServedModel:
     args = []
     for spec in self.inputs:
       shape = []
-      for k, d in enumerate(spec.dims):
+      for d in spec.dims:
         shape.append(d if isinstance(d, int) else rows if d == self.batch_sym else
                      seq if d == self.seq_sym else 1)
       if spec.role == "attention_mask":
@@ -448,6 +448,7 @@ def load_model(source: str, *, zoo_meta=None, **kwargs: Any) -> ServedModel:
     folded = load_fold(source, apply_fn)
     args = folded.apply_fn.example_args
     import warnings
+
     from jaxfold._src.export import ExportWarning
     with warnings.catch_warnings():
       warnings.simplefilter("ignore", ExportWarning)

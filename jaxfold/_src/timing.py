@@ -1,0 +1,143 @@
+"""Timing and comparison helpers shared by ``jaxfold bench``/``demo`` and the
+benchmark scripts (public as :mod:`jaxfold.benchmarking`).
+
+Variants are timed *interleaved*, their order rotated every round, after
+warm-up (compilation), with enough calls per measurement to last >= 20 ms; the
+result is the median of per-round ratios and an A/A figure (the original
+executable against itself) that shows how much the device's noise alone moves
+a ratio.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from typing import Any, Callable, Optional, Sequence
+
+
+class NonFiniteError(ValueError):
+  """Outputs with NaN/inf: an error or a timing measured on them means nothing."""
+
+
+def device_string() -> str:
+  """E.g. ``'cpu: cpu (2 cores), jax 0.10.2'`` or ``'gpu: NVIDIA H100 80GB HBM3, jax 0.11.0'``."""
+  import jax
+  d = jax.devices()[0]
+  kind = getattr(d, "device_kind", "") or d.platform
+  extra = f" ({os.cpu_count()} cores)" if d.platform == "cpu" else ""
+  return f"{d.platform}: {kind}{extra}, jax {jax.__version__}"
+
+
+def _block(x):
+  import jax
+  return jax.block_until_ready(x)
+
+
+def time_variants(thunks: dict, *, rounds: int = 9, warmup: int = 2,
+                  min_seconds: float = 0.02, progress: Optional[Callable[[int], None]] = None) -> dict:
+  """Times zero-argument callables interleaved, rotating their order each round.
+
+  Each thunk is called ``warmup`` times first (compilation), then calibrated to
+  ``number`` calls per measurement so one measurement lasts ≥ ``min_seconds``.
+  Returns ``{name: [seconds per call, one per round]}`` and the key
+  ``"_number"``.
+  """
+  names = list(thunks)
+  for _ in range(max(warmup, 1)):
+    for n in names:
+      _block(thunks[n]())
+  single = {}
+  for n in names:
+    t0 = time.perf_counter()
+    _block(thunks[n]())
+    single[n] = time.perf_counter() - t0
+  number = max(1, int(math.ceil(min_seconds / max(min(single.values()), 1e-9))))
+  number = min(number, 1000)
+  times = {n: [] for n in names}
+  for r in range(rounds):
+    order = names[r % len(names):] + names[:r % len(names)]
+    for n in order:
+      fn = thunks[n]
+      t0 = time.perf_counter()
+      for _ in range(number):
+        out = fn()
+      _block(out)
+      times[n].append((time.perf_counter() - t0) / number)
+    if progress:
+      progress(r)
+  times["_number"] = number
+  return times
+
+
+def summarize_timings(times: dict, base: str, others: Sequence[str]) -> dict:
+  """Median time per variant and the median of per-round ratios ``other/base``.
+
+  Returns ``{"median_ms": {...}, "ratio": {other: r}, "ratio_iqr": {other: (q1, q3)}}``.
+  """
+  out = {"median_ms": {n: 1e3 * statistics.median(v) for n, v in times.items()
+                       if not n.startswith("_")},
+         "ratio": {}, "ratio_iqr": {}, "rounds": len(times[base]),
+         "number": times.get("_number", 1)}
+  for o in others:
+    rs = sorted(a / b for a, b in zip(times[o], times[base]))
+    out["ratio"][o] = statistics.median(rs)
+    q = statistics.quantiles(rs, n=4) if len(rs) >= 2 else [rs[0], rs[0], rs[0]]
+    out["ratio_iqr"][o] = (q[0], q[2])
+  return out
+
+
+def compare_forward(apply_fn, params, folded, args, *, rounds: int = 9, warmup: int = 2,
+                    progress=None, jitted: Optional[tuple] = None) -> dict:
+  """Jitted original vs folded forward on ``args``, interleaved.  A third
+  variant runs the original executable again ("A/A"): its ratio to the
+  original is the noise figure.  ``jitted=(orig, folded)`` reuses compiled
+  functions.  Returns :func:`summarize_timings` plus ``"aa_noise"``."""
+  orig, fold_fn = jitted or _jit_pair(apply_fn, folded)
+  fp = folded.params
+  thunks = {"original": lambda: orig(params, *args),
+            "folded": lambda: fold_fn(fp, *args),
+            "original A/A": lambda: orig(params, *args)}
+  times = time_variants(thunks, rounds=rounds, warmup=warmup, progress=progress)
+  s = summarize_timings(times, "original", ["folded", "original A/A"])
+  s["aa_noise"] = abs(s["ratio"]["original A/A"] - 1.0)
+  return s
+
+
+def _jit_pair(apply_fn, folded):
+  import jax
+  return (jax.jit(lambda p, *a: apply_fn(p, *a)), jax.jit(lambda p, *a: folded.apply_fn(p, *a)))
+
+
+def check_finite(tree: Any, what: str) -> None:
+  """Raises :class:`NonFiniteError` if any float leaf of ``tree`` has a NaN or an inf:
+  an error measured on non-finite outputs would be meaningless (NaN compares as 0)."""
+  import jax
+  import numpy as np
+  for x in jax.tree_util.tree_leaves(tree):
+    x = np.asarray(x)
+    if x.dtype.kind in "fc" and not np.all(np.isfinite(x)):
+      n = int(np.size(x) - np.count_nonzero(np.isfinite(x)))
+      raise NonFiniteError(f"{what} has {n} non-finite value(s) (NaN/inf) out of {x.size}: no error or "
+                     "timing is reported for it. Check the inputs (e.g. --seq within the model's "
+                     "positions) and the weights")
+
+
+def max_rel_err(a: Any, b: Any, what: str = "outputs") -> float:
+  """``max |a − b| / max |a|`` over the leaves; refuses non-finite values in
+  either (:class:`NonFiniteError`), since NaN − NaN would otherwise read as 0."""
+  import jax
+  import numpy as np
+  check_finite(a, f"the original model's {what}")
+  check_finite(b, f"the folded model's {what}")
+  worst = 0.0
+  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+    x = np.asarray(x, np.float64)
+    y = np.asarray(y, np.float64)
+    worst = max(worst, float(np.max(np.abs(x - y)) / max(float(np.max(np.abs(x))), 1e-30)))
+  return worst
+
+
+__all__ = ["NonFiniteError", "device_string", "time_variants", "summarize_timings",
+           "compare_forward", "check_finite", "max_rel_err"]
