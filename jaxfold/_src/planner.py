@@ -22,6 +22,7 @@ from jaxfold._src.analysis import (
   Analyzer,
   Blocker,
   LeafNeed,
+  Level,
   Site,
   find_sites,
   nested_sites,
