@@ -537,7 +537,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     zoo_md: list[str] = []
     zoo = [m for m in args.zoo.split(",") if m]
     if reason is None and zoo:
-        zoo_recs = zoo_records(zoo, [tuple(int(v) for v in x.lower().split("x")) for x in args.zoo_sizes.split(",") if x],
+        sizes = [tuple(int(v) for v in x.lower().split("x")) for x in args.zoo_sizes.split(",") if x]
+        zoo_recs = zoo_records(zoo, sizes,
                                [int(b) for b in args.image_batches.split(",") if b], targets)
         zoo_png = os.path.splitext(args.out)[0] + "_zoo.png"
         peaks = ", ".join(f"{t} {PEAK_FLOPS[t]['bf16'] / 1e12:.0f} TFLOP/s" for t in targets)

@@ -34,10 +34,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from train_char_gpt import load_text  # noqa: E402
 
 import jaxfold  # noqa: E402
 from models.gpt2 import GPT2Config, GPT2LMHeadModel  # noqa: E402
-from train_char_gpt import load_text  # noqa: E402
 
 
 def batches(data: np.ndarray, batch: int, seq: int, seed: int):

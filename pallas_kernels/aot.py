@@ -41,7 +41,7 @@ import jax
 import numpy as np
 
 from pallas_kernels import _compat
-from pallas_kernels.rms_norm import BWD_KERNELS, FWD_KERNELS
+from pallas_kernels.rms_norm import FWD_KERNELS
 
 TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 TARGETS = ("h100", "a100")

@@ -53,12 +53,11 @@ from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-import numpy as np
 
-from pallas_kernels import dispatch
-from pallas_kernels import _compat
+from pallas_kernels import _compat, dispatch
 from pallas_kernels._compat import BACKENDS, pallas_api
 
 _F32 = jnp.float32

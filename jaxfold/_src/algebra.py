@@ -107,7 +107,7 @@ class View:
             return None
           gj.append(targets[j]); pj *= targets[j]; j += 1
       # The old group must be contiguous in the strided sense.
-      for (n0, s0), (n1, s1) in zip(gi, gi[1:]):
+      for (_, s0), (n1, s1) in zip(gi, gi[1:]):
         if s0 != s1 * n1:
           return None
       inner = gi[-1][1]

@@ -344,6 +344,7 @@ def use_kernel(impl: str, shape, dtype) -> Optional[bool]:
 
 def run_kernel(ep: Epilogue, x, gamma, beta, out_aval, interpret: bool):
   import jax.numpy as jnp
+
   import pallas_kernels
   hidden = ep.hidden
   scale = jnp.reshape(gamma, (hidden,)) if gamma is not None else jnp.ones((hidden,), x.dtype)
@@ -355,6 +356,7 @@ def run_kernel(ep: Epilogue, x, gamma, beta, out_aval, interpret: bool):
 def run_fused(ep: Epilogue, a, b, gamma, beta, interpret: bool) -> tuple:
   """(normalized, sum) of the fused residual add + RMSNorm kernel."""
   import jax.numpy as jnp
+
   import pallas_kernels
   hidden = ep.hidden
   scale = jnp.reshape(gamma, (hidden,)) if gamma is not None else jnp.ones((hidden,), a.dtype)

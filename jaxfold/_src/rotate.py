@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxfold._src import algebra as A
 from jaxfold._src.affine import FuseError, _abstract, _factor_leaf, _leaf_of, _signature
-from jaxfold._src.analysis import Analyzer, Level, LeafNeed
+from jaxfold._src.analysis import Analyzer, LeafNeed, Level
 from jaxfold._src.program import Program, Val
 from jaxfold._src.rules import Block, rule_for
 from jaxfold._src.rules.rotation import Lin, Quad, Want

@@ -28,10 +28,10 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import np_eval
 import numpy as np
 
 import jaxfold
-import np_eval
 
 F64 = jnp.float64
 

@@ -236,11 +236,11 @@ def _special():
     return
   for name, f in {"lgamma": sp.gammaln, "digamma": sp.psi, "erf": sp.erf, "erfc": sp.erfc,
                   "erf_inv": sp.erfinv, "bessel_i0e": sp.i0e, "bessel_i1e": sp.i1e}.items():
-    _HANDLERS[name] = (lambda f: lambda eqn, x: f(x.astype(np.float64))
+    _HANDLERS[name] = (lambda f: lambda eqn, x: f(x.astype(np.float64))  # noqa: B023 - bound by the call
                        if np.issubdtype(x.dtype, np.floating) else _unsup())(f)
   for name, f in {"igamma": sp.gammainc, "igammac": sp.gammaincc, "zeta": sp.zeta,
                   "polygamma": lambda n, x: sp.polygamma(n.astype(np.int64), x)}.items():
-    _HANDLERS[name] = (lambda f: lambda eqn, a, b: f(a.astype(np.float64), b.astype(np.float64))
+    _HANDLERS[name] = (lambda f: lambda eqn, a, b: f(a.astype(np.float64), b.astype(np.float64))  # noqa: B023
                        if np.issubdtype(b.dtype, np.floating) and np.all(np.isfinite(a)) else _unsup())(f)
 
 

@@ -8,10 +8,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
-
-import jaxfold
 from conftest import rel_err
 from zoo_fused import ZOO, ZOO_TOL, errors, fused, randomize_np
+
+import jaxfold
 
 D = 16
 
@@ -132,7 +132,7 @@ def test_zoo_fused_equals_original(x64, name):
 
 
 def test_post_ln_bert_refused(x64):
-  from zoo_fused import original, inputs
+  from zoo_fused import inputs, original
   apply, p = original("bert-tiny")
   folded = jaxfold.fold(p, apply, *inputs("bert-tiny", 2, 8))
   fu = jaxfold.fuse_affine(folded)

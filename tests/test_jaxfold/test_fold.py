@@ -4,7 +4,6 @@ Every model here has random γ, β and biases (tests/conftest.randomize) and is
 checked in float64, where folded and original must agree to ~1e-9.
 """
 
-import functools
 
 import flax.linen as nn
 import jax
@@ -12,10 +11,10 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import randomize, rel_err, x64_context
 from flax import nnx
 
 import jaxfold
-from conftest import randomize, rel_err, x64_context
 
 F64 = jnp.float64
 D = 16

@@ -20,14 +20,13 @@ registered primitive appears in some program's jaxpr (nested jaxprs included).
 
 import os
 
-import jax
-import numpy as np
-import pytest
-
-from conftest import x64_context
 import fold_checks as fc
 import fuzz_programs as fp
+import jax
 import np_eval
+import numpy as np
+import pytest
+from conftest import x64_context
 
 N_DEFAULT = int(os.environ.get("JAXFOLD_FUZZ_N", "300"))
 N_SLOW = int(os.environ.get("JAXFOLD_FUZZ_N_SLOW", "5000"))

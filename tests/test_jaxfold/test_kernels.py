@@ -4,9 +4,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import randomize, rel_err
 
 import jaxfold
-from conftest import randomize, rel_err
 
 
 class PreLN(nn.Module):

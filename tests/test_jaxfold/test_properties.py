@@ -15,12 +15,12 @@ tied weights, extra outputs). For each program we check, in float64:
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from conftest import rel_err, x64_context
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import jaxfold
-from conftest import rel_err, x64_context
 
 F64 = jnp.float64
 D = 8
@@ -58,7 +58,7 @@ def programs(draw):
 def build(prog):
   """Returns (init(key) -> params, apply(params, x))."""
   shapes = {"emb": (20, D), "pos": (6, D), "w_in": (3, D), "b_in": (D,), "conv": (2, 3, D)}
-  for i, op in enumerate(prog["ops"]):
+  for i in range(len(prog["ops"])):
     shapes[f"w1_{i}"] = (D, 2 * D)
     shapes[f"b1_{i}"] = (2 * D,)
     shapes[f"w2_{i}"] = (2 * D, D)
@@ -89,7 +89,7 @@ def build(prog):
     outs = []
     for i, op in enumerate(prog["ops"]):
       g, b = p[f"g_{i}"], p[f"be_{i}"]
-      mlp = lambda z: jax.nn.gelu(z @ p[f"w1_{i}"] + p[f"b1_{i}"]) @ p[f"w2_{i}"] + p[f"b2_{i}"]
+      mlp = lambda z, i=i: jax.nn.gelu(z @ p[f"w1_{i}"] + p[f"b1_{i}"]) @ p[f"w2_{i}"] + p[f"b2_{i}"]
       if op == "preln_mlp":
         h = h + mlp(layer_norm(h, g, b, st_[i]))
       elif op == "postln":

@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jaxfold
 from conftest import rel_err
 from zoo_fused import ZOO, ZOO_TOL, errors, fused, inputs, original, randomize_np
+
+import jaxfold
 
 D = 16
 
@@ -138,7 +138,9 @@ def test_auxiliary_centering_refused(x64):
 @pytest.mark.slow
 def test_example_smoke(tmp_path):
   pytest.importorskip("matplotlib")
-  import importlib.util, os, sys
+  import importlib.util
+  import os
+  import sys
   path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "slice_rotate.py")
   spec = importlib.util.spec_from_file_location("_example_slice_rotate", path)
   mod = importlib.util.module_from_spec(spec)
