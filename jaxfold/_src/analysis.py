@@ -488,9 +488,18 @@ class Level:
 
   # -- obligation 2: zero-sum, backwards --------------------------------------
 
-  def needs(self, v: Any, spec: tuple) -> list:
-    """What must hold for ``v`` to sum to zero over ``spec``: LeafNeeds and Blockers."""
+  def needs(self, v: Any, spec: tuple, stops: Optional[dict] = None,
+            visited: Optional[list] = None) -> list:
+    """What must hold for ``v`` to sum to zero over ``spec``: LeafNeeds and Blockers.
+
+    ``stops`` maps values to the spec an auxiliary centering would give them:
+    the walk ends there (a Blocker the planner turns into that centering).
+    ``visited`` collects the (value, spec) pairs the walk passes through
+    (candidate places for an auxiliary centering).
+    """
     self.an._seen = set()
+    self.an._stops = stops or {}
+    self.an._visited = visited
     out: list = []
     self._walk(v, spec, None, (), out, v, spec)
     return out
@@ -507,6 +516,11 @@ class Level:
     if isinstance(v, Lit):
       out.append(Blocker(v, spec, "a non-zero literal"))
       return
+    if an._stops and an._stops.get(v) == spec:
+      out.append(Blocker(v, spec, "centered by an auxiliary centering"))
+      return
+    if an._visited is not None and spec:
+      an._visited.append((v, spec))
     prog = self.program
     if prog.is_top and (v.kind == "in" and v.index < an.num_leaves or v.kind == "const"):
       out.append(LeafNeed(v, spec, use, top_var, top_spec, chain))

@@ -142,7 +142,7 @@ class Planner:
 
   # -- site decision -----------------------------------------------------------
 
-  def decide(self, site: Site, assume_aux: dict) -> tuple:
+  def decide(self, site: Site, assume_aux: dict, visited: Optional[list] = None) -> tuple:
     """(actions, blockers) for one site given the commitments so far."""
     before = self.an.random_uses
     self._inexact = False
@@ -151,7 +151,8 @@ class Planner:
       return [], [Blocker(site.input, (), f"the norm is inside {c.kind} `{c.name}` (called at "
                                           f"{c.source}); CBWC keeps its custom rule")]
     try:
-      needs = site.level.needs(site.input, freeze(layout.full_spec(site.input.shape, site.axes)))
+      needs = site.level.needs(site.input, freeze(layout.full_spec(site.input.shape, site.axes)),
+                               assume_aux, visited)
     except Exception as e:  # noqa: BLE001 - fail closed with the cause
       return [], [Blocker(site.input, (), f"{type(e).__name__}: {e}")]
     self._inexact |= self.an.random_uses > before
@@ -254,15 +255,18 @@ class Planner:
                                  not self._inexact)
 
   def run(self) -> "Planner":
-    failed = {}
+    failed, visits = {}, {}
     for i, site in enumerate(self.sites):
-      actions, blockers = self.decide(site, {})
+      visits[i] = []
+      actions, blockers = self.decide(site, {}, visits[i])
       if blockers:
         failed[i] = blockers
       else:
         self.commit(i, actions)
+        del visits[i]
     if self.opts.auxiliary_centering and failed:
       self.choose_auxiliary(failed)
+      self.choose_stream_starts(failed, visits)
     if self.opts.tie_by_aux() and self.opts.tied_weights == "auto":
       # Where an auxiliary centering would not pay for itself, a tied
       # parameter is still worth untying by a centered copy.
@@ -305,6 +309,54 @@ class Planner:
       actions, blockers = self.decide(self.sites[i], chosen)
       if not blockers:
         self.commit(i, actions)
+
+  STREAM_CANDIDATES = 8
+
+  def choose_stream_starts(self, failed: dict, visits: dict) -> None:
+    """Auxiliary centerings at values the failed sites' zero-sum walks pass
+    through, not only at their blockers: where a residual stream starts
+    (e.g. ``proj(x) + gelu(pos_conv(proj(x)))``) every later norm's walk
+    passes, and one centering there can stand in for several blockers none of
+    which can be centered alone. Same cost rule: each inserted centering must
+    let at least two sites drop their reductions.
+
+    Candidates are tried by how many pending sites pass them, then latest in
+    the program first (the join of a stream's parts is nearest the norms).
+    """
+    pending = [i for i in sorted(failed) if i not in self.decisions]
+    if len(pending) < 2:
+      return
+    counts: dict = collections.Counter()
+    for i in pending:
+      for key in dict.fromkeys(visits.get(i, ())):
+        var = key[0]
+        if isinstance(var, Val) and var.program is self.top.program and var not in self.aux_commit:
+          counts[key] += 1
+    order = sorted(counts, key=lambda k: (-counts[k], -_position(k[0])))
+    tried = 0
+    for key in order:
+      if counts[key] < 2 or len(pending) < 2 or tried >= self.STREAM_CANDIDATES:
+        break
+      var, spec = key
+      if self.aux_visible(var, spec) is not None:
+        continue
+      tried += 1
+      trial = dict(self.aux_commit)
+      trial[var] = spec
+      passing = [i for i in pending if key in set(visits.get(i, ()))]
+      gains = {}
+      for i in passing:
+        actions, blockers = self.decide(self.sites[i], trial)
+        if not blockers:
+          gains[i] = actions
+      if len(gains) < 2:
+        continue
+      for i in sorted(gains):
+        # Re-decided in order: earlier commitments (leaf centerings) bind later sites.
+        actions, blockers = self.decide(self.sites[i], trial)
+        if not blockers:
+          self.commit(i, actions)
+      pending = [i for i in pending if i not in self.decisions]
 
   # -- explanation -------------------------------------------------------------
 
@@ -393,6 +445,10 @@ class Planner:
 
   def folded_sites(self) -> list:
     return [s for i, s in enumerate(self.sites) if self.decisions[i].folded]
+
+
+def _position(v: Val) -> int:
+  return v.producer.index if v.producer is not None else -1
 
 
 def _site_where(node) -> str:
