@@ -373,10 +373,14 @@ class Level:
   def body(self, node: Node, k: int = 0) -> "Level":
     return self.an.level(node.subs[k])
 
-  def scan_shift(self, node: Node, ins: list) -> list:
-    """Pure shifts through a scan, with a fixed point on the carries."""
+  def scan_shift(self, node: Node, ins: list, inner: Optional[dict] = None) -> list:
+    """Pure shifts through a scan, with a fixed point on the carries.
+
+    ``inner`` maps a body Level to seeds inside it (a centering placed in
+    the body, introduced at every iteration)."""
     nc, ncar = compat.scan_partition(node.params)
     body = self.body(node)
+    extra = (inner or {}).get(body, {})
     binv = body.program.invars
     seeds = {}
     for i, p in enumerate(ins):
@@ -388,7 +392,7 @@ class Level:
       seeds[binv[i]] = A.pure(dims)
     outs: dict = {}
     for _ in range(2 + 2 * max((len(v.shape) for v in binv), default=0)):
-      outs = body.collect(seeds)
+      outs = body.collect({**seeds, **extra})
       changed = False
       for j in range(ncar):
         q = outs.get(j)
@@ -419,7 +423,7 @@ class Level:
         result.append(A.pure(((None, 1),) + q.dims))
     return result
 
-  def cond_shift(self, node: Node, ins: list) -> list:
+  def cond_shift(self, node: Node, ins: list, inner: Optional[dict] = None) -> list:
     """Shifts through a cond/switch: every branch may run (the index is a
     traced value), so each must keep the shift pure; an output carries the
     shift of any branch (as a fresh pure shift of the merged pattern)."""
@@ -432,6 +436,7 @@ class Level:
     for k, sub in enumerate(node.subs):
       body = self.an.level(sub)
       seeds = {body.program.invars[i - 1]: p for i, p in enumerate(ins) if i and p is not None}
+      seeds.update((inner or {}).get(body, {}))
       try:
         outs = body.collect(seeds)
       except Block as e:
@@ -443,7 +448,7 @@ class Level:
         merged[j] = q.dims if merged[j] is None else _merge(merged[j], q.dims)
     return [None if d is None else A.pure(d) for d in merged]
 
-  def while_shift(self, node: Node, ins: list) -> list:
+  def while_shift(self, node: Node, ins: list, inner: Optional[dict] = None) -> list:
     """Pure shifts through a while loop: a fixed point on the carries, and the
     loop condition must not see the shift (it decides the trip count)."""
     cond, body = self.body(node, 0), self.body(node, 1)
@@ -459,6 +464,7 @@ class Level:
                if ins[base + i] is not None}
       for j, p in carry.items():
         seeds[level.program.invars[nconst + j]] = p
+      seeds.update((inner or {}).get(level, {}))
       return seeds
 
     nconst_c = cc
@@ -485,6 +491,29 @@ class Level:
       raise Block("the shift reaches the `while` loop's condition (it decides the trip count)")
     return [None if carry.get(j) is None else A.pure(carry[j].dims)
             for j in range(len(node.outs))]
+
+  def invisible_inside(self, seeds: dict) -> Optional[str]:
+    """``invisible`` for seeds inside this loop or branch body: the enclosing
+    control-flow driver carries them out (fixed points included), and the
+    enclosing level continues from the loop's outputs."""
+    node, outer_prog = self.program.parent
+    outer = self.an.level(outer_prog)
+    driver = {"scan": outer.scan_shift, "cond": outer.cond_shift, "while": outer.while_shift}
+    kind = rule_for(node.prim).name
+    if kind not in driver:
+      return f"the value is inside a `{node.prim.name}` body"
+    try:
+      outs = driver[kind](node, [None] * len(node.ins), {self: seeds})
+    except Block as e:
+      return f"{e} [at {node.where()}]"
+    except A.Unrepresentable as e:
+      return f"the shift's expression grows too large to track exactly ({e})"
+    out_seeds = {v: p for v, p in zip(node.outs, outs) if p is not None}
+    if not out_seeds:
+      return None
+    if outer.program.is_top:
+      return outer.invisible(out_seeds)
+    return outer.invisible_inside(out_seeds)
 
   # -- obligation 2: zero-sum, backwards --------------------------------------
 
@@ -531,7 +560,7 @@ class Level:
     node = v.producer
     if node is None:
       if prog.parent is not None:
-        return self._loop_input(v, spec, out)
+        return self._loop_input(v, spec, out, use, chain, top_var, top_spec)
       out.append(Blocker(v, spec, "a program input (not a parameter)"))
       return
     if node.subs:
@@ -568,14 +597,18 @@ class Level:
     ov = body.program.outvars[j]
     body._walk(ov, spec, None, (), out, ov, spec)
 
-  def _loop_input(self, v, spec, out) -> None:
+  def _loop_input(self, v, spec, out, use=None, chain=(), top_var=None, top_spec=()) -> None:
     node, outer_prog = self.program.parent
     outer = self.an.level(outer_prog)
+    k = node.subs.index(self.program)
+    j = control.body_operand(node, k, v.index)
+    if j is not None:
+      # The body reads the outer operand unchanged: a use inside the body is
+      # still a use of it (an untied copy can stand in there).
+      if use is None:
+        top_var, top_spec = node.ins[j], spec
+      return outer._walk(node.ins[j], spec, use, chain, out, top_var, top_spec)
     if not compat.is_scan(node.eqn):
-      k = node.subs.index(self.program)
-      j = control.body_operand(node, k, v.index)
-      if j is not None:
-        return outer._walk(node.ins[j], spec, None, (), out, node.ins[j], spec)
       if compat.is_while(node.eqn):
         return outer._carry(node, v.index - control.carries(node, k)[0], spec, out)
       out.append(Blocker(v, spec, f"an input of a `{node.prim.name}` body"))
@@ -768,6 +801,9 @@ def where(v: Any) -> str:
   if isinstance(v, Val) and v.producer is not None:
     return v.producer.where() or f"the output of `{v.producer.prim.name}`"
   if isinstance(v, Val) and v.kind == "in":
+    if v.program.parent is not None:
+      node = v.program.parent[0]
+      return f"input #{v.index} of a `{node.prim.name}` body [at {node.where()}]"
     return f"program input #{v.index}"
   return "a constant"
 

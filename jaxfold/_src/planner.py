@@ -89,12 +89,15 @@ class Planner:
 
   # -- invisibility (obligation 1), cached --------------------------------------
 
-  def _visible(self, key, seeds_fn) -> Optional[str]:
+  def _visible(self, key, seeds_fn, level: Optional[Level] = None) -> Optional[str]:
     if key not in self._vis:
       before = self.an.random_uses
       try:
         seeds, skip = seeds_fn()
-        reason = self.top.invisible(seeds, skip)
+        if level is None or level is self.top:
+          reason = self.top.invisible(seeds, skip)
+        else:  # inside a loop or branch body: carried out by the control-flow drivers
+          reason = level.invisible_inside(seeds) if seeds else None
       except Exception as e:  # noqa: BLE001 - a rule that cannot decide blocks
         reason = f"{type(e).__name__}: {e}"
       self._vis[key] = (reason, self.an.random_uses > before)
@@ -107,8 +110,7 @@ class Planner:
 
   def use_visible(self, need: LeafNeed) -> Optional[str]:
     node, k = need.use
-    if node.program is not self.top.program:
-      return "an untied copy would be needed inside a loop body"
+    level = self.an.level(node.program)
     if self.an.cbwc and node.custom_calls:
       c = node.custom_calls[-1]
       return f"the use is inside {c.kind} `{c.name}`, whose custom rule CBWC keeps"
@@ -116,19 +118,18 @@ class Planner:
     def seeds():
       poly = seed_poly(need.var.shape, need.spec)
       for cnode in reversed(need.chain):
-        poly = self.top.seed_through(cnode, 0, poly)[0]
+        poly = self.an.level(cnode.program).seed_through(cnode, 0, poly)[0]
         if poly is None:
           return {}, frozenset()
-      outs = self.top.seed_through(node, k, poly)
+      outs = level.seed_through(node, k, poly)
       return ({v: p for v, p in zip(node.outs, outs) if p is not None}, frozenset({node.index}))
-    return self._visible(("use", id(node), k, need.spec), seeds)
+    return self._visible(("use", id(node), k, need.spec), seeds, level)
 
   def aux_visible(self, var: Val, spec: tuple) -> Optional[str]:
-    if var.program is not self.top.program:
-      return "auxiliary centerings are only inserted outside loop bodies"
     if self.an.cbwc and var.producer is not None and var.producer.custom_calls:
       return "the value is inside a custom-derivative function, whose rule CBWC keeps"
-    return self._visible(("aux", var, spec), lambda: ({var: seed_poly(var.shape, spec)}, frozenset()))
+    return self._visible(("aux", var, spec), lambda: ({var: seed_poly(var.shape, spec)}, frozenset()),
+                         self.an.level(var.program))
 
   # -- names -----------------------------------------------------------------
 
@@ -330,7 +331,7 @@ class Planner:
     for i in pending:
       for key in dict.fromkeys(visits.get(i, ())):
         var = key[0]
-        if isinstance(var, Val) and var.program is self.top.program and var not in self.aux_commit:
+        if isinstance(var, Val) and var not in self.aux_commit:
           counts[key] += 1
     order = sorted(counts, key=lambda k: (-counts[k], -_position(k[0])))
     tried = 0

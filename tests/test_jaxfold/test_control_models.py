@@ -257,9 +257,13 @@ def _index(rng, shape):
 @pytest.mark.parametrize("tanh_branch", [False, True])
 def test_switch_layers(x64, tanh_branch):
   # Without tanh: both blocks' norms and the final one. With a tanh branch,
-  # the input projection's shift reaches tanh in branch 2: nothing folds.
-  _sound(SwitchEncoder(tanh_branch), _args([(2, 4, NMEL), (3, 6, NMEL)], (_index,)),
-         expect_folded=0 if tanh_branch else 5)
+  # the input projection's shift reaches tanh in branch 2: the final norm
+  # cannot fold, and each block's two norms fold with one auxiliary centering
+  # of that branch's input (inside the branch: invisible in the others).
+  res = _sound(SwitchEncoder(tanh_branch), _args([(2, 4, NMEL), (3, 6, NMEL)], (_index,)),
+               expect_folded=4 if tanh_branch else 5)
+  assert len(res.fold_report.auxiliary) == (2 if tanh_branch else 0), res.fold_report
+  assert res.fold_report.sites[0].folded != tanh_branch, res.fold_report
 
 
 def _ln(h, g, b, eps=1e-5):
@@ -305,10 +309,14 @@ def test_while_layers(x64, kind):
         return _block(c, lp) + 0.1 * _ln(c, lp["g"], lp["be"])
       h = lax.fori_loop(0, n, body, h)
     return _ln(h, p["g_f"], p["be_f"]) @ p["head"]
-  # fori: the body's norm (one site, every iteration) and the final one.
-  expect = {"fori": 2, "while_stream_pred": 0, "while_leak": 0}[kind]
-  assert_sound(apply, _loop_params, _args([(2, 4, NMEL), (3, 6, NMEL)], (_trips,)), grads=False,
-               expect_folded=expect)
+  # fori: the body's norm (one site, every iteration) and the final one. The
+  # leak makes the carry not zero-sum: one auxiliary centering of the body's
+  # result (inside the loop) restores it for both norms. A trip count that
+  # reads the stream makes every centering upstream of it visible.
+  expect = {"fori": 2, "while_stream_pred": 0, "while_leak": 2}[kind]
+  res = assert_sound(apply, _loop_params, _args([(2, 4, NMEL), (3, 6, NMEL)], (_trips,)),
+                     grads=False, expect_folded=expect)
+  assert len(res.fold_report.auxiliary) == (kind == "while_leak"), res.fold_report
 
 
 def test_cond_index_from_stream(x64):
@@ -334,3 +342,51 @@ def test_scan_with_cond_inside(x64):
   # The block's norm in each branch and the final norm.
   flag = lambda rng, s: jnp.asarray(s[0] == 2)
   assert_sound(apply, _loop_params, _args([(2, 4, NMEL), (3, 6, NMEL)], (flag,)), expect_folded=3)
+
+
+V = 11
+
+
+def _decoder_params(seed, n=2, t=8):
+  rng = np.random.default_rng(seed)
+  p = _loop_params(seed, n)
+  p["wte"] = jnp.asarray(0.2 + 0.7 * rng.standard_normal((V, D)), F64)
+  p["wpe"] = jnp.asarray(0.7 * rng.standard_normal((t, D)), F64)
+  return p
+
+
+def _decode(p, ids, n):
+  """Greedy refinement loop with the embedding table tied to the LM head, in
+  a ``fori_loop`` with a traced trip count (a while loop)."""
+  t = ids.shape[1]
+
+  def body(i, c):
+    tok, acc = c
+    h = p["wte"][tok] + p["wpe"][:t]
+    for k in range(p["layers"]["g"].shape[0]):
+      h = _block(h, _layer(p["layers"], k))
+    logits = _ln(h, p["g_f"], p["be_f"]) @ p["wte"].T
+    return jnp.argmax(logits, -1).astype(jnp.int32), acc + logits
+  return lax.fori_loop(0, n, body, (ids, jnp.zeros(ids.shape + (V,), F64)))
+
+
+def _ids_args():
+  out = []
+  for i, (b, t) in enumerate([(2, 5), (3, 7)]):
+    rng = np.random.default_rng([11, i])
+    out.append((jnp.asarray(rng.integers(0, V, (b, t)), jnp.int32), jnp.asarray(2 + i, jnp.int32)))
+  return out
+
+
+@pytest.mark.parametrize("tied", ["auto", "copy"])
+def test_tied_decoder_loop(x64, tied):
+  # The 2 block norms and the final norm inside the loop body fold: the tied
+  # table gets an auxiliary centering of its lookup (inside the body) or a
+  # centered copy for the lookup.
+  res = assert_sound(_decode, _decoder_params, _ids_args(), grads=False, expect_folded=3,
+                     tied_weights=tied)
+  rep = res.fold_report
+  if tied == "copy":
+    assert rep.untied_bytes > 0 and not rep.auxiliary, rep
+  else:
+    assert len(rep.auxiliary) == 1, rep

@@ -76,6 +76,6 @@ def _while_shift(node, ins, ctx):
 register(Rule("scan", _prim("scan_p"), shift=_scan_shift,
               variants=("stacked layers", "carry leak")))
 register(Rule("cond", _prim("cond_p"), shift=_cond_shift,
-              variants=("two branches", "switch", "norm after cond")))
+              variants=("two branches", "switch", "index from stream")))
 register(Rule("while", _prim("while_p"), shift=_while_shift,
-              variants=("fixed trip count", "fori traced bounds")))
+              variants=("fixed trip count", "fori traced bounds", "stream predicate")))
