@@ -139,7 +139,7 @@ class Planner:
     return f"<captured constant {var.shape}>"
 
   def is_leaf(self, var: Val) -> bool:
-    return var.kind == "in" and var.index < len(self.names)
+    return var.kind == "in" and var.program.is_top and var.index < len(self.names)
 
   # -- site decision -----------------------------------------------------------
 
