@@ -331,14 +331,19 @@ class Planner:
     for i in pending:
       for key in dict.fromkeys(visits.get(i, ())):
         var = key[0]
-        if isinstance(var, Val) and var not in self.aux_commit:
+        # A centering stored coarser than the outputs would not stay exact.
+        if (isinstance(var, Val) and var not in self.aux_commit
+            and jnp.issubdtype(var.dtype, jnp.floating)
+            and Level.at_least_as_precise(var.dtype, self.an.tolerance)):
           counts[key] += 1
     order = sorted(counts, key=lambda k: (-counts[k], -_position(k[0])))
-    tried = 0
+    tried = checked = 0
     for key in order:
-      if counts[key] < 2 or len(pending) < 2 or tried >= self.STREAM_CANDIDATES:
+      if (counts[key] < 2 or len(pending) < 2 or tried >= self.STREAM_CANDIDATES
+          or checked >= 4 * self.STREAM_CANDIDATES):
         break
       var, spec = key
+      checked += 1
       if self.aux_visible(var, spec) is not None:
         continue
       tried += 1
