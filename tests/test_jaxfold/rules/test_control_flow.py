@@ -281,3 +281,21 @@ def test_cond_inside_while(x64):
     return fp.ln_fast(h, p["g_f"], p["be_f"]) @ p["head"]
   sound(apply, _LOOP_SPEC, x_args(extra=lambda rng, b: (jnp.asarray(b == 2),)), grads=False,
         expect_folded=2)
+
+
+def test_auxiliary_centering_inside_scan_body(x64):
+  # Each step starts its own stream at gelu(x_t W + b) (no parameter centering
+  # makes it zero-mean) and runs two pre-LN blocks and a final norm on it: one
+  # auxiliary centering inside the body, at every step, folds all three norms.
+  def apply(p, x):
+    def step(c, xt):
+      s = jax.nn.gelu(xt @ p["w_in"] + p["b_in"])
+      s = preln_block(preln_block(s, p["la"]), p["lb"])
+      return c + 1.0, fp.ln_fast(s, p["g_f"], p["be_f"]) @ p["head"]
+    _, ys = lax.scan(step, jnp.zeros((), x.dtype), jnp.swapaxes(x, 0, 1))
+    return ys
+  spec = {"w_in": (DIN, D), "b_in": (D,), "la": block_shapes(), "lb": block_shapes(), "g_f": (D,),
+          "be_f": (D,), "head": (D, 3)}
+  res = sound(apply, spec, expect_folded=3)
+  assert len(res.fold_report.auxiliary) == 1, res.fold_report
+  sound(apply, spec, expect_folded=0, auxiliary_centering=False)
