@@ -30,7 +30,7 @@ import numpy as np
 from jaxfold._src import algebra as A
 from jaxfold._src import compat
 from jaxfold._src.program import Lit, Node, Program, Val, call_note
-from jaxfold._src.rules import Block, Facts, rule_for
+from jaxfold._src.rules import Block, Facts, control, rule_for
 from jaxfold._src.rules.base import freeze, lit_facts, operand_const, size_one
 
 
@@ -210,6 +210,10 @@ class Level:
         return Facts(base.const, None, f.random or random)
       return Facts(frozenset(d - 1 for d in f.const if d > 0) | base.const, f.value,
                    f.random or random)
+    j = control.body_operand(node, node.subs.index(self.program), i)
+    if j is not None:  # reads an outer operand unchanged (a branch operand, a loop constant)
+      f = outer.facts(node.ins[j])
+      return Facts(f.const | base.const, f.value, f.random or random)
     return Facts(base.const, None, True if any(outer.facts(a).random for a in node.ins) else random)
 
   # -- rule context: canonical forms ------------------------------------------
@@ -369,10 +373,14 @@ class Level:
   def body(self, node: Node, k: int = 0) -> "Level":
     return self.an.level(node.subs[k])
 
-  def scan_shift(self, node: Node, ins: list) -> list:
-    """Pure shifts through a scan, with a fixed point on the carries."""
+  def scan_shift(self, node: Node, ins: list, inner: Optional[dict] = None) -> list:
+    """Pure shifts through a scan, with a fixed point on the carries.
+
+    ``inner`` maps a body Level to seeds inside it (a centering placed in
+    the body, introduced at every iteration)."""
     nc, ncar = compat.scan_partition(node.params)
     body = self.body(node)
+    extra = (inner or {}).get(body, {})
     binv = body.program.invars
     seeds = {}
     for i, p in enumerate(ins):
@@ -384,7 +392,7 @@ class Level:
       seeds[binv[i]] = A.pure(dims)
     outs: dict = {}
     for _ in range(2 + 2 * max((len(v.shape) for v in binv), default=0)):
-      outs = body.collect(seeds)
+      outs = body.collect({**seeds, **extra})
       changed = False
       for j in range(ncar):
         q = outs.get(j)
@@ -415,11 +423,112 @@ class Level:
         result.append(A.pure(((None, 1),) + q.dims))
     return result
 
+  def cond_shift(self, node: Node, ins: list, inner: Optional[dict] = None) -> list:
+    """Shifts through a cond/switch: every branch may run (the index is a
+    traced value), so each must keep the shift pure; an output carries the
+    shift of any branch (as a fresh pure shift of the merged pattern)."""
+    if ins[0] is not None:
+      raise Block(f"the branch index of the `{node.prim.name}` depends on the shift")
+    for p in ins[1:]:
+      if p is not None and not p.is_pure:
+        raise Block(f"a nonlinear function of the shift enters the `{node.prim.name}`")
+    merged: list = [None] * len(node.outs)
+    for k, sub in enumerate(node.subs):
+      body = self.an.level(sub)
+      seeds = {body.program.invars[i - 1]: p for i, p in enumerate(ins) if i and p is not None}
+      seeds.update((inner or {}).get(body, {}))
+      try:
+        outs = body.collect(seeds)
+      except Block as e:
+        raise Block(f"branch {k} of the `{node.prim.name}`: {e}") from e
+      for j, q in outs.items():
+        if not q.is_pure:
+          raise Block(f"branch {k} of the `{node.prim.name}` returns a nonlinear function of "
+                      f"the shift (output #{j})")
+        merged[j] = q.dims if merged[j] is None else _merge(merged[j], q.dims)
+    return [None if d is None else A.pure(d) for d in merged]
+
+  def while_shift(self, node: Node, ins: list, inner: Optional[dict] = None) -> list:
+    """Pure shifts through a while loop: a fixed point on the carries, and the
+    loop condition must not see the shift (it decides the trip count)."""
+    cond, body = self.body(node, 0), self.body(node, 1)
+    cc, first = control.carries(node, 0)
+    bc, _ = control.carries(node, 1)
+    for p in ins:
+      if p is not None and not p.is_pure:
+        raise Block("a nonlinear function of the shift enters a `while` loop")
+    carry = {j - first: A.pure(p.dims) for j, p in enumerate(ins) if j >= first and p is not None}
+
+    def seeds_of(level, nconst, base):
+      seeds = {level.program.invars[i]: ins[base + i] for i in range(nconst)
+               if ins[base + i] is not None}
+      for j, p in carry.items():
+        seeds[level.program.invars[nconst + j]] = p
+      seeds.update((inner or {}).get(level, {}))
+      return seeds
+
+    nconst_c = cc
+    for _ in range(2 + 2 * max((len(v.shape) for v in body.program.invars), default=0)):
+      outs = body.collect(seeds_of(body, bc, nconst_c))
+      changed = False
+      for j, q in outs.items():
+        if not q.is_pure:
+          raise Block("a nonlinear function of the shift is carried by a `while` loop")
+        cur = carry.get(j)
+        merged = q.dims if cur is None else _merge(cur.dims, q.dims)
+        if cur is None or _blocks(merged) != _blocks(cur.dims):
+          carry[j] = A.pure(merged)
+          changed = True
+      if not changed:
+        break
+    else:
+      raise Block("the shift on a `while` carry has no fixed point")
+    try:
+      pred = cond.collect(seeds_of(cond, cc, 0))
+    except Block as e:
+      raise Block(f"the `while` loop's condition: {e}") from e
+    if pred:
+      raise Block("the shift reaches the `while` loop's condition (it decides the trip count)")
+    return [None if carry.get(j) is None else A.pure(carry[j].dims)
+            for j in range(len(node.outs))]
+
+  def invisible_inside(self, seeds: dict) -> Optional[str]:
+    """``invisible`` for seeds inside this loop or branch body: the enclosing
+    control-flow driver carries them out (fixed points included), and the
+    enclosing level continues from the loop's outputs."""
+    node, outer_prog = self.program.parent
+    outer = self.an.level(outer_prog)
+    driver = {"scan": outer.scan_shift, "cond": outer.cond_shift, "while": outer.while_shift}
+    kind = rule_for(node.prim).name
+    if kind not in driver:
+      return f"the value is inside a `{node.prim.name}` body"
+    try:
+      outs = driver[kind](node, [None] * len(node.ins), {self: seeds})
+    except Block as e:
+      return f"{e} [at {node.where()}]"
+    except A.Unrepresentable as e:
+      return f"the shift's expression grows too large to track exactly ({e})"
+    out_seeds = {v: p for v, p in zip(node.outs, outs) if p is not None}
+    if not out_seeds:
+      return None
+    if outer.program.is_top:
+      return outer.invisible(out_seeds)
+    return outer.invisible_inside(out_seeds)
+
   # -- obligation 2: zero-sum, backwards --------------------------------------
 
-  def needs(self, v: Any, spec: tuple) -> list:
-    """What must hold for ``v`` to sum to zero over ``spec``: LeafNeeds and Blockers."""
+  def needs(self, v: Any, spec: tuple, stops: Optional[dict] = None,
+            visited: Optional[list] = None) -> list:
+    """What must hold for ``v`` to sum to zero over ``spec``: LeafNeeds and Blockers.
+
+    ``stops`` maps values to the spec an auxiliary centering would give them:
+    the walk ends there (a Blocker the planner turns into that centering).
+    ``visited`` collects the (value, spec) pairs the walk passes through
+    (candidate places for an auxiliary centering).
+    """
     self.an._seen = set()
+    self.an._stops = stops or {}
+    self.an._visited = visited
     out: list = []
     self._walk(v, spec, None, (), out, v, spec)
     return out
@@ -436,6 +545,11 @@ class Level:
     if isinstance(v, Lit):
       out.append(Blocker(v, spec, "a non-zero literal"))
       return
+    if an._stops and an._stops.get(v) == spec:
+      out.append(Blocker(v, spec, "centered by an auxiliary centering"))
+      return
+    if an._visited is not None and spec:
+      an._visited.append((v, spec))
     prog = self.program
     if prog.is_top and (v.kind == "in" and v.index < an.num_leaves or v.kind == "const"):
       out.append(LeafNeed(v, spec, use, top_var, top_spec, chain))
@@ -446,14 +560,21 @@ class Level:
     node = v.producer
     if node is None:
       if prog.parent is not None:
-        return self._loop_input(v, spec, out)
+        return self._loop_input(v, spec, out, use, chain, top_var, top_spec)
       out.append(Blocker(v, spec, "a program input (not a parameter)"))
       return
     if node.subs:
       if compat.is_scan(node.eqn):
         return self._scan_output(node, v.index, spec, out, v)
-      out.append(Blocker(v, spec, f"the output of a `{node.prim.name}` (conditionals and "
-                                  "while loops are not analysed yet)"))
+      if compat.is_cond(node.eqn):
+        # Whichever branch runs, its output is zero-sum.
+        for sub in node.subs:
+          ov = self.an.level(sub).program.outvars[v.index]
+          self.an.level(sub)._walk(ov, spec, None, (), out, ov, spec)
+        return
+      if compat.is_while(node.eqn):
+        return self._carry(node, v.index, spec, out)
+      out.append(Blocker(v, spec, f"the output of a `{node.prim.name}`, which has no rule"))
       return
     try:
       reqs = rule_for(node.prim).zero_sum(node, v.index, spec, self)
@@ -467,10 +588,29 @@ class Level:
       else:
         self._walk(a, r.spec, (node, r.operand), (), out, v, spec)
 
-  def _loop_input(self, v, spec, out) -> None:
+  def _carry(self, node, j, spec, out) -> None:
+    """A while carry is zero-sum when its initial value is and the body keeps
+    it so (coinductive: the seen-set records the assumption)."""
+    _, first = control.carries(node, 1)
+    body = self.body(node, 1)
+    self._walk(node.ins[first + j], spec, None, (), out, node.ins[first + j], spec)
+    ov = body.program.outvars[j]
+    body._walk(ov, spec, None, (), out, ov, spec)
+
+  def _loop_input(self, v, spec, out, use=None, chain=(), top_var=None, top_spec=()) -> None:
     node, outer_prog = self.program.parent
     outer = self.an.level(outer_prog)
+    k = node.subs.index(self.program)
+    j = control.body_operand(node, k, v.index)
+    if j is not None:
+      # The body reads the outer operand unchanged: a use inside the body is
+      # still a use of it (an untied copy can stand in there).
+      if use is None:
+        top_var, top_spec = node.ins[j], spec
+      return outer._walk(node.ins[j], spec, use, chain, out, top_var, top_spec)
     if not compat.is_scan(node.eqn):
+      if compat.is_while(node.eqn):
+        return outer._carry(node, v.index - control.carries(node, k)[0], spec, out)
       out.append(Blocker(v, spec, f"an input of a `{node.prim.name}` body"))
       return
     nc, ncar = compat.scan_partition(node.params)
@@ -642,23 +782,17 @@ def _is_subtracted(level: Level, mean: Val, root: Any) -> bool:
 
 
 def nested_sites(level: Level) -> list:
-  """Sites inside conditional or while-loop bodies (reported, not folded)."""
-  out = []
-  for n in level.program.nodes:
-    for sub in n.subs:
-      body = level.an.level(sub)
-      if not compat.is_scan(n.eqn):
-        out += [(n, s) for s in find_sites(body)]
-      out += nested_sites(body)
-  return out
+  """Sites in bodies the analysis does not enter: none (scan, cond and while
+  bodies are all analysed); kept for the report's interface."""
+  return []
 
 
 def scan_levels(level: Level) -> list:
-  """This level and the scan bodies below it (where sites can fold)."""
+  """This level and every loop or branch body below it (where sites can fold)."""
   out = [level]
   for n in level.program.nodes:
-    if compat.is_scan(n.eqn):
-      out += scan_levels(level.an.level(n.subs[0]))
+    for sub in n.subs:
+      out += scan_levels(level.an.level(sub))
   return out
 
 
@@ -667,6 +801,9 @@ def where(v: Any) -> str:
   if isinstance(v, Val) and v.producer is not None:
     return v.producer.where() or f"the output of `{v.producer.prim.name}`"
   if isinstance(v, Val) and v.kind == "in":
+    if v.program.parent is not None:
+      node = v.program.parent[0]
+      return f"input #{v.index} of a `{node.prim.name}` body [at {node.where()}]"
     return f"program input #{v.index}"
   return "a constant"
 

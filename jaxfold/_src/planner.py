@@ -99,12 +99,15 @@ class Planner:
 
   # -- invisibility (obligation 1), cached --------------------------------------
 
-  def _visible(self, key, seeds_fn) -> Optional[str]:
+  def _visible(self, key, seeds_fn, level: Optional[Level] = None) -> Optional[str]:
     if key not in self._vis:
       before = self.an.random_uses
       try:
         seeds, skip = seeds_fn()
-        reason = self.top.invisible(seeds, skip)
+        if level is None or level is self.top:
+          reason = self.top.invisible(seeds, skip)
+        else:  # inside a loop or branch body: carried out by the control-flow drivers
+          reason = level.invisible_inside(seeds) if seeds else None
       except Exception as e:  # noqa: BLE001 - a rule that cannot decide blocks
         reason = f"{type(e).__name__}: {e}"
       self._vis[key] = (reason, self.an.random_uses > before)
@@ -117,8 +120,7 @@ class Planner:
 
   def use_visible(self, need: LeafNeed) -> Optional[str]:
     node, k = need.use
-    if node.program is not self.top.program:
-      return "an untied copy would be needed inside a loop body"
+    level = self.an.level(node.program)
     if self.an.cbwc and node.custom_calls:
       c = node.custom_calls[-1]
       return f"the use is inside {c.kind} `{c.name}`, whose custom rule CBWC keeps"
@@ -126,19 +128,18 @@ class Planner:
     def seeds():
       poly = seed_poly(need.var.shape, need.spec)
       for cnode in reversed(need.chain):
-        poly = self.top.seed_through(cnode, 0, poly)[0]
+        poly = self.an.level(cnode.program).seed_through(cnode, 0, poly)[0]
         if poly is None:
           return {}, frozenset()
-      outs = self.top.seed_through(node, k, poly)
+      outs = level.seed_through(node, k, poly)
       return ({v: p for v, p in zip(node.outs, outs) if p is not None}, frozenset({node.index}))
-    return self._visible(("use", id(node), k, need.spec), seeds)
+    return self._visible(("use", id(node), k, need.spec), seeds, level)
 
   def aux_visible(self, var: Val, spec: tuple) -> Optional[str]:
-    if var.program is not self.top.program:
-      return "auxiliary centerings are only inserted outside loop bodies"
     if self.an.cbwc and var.producer is not None and var.producer.custom_calls:
       return "the value is inside a custom-derivative function, whose rule CBWC keeps"
-    return self._visible(("aux", var, spec), lambda: ({var: seed_poly(var.shape, spec)}, frozenset()))
+    return self._visible(("aux", var, spec), lambda: ({var: seed_poly(var.shape, spec)}, frozenset()),
+                         self.an.level(var.program))
 
   # -- names -----------------------------------------------------------------
 
@@ -152,11 +153,11 @@ class Planner:
     return Centering(self.name(var), layout.fmt_spec(_spec_dict(spec), var.shape), "").label()
 
   def is_leaf(self, var: Val) -> bool:
-    return var.kind == "in" and var.index < len(self.names)
+    return var.kind == "in" and var.program.is_top and var.index < len(self.names)
 
   # -- site decision -----------------------------------------------------------
 
-  def decide(self, site: Site, assume_aux: dict) -> tuple:
+  def decide(self, site: Site, assume_aux: dict, visited: Optional[list] = None) -> tuple:
     """(actions, blockers) for one site given the commitments so far."""
     before = self.an.random_uses
     self._inexact = False
@@ -165,7 +166,8 @@ class Planner:
       return [], [Blocker(site.input, (), f"the norm is inside {c.kind} `{c.name}` (called at "
                                           f"{c.source}); CBWC keeps its custom rule")]
     try:
-      needs = site.level.needs(site.input, freeze(layout.full_spec(site.input.shape, site.axes)))
+      needs = site.level.needs(site.input, freeze(layout.full_spec(site.input.shape, site.axes)),
+                               assume_aux, visited)
     except Exception as e:  # noqa: BLE001 - fail closed with the cause
       return [], [Blocker(site.input, (), f"{type(e).__name__}: {e}")]
     self._inexact |= self.an.random_uses > before
@@ -268,15 +270,18 @@ class Planner:
                                  not self._inexact, aux_vars)
 
   def run(self) -> "Planner":
-    failed = {}
+    failed, visits = {}, {}
     for i, site in enumerate(self.sites):
-      actions, blockers = self.decide(site, {})
+      visits[i] = []
+      actions, blockers = self.decide(site, {}, visits[i])
       if blockers:
         failed[i] = blockers
       else:
         self.commit(i, actions)
+        del visits[i]
     if self.opts.auxiliary_centering and failed:
       self.choose_auxiliary(failed)
+      self.choose_stream_starts(failed, visits)
     if self.opts.tie_by_aux() and self.opts.tied_weights == "auto":
       # Where an auxiliary centering would not pay for itself, a tied
       # parameter is still worth untying by a centered copy.
@@ -319,6 +324,59 @@ class Planner:
       actions, blockers = self.decide(self.sites[i], chosen)
       if not blockers:
         self.commit(i, actions)
+
+  STREAM_CANDIDATES = 8
+
+  def choose_stream_starts(self, failed: dict, visits: dict) -> None:
+    """Auxiliary centerings at values the failed sites' zero-sum walks pass
+    through, not only at their blockers: where a residual stream starts
+    (e.g. ``proj(x) + gelu(pos_conv(proj(x)))``) every later norm's walk
+    passes, and one centering there can stand in for several blockers none of
+    which can be centered alone. Same cost rule: each inserted centering must
+    let at least two sites drop their reductions.
+
+    Candidates are tried by how many pending sites pass them, then latest in
+    the program first (the join of a stream's parts is nearest the norms).
+    """
+    pending = [i for i in sorted(failed) if i not in self.decisions]
+    if len(pending) < 2:
+      return
+    counts: dict = collections.Counter()
+    for i in pending:
+      for key in dict.fromkeys(visits.get(i, ())):
+        var = key[0]
+        # A centering stored coarser than the outputs would not stay exact.
+        if (isinstance(var, Val) and var not in self.aux_commit
+            and jnp.issubdtype(var.dtype, jnp.floating)
+            and Level.at_least_as_precise(var.dtype, self.an.tolerance)):
+          counts[key] += 1
+    order = sorted(counts, key=lambda k: (-counts[k], -_position(k[0])))
+    tried = checked = 0
+    for key in order:
+      if (counts[key] < 2 or len(pending) < 2 or tried >= self.STREAM_CANDIDATES
+          or checked >= 4 * self.STREAM_CANDIDATES):
+        break
+      var, spec = key
+      checked += 1
+      if self.aux_visible(var, spec) is not None:
+        continue
+      tried += 1
+      trial = dict(self.aux_commit)
+      trial[var] = spec
+      passing = [i for i in pending if key in set(visits.get(i, ()))]
+      gains = {}
+      for i in passing:
+        actions, blockers = self.decide(self.sites[i], trial)
+        if not blockers:
+          gains[i] = actions
+      if len(gains) < 2:
+        continue
+      for i in sorted(gains):
+        # Re-decided in order: earlier commitments (leaf centerings) bind later sites.
+        actions, blockers = self.decide(self.sites[i], trial)
+        if not blockers:
+          self.commit(i, actions)
+      pending = [i for i in pending if i not in self.decisions]
 
   # -- explanation -------------------------------------------------------------
 
@@ -451,6 +509,10 @@ class Planner:
 
   def folded_sites(self) -> list:
     return [s for i, s in enumerate(self.sites) if self.decisions[i].folded]
+
+
+def _position(v: Val) -> int:
+  return v.producer.index if v.producer is not None else -1
 
 
 def _site_where(node) -> str:

@@ -164,6 +164,10 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
       outs = _call(eqn, invals, plan, extras, path, values)
     elif path in touched and compat.is_scan(eqn):
       outs = _scan(eqn, invals, plan, extras, path)
+    elif path in touched and compat.is_cond(eqn):
+      outs = _cond(eqn, invals, plan, extras, path)
+    elif path in touched and compat.is_while(eqn):
+      outs = _while(eqn, invals, plan, extras, path)
     else:
       if any(isinstance(v, Zero) for v in invals):
         outs = _simplify(eqn, invals)
@@ -274,6 +278,35 @@ def _scan(eqn, invals, plan, extras, path):
   carry, ys = lax.scan(body, list(init), list(xs), length=eqn.params["length"],
                        reverse=eqn.params["reverse"], unroll=eqn.params.get("unroll", 1))
   return list(carry) + list(ys)
+
+
+def _cond(eqn, invals, plan, extras, path):
+  """Re-traces a cond/switch whose branches the plan changes (branch k's
+  values are keyed under ``path + (k,)``)."""
+  invals = [v.materialize() if isinstance(v, Zero) else v for v in invals]
+
+  def branch(k, jaxpr):
+    inner, consts = compat.open_jaxpr(jaxpr)
+    return lambda *ops: evaluate(inner, consts, ops, plan, extras, path + (k,))
+  fns = [branch(k, j) for k, j in enumerate(eqn.params["branches"])]
+  return lax.switch(invals[0], fns, *invals[1:])
+
+
+def _while(eqn, invals, plan, extras, path):
+  """Re-traces a while loop whose condition or body the plan changes."""
+  from jaxfold._src.rules.control import while_partition
+  cn, bn = while_partition(eqn.params)
+  invals = [v.materialize() if isinstance(v, Zero) else v for v in invals]
+  cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
+  c_inner, c_consts = compat.open_jaxpr(eqn.params["cond_jaxpr"])
+  b_inner, b_consts = compat.open_jaxpr(eqn.params["body_jaxpr"])
+
+  def cond_fn(carry):
+    return evaluate(c_inner, c_consts, list(cconsts) + list(carry), plan, extras, path + (0,))[0]
+
+  def body_fn(carry):
+    return evaluate(b_inner, b_consts, list(bconsts) + list(carry), plan, extras, path + (1,))
+  return list(lax.while_loop(cond_fn, body_fn, list(init)))
 
 
 def _call(eqn, invals, plan, extras, path, values):

@@ -1617,6 +1617,79 @@ for _n in NORMS:
   for _t in _n.tags:
     op(_t, where="norm")(_n.name)
 
+# ---- control-flow variants (i10-flow) --------------------------------------
+# switch, a cond whose index reads the stream, fori_loop with a traced trip
+# count over stacked layers, a while loop whose condition reads the stream.
+
+
+def _stream_stat(h):
+  """A data-dependent scalar of the stream that any shift along D changes."""
+  return jnp.mean(h[..., 0])
+
+
+def seg_switch(g, sc, st, forced=None, where=None) -> Segment:
+  lines = ["  lax.switch(i, [block_a, block_b, third]):"]
+  inner = dataclasses.replace(st, emit=False)
+  la, lb = ["   branch 0:"], ["   branch 1:"]
+  fa = _block_template(g, sc.child("a"), inner, la)
+  fb = _block_template(g, sc.child("b"), inner, lb)
+  third = g.choice(["scale", "identity", "tanh"])
+  fc = {"scale": lambda h: 0.5 * h, "identity": lambda h: h, "tanh": jnp.tanh}[third]
+  lines += la + lb + [f"   branch 2: {third}"]
+
+  def fn(P, h, E):
+    return lax.switch(E.a["i"], [lambda v: fa(P["a"], v, E), lambda v: fb(P["b"], v, E), fc], h)
+  g.tags.add(("cond", "switch"))
+  return Segment("switch", lines, fn, st.T, st.D)
+
+
+def seg_cond_stream(g, sc, st, forced=None, where=None) -> Segment:
+  lines = ["  lax.cond(mean(h[..., 0]) > 0.3, block_a, 0.5 * h)  (index reads the stream):"]
+  fa = _block_template(g, sc.child("a"), dataclasses.replace(st, emit=False), lines)
+
+  def fn(P, h, E):
+    return lax.cond(_stream_stat(h) > 0.3, lambda v: fa(P["a"], v, E), lambda v: 0.5 * v, h)
+  g.tags.add(("cond", "index from stream"))
+  return Segment("cond_stream", lines, fn, st.T, st.D)
+
+
+def seg_fori(g, sc, st, forced=None, where=None) -> Segment:
+  lines = ["  lax.fori_loop(0, i + 1, ...) over 3 stacked residual blocks (traced trip count):"]
+  body = _block_template(g, sc.repeated("layers", "stack", 3), dataclasses.replace(st, emit=False),
+                         lines)
+
+  def fn(P, h, E):
+    def step(i, c):
+      lp = jax.tree_util.tree_map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False),
+                                  P["layers"])
+      return body(lp, c, E)
+    return lax.fori_loop(0, E.a["i"] + 1, step, h)
+  g.tags.add(("while", "fori traced bounds"))
+  g.differentiable = False
+  return Segment("fori", lines, fn, st.T, st.D)
+
+
+def seg_while_stream(g, sc, st, forced=None, where=None) -> Segment:
+  lines = ["  lax.while_loop(i < 3 and mean(h[..., 0]) < 0.5) over one residual block:"]
+  body = _block_template(g, sc.child("blk"), dataclasses.replace(st, emit=False), lines)
+
+  def fn(P, h, E):
+    return lax.while_loop(lambda c: (c[0] < 3) & (_stream_stat(c[1]) < 0.5),
+                          lambda c: (c[0] + 1, body(P["blk"], c[1], E)), (jnp.int32(0), h))[1]
+  g.tags.add(("while", "stream predicate"))
+  g.differentiable = False
+  return Segment("while_stream", lines, fn, st.T, st.D)
+
+
+SEGMENTS.update({"switch": seg_switch, "cond_stream": seg_cond_stream, "fori": seg_fori,
+                 "while_stream": seg_while_stream})
+SEGMENT_WEIGHTS.update({"switch": 2, "cond_stream": 1, "fori": 2, "while_stream": 1})
+for _k, _rv in (("switch", ("cond", "switch")), ("cond_stream", ("cond", "index from stream")),
+                ("fori", ("while", "fori traced bounds")),
+                ("while_stream", ("while", "stream predicate"))):
+  op(_rv, where="segment")(_k)
+# ---- end of control-flow variants --------------------------------------------
+
 KEYS = sorted(OPS)
 # Random ops: a uniform (rule, variant) key first, then one of its constructors.
 RANDOM_KEYS = [k for k in KEYS if any(w == "any" for _, w in OPS[k])]

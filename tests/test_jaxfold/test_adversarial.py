@@ -182,7 +182,7 @@ def test_centering_invisible(name):
 
 # Sound folds the analysis does not find yet: control flow and scatter-add
 # are the coverage issue's work. Strict, so a fix shows up as XPASS.
-COVERAGE_TODO = {"rc12_cond_blocks", "rc12_while_loop_block", "rc4_scatter_add_seq"}
+COVERAGE_TODO = {"rc4_scatter_add_seq"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(

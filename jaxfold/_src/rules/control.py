@@ -1,14 +1,24 @@
-"""Control flow: scan (analysed through its body), cond and while (blocked).
+"""Control flow: scan, cond (and switch), while (and fori_loop with traced bounds).
 
 Calls (``jit``, ``checkpoint``, ``custom_jvp``/``custom_vjp``) never reach a
-rule: ``program.Program`` flattens them per call site. Loop bodies are
-sub-programs; the scan rule hands the shift to the analysis' body driver,
-which runs the same registry inside with a fixed point on the carries.
+rule: ``program.Program`` flattens them per call site. Loop and branch bodies
+are sub-programs; these rules hand the shift to the analysis' body drivers
+(``Level.scan_shift``/``cond_shift``/``while_shift``), which run the same
+registry inside: every branch of a cond (the branch index is a traced value,
+so a shift must be invisible in all of them), a fixed point on the carries of
+a scan or while loop.
+
+The operand layout of each primitive (which body input reads which outer
+operand, which are carries) is this module's knowledge: ``body_operand`` and
+``carries`` answer it for the drivers.
 """
 
 from __future__ import annotations
 
-from jaxfold._src.rules.base import Block, Rule, register
+from typing import Optional
+
+from jaxfold._src import compat
+from jaxfold._src.rules.base import Rule, register
 from jaxfold._src.rules.elementwise import _prims
 
 try:  # the loop primitives live in lax's private control-flow module
@@ -22,19 +32,50 @@ def _prim(name):
   return (p,) if p is not None else _prims(name)
 
 
+def while_partition(params: dict) -> tuple:
+  """``(cond_nconsts, body_nconsts)`` of a while equation."""
+  return params["cond_nconsts"], params["body_nconsts"]
+
+
+def body_operand(node, k: int, i: int) -> Optional[int]:
+  """The outer operand that input ``i`` of body ``k`` of ``node`` reads
+  unchanged (a closed-over constant or a branch operand), or None for a
+  loop-carried or per-iteration input."""
+  if compat.is_cond(node.eqn):
+    return i + 1                       # operand 0 is the branch index
+  if compat.is_while(node.eqn):
+    cn, bn = while_partition(node.params)
+    n = cn if k == 0 else bn
+    if i < n:
+      return i if k == 0 else cn + i
+    return None
+  if compat.is_scan(node.eqn):
+    nc, _ = compat.scan_partition(node.params)
+    return i if i < nc else None
+  return None
+
+
+def carries(node, k: int) -> Optional[tuple]:
+  """For a while loop's body ``k``: ``(first carry input, first carry operand)``."""
+  cn, bn = while_partition(node.params)
+  return (cn if k == 0 else bn), cn + bn
+
+
 def _scan_shift(node, ins, ctx):
   return ctx.scan_shift(node, ins)
 
 
-def _blocked(what):
-  def shift(node, ins, ctx):
-    raise Block(f"the shift enters a `{node.prim.name}` ({what} are not analysed yet)")
-  return shift
+def _cond_shift(node, ins, ctx):
+  return ctx.cond_shift(node, ins)
+
+
+def _while_shift(node, ins, ctx):
+  return ctx.while_shift(node, ins)
 
 
 register(Rule("scan", _prim("scan_p"), shift=_scan_shift,
               variants=("stacked layers", "carry leak")))
-register(Rule("cond", _prim("cond_p"), shift=_blocked("conditionals"),
-              variants=("two branches",)))
-register(Rule("while", _prim("while_p"), shift=_blocked("while loops"),
-              variants=("fixed trip count",)))
+register(Rule("cond", _prim("cond_p"), shift=_cond_shift,
+              variants=("two branches", "switch", "index from stream")))
+register(Rule("while", _prim("while_p"), shift=_while_shift,
+              variants=("fixed trip count", "fori traced bounds", "stream predicate")))
