@@ -7,8 +7,9 @@ reductions yield a symbolic ``Zero`` that each primitive's rule simplifies
 away (``h - 0 = h``, ``0 * y = 0``), auxiliary centerings are inserted after
 the values the plan names, captured constants are centered, untied copies
 replace a parameter at one use, and proven epilogues run as the RMSNorm
-kernel (fused with the residual add that feeds them where that is proved). A call whose body the plan does not touch is bound unchanged, so
-its custom differentiation rules are kept.
+kernel (fused with the residual add that feeds them where that is proved).
+A call whose body the plan does not touch is bound unchanged, so its custom
+differentiation rules are kept.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxfold._src import compat
-from jaxfold._src import layout
+from jaxfold._src import compat, layout
 
 
 @dataclasses.dataclass(frozen=True)

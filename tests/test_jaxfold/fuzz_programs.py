@@ -731,10 +731,12 @@ _UNARY = {
     "bessel_i1e": ("i1e(h)", jsp.i1e),
     "polygamma": ("polygamma(1, 1 + h^2)", lambda h: jsp.polygamma(1, 1 + h * h)),
     "zeta": ("zeta(2 + h^2, 1 + h^2)", lambda h: jsp.zeta(2 + h * h, 1 + h * h)),
-    "complex": ("|complex(h, 0.5h)|^2", lambda h: jnp.real(lax.complex(h, 0.5 * h) * jnp.conj(lax.complex(h, 0.5 * h)))),
+    "complex": ("|complex(h, 0.5h)|^2",
+                lambda h: jnp.real(lax.complex(h, 0.5 * h) * jnp.conj(lax.complex(h, 0.5 * h)))),
     "real": ("real(complex(h, 1) * (1+2j))", lambda h: jnp.real(lax.complex(h, jnp.ones_like(h)) * (1 + 2j))),
     "imag": ("imag(complex(h, 1) * (1+2j))", lambda h: jnp.imag(lax.complex(h, jnp.ones_like(h)) * (1 + 2j))),
-    "conj": ("real(conj(complex(h, h^2)) * (0.5+1j))", lambda h: jnp.real(jnp.conj(lax.complex(h, h * h)) * (0.5 + 1j))),
+    "conj": ("real(conj(complex(h, h^2)) * (0.5+1j))",
+             lambda h: jnp.real(jnp.conj(lax.complex(h, h * h)) * (0.5 + 1j))),
 }
 
 
@@ -1105,11 +1107,13 @@ def _dus(g, sc, st):
     return None
   if g.coin():
     return Op("dynamic_update_slice(h, 2*h[:, :1], (0, i, 0))",
-              lambda P, h, E: lax.dynamic_update_slice(h, 2 * h[:, :1], (jnp.int32(0), E.a["i"], jnp.int32(0))), st.T, st.D)
+              lambda P, h, E: lax.dynamic_update_slice(h, 2 * h[:, :1], (jnp.int32(0), E.a["i"], jnp.int32(0))),
+              st.T, st.D)
   if st.D < 4:
     return None
   return Op("dynamic_update_slice(h, tanh(h[..., :2]), (0, 0, i))",
-            lambda P, h, E: lax.dynamic_update_slice(h, jnp.tanh(h[..., :2]), (jnp.int32(0), jnp.int32(0), E.a["i"])), st.T, st.D)
+            lambda P, h, E: lax.dynamic_update_slice(h, jnp.tanh(h[..., :2]),
+                                                     (jnp.int32(0), jnp.int32(0), E.a["i"])), st.T, st.D)
 
 
 @op(("gather", "fill mode"))

@@ -19,16 +19,15 @@ Nothing may raise for these valid programs (refusing to fold is fine).
 
 import functools
 
+import adversarial_programs as ap
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jaxfold
 from conftest import rel_err, x64_context
 from fold_checks import in_place_centerings, shift_along
 
-import adversarial_programs as ap
+import jaxfold
 
 F64 = jnp.float64
 TOL = 1e-9
@@ -131,7 +130,8 @@ def test_cbwc_exact(name):
     r = _cbwc(name)
     for v, a in enumerate(args):
       err = rel_err(prog.apply(q, *a), r.apply_fn(q, *a))
-      assert err < TOL, f"{name}: CBWC != original at other params, variant {v}, rel err {err:.3g}" + _describe(r.report)
+      assert err < TOL, (f"{name}: CBWC != original at other params, variant {v}, rel err {err:.3g}"
+                         + _describe(r.report))
 
 
 @pytest.mark.slow
@@ -143,10 +143,10 @@ def test_cbwc_grad(name):
     for v, a in enumerate(args):
       loss = _loss_fn(prog.apply(q, *a))
       try:
-        g_ref = jax.grad(lambda t: loss(prog.apply(t, *a)))(q)
+        g_ref = jax.grad(lambda t, loss=loss, a=a: loss(prog.apply(t, *a)))(q)
       except ValueError as e:  # e.g. reverse mode through a dynamic while_loop
         pytest.skip(f"the original program is not reverse-differentiable: {str(e)[:80]}")
-      g_cb = jax.grad(lambda t: loss(r.apply_fn(t, *a)))(q)
+      g_cb = jax.grad(lambda t, loss=loss, a=a: loss(r.apply_fn(t, *a)))(q)
       paths = jax.tree_util.tree_flatten_with_path(g_ref)[0]
       ref_leaves = [np.asarray(x) for _, x in paths]
       cb_leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(g_cb)]
@@ -197,7 +197,8 @@ def test_expect_fold(name):
   if prog.expect_fold:
     assert rep.num_folded >= 1, f"{name}: nothing folded, but a sound fold exists ({prog.note})" + _describe(rep)
   else:
-    assert rep.num_folded == 0, f"{name}: folded {rep.num_folded} site(s), but no fold is sound ({prog.note})" + _describe(rep)
+    assert rep.num_folded == 0, (f"{name}: folded {rep.num_folded} site(s), but no fold is sound ({prog.note})"
+                                 + _describe(rep))
 
 
 # ----------------------------------------------------------------------------

@@ -25,9 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
-
 from fold_checks import assert_sound
+from jax import lax
 
 F64 = jnp.float64
 D = 16

@@ -85,7 +85,6 @@ def reshape_dims(dims: tuple, in_shape: Sequence, out_shape: Sequence) -> Option
       continue
     sizes = [out_shape[o] for o in gj]
     big_out = [k for k, s in enumerate(sizes) if _big(s)]
-    big_in = [i for i in gi if _big(in_shape[i])]
     if not all(isinstance(in_shape[i], int) for i in gi) or not all(
         isinstance(s, int) for s in sizes):
       if gi == [varying[0]] and len(gj) == 1:

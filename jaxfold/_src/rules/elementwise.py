@@ -16,8 +16,7 @@ import numpy as np
 from jax import lax
 
 from jaxfold._src import algebra as A
-from jaxfold._src.rules.base import (Block, Facts, Need, Rule, lift_poly, operand_const,
-                                     operand_spec, register, size_one)
+from jaxfold._src.rules.base import Block, Facts, Need, Rule, lift_poly, operand_const, operand_spec, register, size_one
 
 _ad_util = None
 try:  # add_any (the sum AD produces) is not exported under one public name
@@ -327,7 +326,8 @@ def _div_zero_sum(node, k, spec, ctx):
 
 register(Rule("div", (lax.div_p,), facts=_div_facts, canon=_div_canon, shift=_div_shift,
               zero_sum=_div_zero_sum,
-              simplify=lambda node, zeros: (lambda ins: [ctx_zero(node.outs[0])]) if zeros[0] and _is_float(node.outs[0].dtype) else None,
+              simplify=lambda node, zeros: ((lambda ins: [ctx_zero(node.outs[0])])
+                                            if zeros[0] and _is_float(node.outs[0].dtype) else None),
               variants=("constant divisor", "rounded reciprocal", "per-token divisor",
                         "shift in divisor")), kind="scale")
 
@@ -377,7 +377,8 @@ def _pow_zero_sum(node, k, spec, ctx):
 
 register(Rule("integer_pow", (lax.square_p, lax.integer_pow_p), facts=_pow_facts,
               canon=_pow_canon, shift=_pow_shift, zero_sum=_pow_zero_sum,
-              simplify=lambda node, zeros: (lambda ins: [ctx_zero(node.outs[0])]) if zeros[0] and _pow_n(node) >= 1 else None,
+              simplify=lambda node, zeros: ((lambda ins: [ctx_zero(node.outs[0])])
+                                            if zeros[0] and _pow_n(node) >= 1 else None),
               variants=("square", "cube", "negative")))
 
 

@@ -16,8 +16,7 @@ from jax import lax
 
 from jaxfold._src import algebra as A
 from jaxfold._src.rules import dims as D
-from jaxfold._src.rules.base import (Block, Facts, Need, Rule, freeze, full_dims, register,
-                                     size_one)
+from jaxfold._src.rules.base import Block, Facts, Need, Rule, freeze, register, size_one
 from jaxfold._src.rules.elementwise import _prims, ctx_zero
 
 
@@ -498,9 +497,8 @@ def _pad_shift(node, ins, ctx):
   if not p.is_pure:
     raise Block("a nonlinear function of the shift is padded")
   padded = _padded_dims(node)
-  out_shape = node.outs[0].shape
   dims = []
-  for d, (e, (lo, hi, it)) in enumerate(zip(p.dims, cfg)):
+  for d, (e, (lo, hi, _)) in enumerate(zip(p.dims, cfg)):
     if d in padded:
       dims.append((None, 1))        # padded elements carry no shift
     elif lo or hi:
@@ -530,7 +528,6 @@ def _pad_zero_sum(node, k, spec, ctx):
 
 def _pad_facts(node, ins, ctx):
   padded = _padded_dims(node)
-  cfg = node.params["padding_config"]
   same = ins[0].value is not None and ins[0].value == ins[1].value
   const = {d for d in ins[0].const if d not in padded or same}
   return [Facts(frozenset(const) | size_one(node.outs[0].shape),

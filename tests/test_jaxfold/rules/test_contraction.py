@@ -7,14 +7,13 @@ See ``test_elementwise.py`` for what every test checks.
 
 import math
 
+import fuzz_programs as fp
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
-
 from fold_checks import DIN, assert_sound, x_args
-import fuzz_programs as fp
+from jax import lax
 
 F64 = jnp.float64
 D = 8

@@ -6,14 +6,13 @@ For the control-flow rule module to come (scan/cond/while); see
 bodies depend on how sites are counted, so loops pin a lower bound only.
 """
 
+import fuzz_programs as fp
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
-
 from fold_checks import DIN, assert_sound, x_args
-import fuzz_programs as fp
+from jax import lax
 
 F64 = jnp.float64
 D = 8

@@ -9,15 +9,15 @@ pins ``report.num_folded`` (so an implementation that never folds fails too;
 ``0`` where no fold is sound).
 """
 
+import fuzz_programs as fp
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fold_checks import DIN, assert_sound, rel_err, x_args
 from jax import lax
 
 import jaxfold
-from fold_checks import DIN, assert_sound, rel_err, x_args
-import fuzz_programs as fp
 
 F64, F32, I32 = jnp.float64, jnp.float32, jnp.int32
 D = 8

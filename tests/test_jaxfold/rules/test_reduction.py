@@ -5,12 +5,11 @@ sum over the normalized axes appears in.
 See ``test_elementwise.py`` for what every test checks.
 """
 
+import fuzz_programs as fp
 import jax.numpy as jnp
 import pytest
-from jax import lax
-
 from fold_checks import DIN, assert_sound, x_args
-import fuzz_programs as fp
+from jax import lax
 
 F64, I32 = jnp.float64, jnp.int32
 D = 8

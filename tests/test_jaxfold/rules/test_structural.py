@@ -6,13 +6,12 @@ the normalized axis group (transpose, reshape, slices/concats/pads/gathers
 along the tokens) leave a Dense -> norm foldable, and the tests pin the count.
 """
 
+import fuzz_programs as fp
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
-
 from fold_checks import DIN, assert_sound, x_args
-import fuzz_programs as fp
+from jax import lax
 
 F64, I32 = jnp.float64, jnp.int32
 D = 8
