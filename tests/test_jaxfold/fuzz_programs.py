@@ -853,6 +853,27 @@ def _max_pool(g, sc, st):
   return Op("h + max_T(h)", lambda P, h, E: h + jnp.max(h, 1, keepdims=True), st.T, st.D)
 
 
+@op(("sort", "along a constant-shift axis"))
+def _sort_feat(g, sc, st):
+  return Op("sort_D(h)", lambda P, h, E: jnp.sort(h, -1), st.T, st.D)
+
+
+@op(("sort", "along the shift"))
+def _sort_tokens(g, sc, st):
+  return Op("h + 0.5 sort_T(h)", lambda P, h, E: h + 0.5 * jnp.sort(h, 1), st.T, st.D)
+
+
+@op(("top_k", "values"))
+def _top_k_values(g, sc, st):
+  return Op("h - top_k_D(h, 1)", lambda P, h, E: h - lax.top_k(h, 1)[0], st.T, st.D)
+
+
+@op(("top_k", "indices"))
+def _top_k_indices(g, sc, st):
+  return Op("h * (top_k_D(h, 2).indices[0] < D/2)",
+            lambda P, h, E: h * (lax.top_k(h, 2)[1][..., :1] < st.D // 2), st.T, st.D)
+
+
 @op(("reduce_min", ""))
 def _min_feat(g, sc, st):
   return Op("h - 0.5*min_D(h)", lambda P, h, E: h - 0.5 * jnp.min(h, -1, keepdims=True), st.T, st.D)

@@ -511,6 +511,23 @@ def _rxor(eqn, x):
   return out
 
 
+@_h("sort")
+def _sort(eqn, *xs):
+  if len(xs) != 1:
+    raise _Unsupported
+  return [np.sort(xs[0], axis=eqn.params["dimension"], kind="stable")]
+
+
+@_h("top_k")
+def _top_k(eqn, x):
+  axis = eqn.params.get("axis", x.ndim - 1)
+  if axis != x.ndim - 1 or (np.issubdtype(x.dtype, np.floating) and not np.all(np.isfinite(x))):
+    raise _Unsupported
+  k = eqn.params["k"]
+  idx = np.argsort(-x, axis=-1, kind="stable")[..., :k]
+  return [np.take_along_axis(x, idx, -1), idx.astype(np.int32)]
+
+
 @_h("argmax", "argmin")
 def _arg(eqn, x):
   axes = _axes(eqn)

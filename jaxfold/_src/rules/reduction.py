@@ -64,8 +64,35 @@ register(Rule("reduce_sum", (lax.reduce_sum_p,), facts=_reduce_facts, canon=_sum
               simplify=lambda node, zeros: (lambda ins: [ctx_zero(node.outs[0])]) if zeros[0] else None,
               variants=("normalized axes", "shift-varying axes")))
 
-for _p in _prims("reduce_max_p", "reduce_min_p", "reduce_prod_p", "argmax_p", "argmin_p",
-                 "reduce_and_p", "reduce_or_p", "reduce_xor_p"):
+def _along_constant(node, p, what: str) -> None:
+  """An order statistic sees ``x + k*c`` as ``x`` plus a constant only when ``c``
+  is constant along the reduced axes and ``k`` is a constant (no ``x*c`` term)."""
+  axes = tuple(node.params["axes"])
+  if not p.is_pure or any(p.dims[a] is not None for a in axes):
+    raise Block(f"the shift varies along the axes `{node.prim.name}` reduces over {axes}, so "
+                f"its {what} is not the original's {what} shifted")
+
+
+def _extremum_shift(node, ins, ctx):
+  """``max(x + k*c) = max(x) + k*c``: the same shift, without the reduced axes."""
+  p = ins[0]
+  _along_constant(node, p, "maximum" if node.prim is lax.reduce_max_p else "minimum")
+  axes = tuple(node.params["axes"])
+  dims = tuple(e for d, e in enumerate(p.dims) if d not in axes)
+  return [A.make(p.sym, dims, [A.const(c.const_value) for c in p.coeffs])]
+
+
+def _arg_extremum_shift(node, ins, ctx):
+  """``argmax(x + k*c) = argmax(x)``: the indices do not see the shift."""
+  _along_constant(node, ins[0], "position")
+  return [None]
+
+
+for _p in _prims("reduce_max_p", "reduce_min_p"):
+  register(Rule(_p.name, (_p,), facts=_reduce_facts, canon=_opaque_canon, shift=_extremum_shift))
+for _p in _prims("argmax_p", "argmin_p"):
+  register(Rule(_p.name, (_p,), facts=_reduce_facts, canon=_opaque_canon, shift=_arg_extremum_shift))
+for _p in _prims("reduce_prod_p", "reduce_and_p", "reduce_or_p", "reduce_xor_p"):
   register(Rule(_p.name, (_p,), facts=_reduce_facts, canon=_opaque_canon))
 
 

@@ -23,6 +23,10 @@ import dataclasses
 import math
 
 from jaxfold._src import algebra as A
+
+# The facets attach to registered rules: the families must be registered first,
+# whatever order the package imports its modules in.
+from jaxfold._src.rules import contraction, control, elementwise, reduction, structural  # noqa: F401
 from jaxfold._src.rules import dims as D
 from jaxfold._src.rules.base import Block, all_rules, set_facets
 

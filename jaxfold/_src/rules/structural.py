@@ -653,3 +653,46 @@ def _iota_facts(node, ins, ctx):
 
 register(Rule("iota", _prims("iota_p"), facts=_iota_facts,
               canon=lambda node, ins, ctx: [A.app(_tag(node), (), node.outs[0].shape, False)]))
+
+
+# ----------------------------------------------------------------------------
+# Order statistics along one axis: sort and top_k permute (or select) values
+# within each slice, so a shift constant along that axis rides along exactly.
+
+
+def _sorted_axis(node) -> int:
+  if node.prim is lax.sort_p:
+    return node.params["dimension"]
+  return node.params.get("axis", len(node.ins[0].shape) - 1)
+
+
+def _order_shift(node, ins, ctx):
+  """``sort(x + k*c) = sort(x) + k*c`` and ``top_k(x + k*c) = (top_k(x) + k*c,
+  same indices)`` when ``c`` is constant along the axis and ``k`` a constant."""
+  if len(node.ins) != 1:
+    raise Block(f"the shift reaches a multi-operand `{node.prim.name}` (keys sorting payloads)")
+  p, axis = ins[0], _sorted_axis(node)
+  if not p.is_pure or p.dims[axis] is not None:
+    raise Block(f"the shift varies along the axis `{node.prim.name}` orders ({axis}), so it "
+                "changes the order")
+  return [p] + [None] * (len(node.outs) - 1)
+
+
+def _order_facts(node, ins, ctx):
+  if len(node.ins) != 1:
+    return [Facts(size_one(v.shape), None, any(f.random for f in ins)) for v in node.outs]
+  values = Facts(ins[0].const, ins[0].value, ins[0].random)
+  return [values] + [Facts(size_one(v.shape), None, ins[0].random) for v in node.outs[1:]]
+
+
+def _sort_zero_sum(node, k, spec, ctx):
+  axis = node.params["dimension"]
+  if len(node.ins) != 1 or dict(spec).get(axis) != node.ins[0].shape[axis]:
+    raise Block("`sort` keeps a sum only over the whole sorted axis")
+  return [Need(0, spec)]
+
+
+register(Rule("sort", (lax.sort_p,), facts=_order_facts, shift=_order_shift,
+              zero_sum=_sort_zero_sum, variants=("along a constant-shift axis", "along the shift")))
+register(Rule("top_k", (lax.top_k_p,), facts=_order_facts, shift=_order_shift,
+              variants=("values", "indices")))

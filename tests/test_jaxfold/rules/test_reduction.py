@@ -174,3 +174,31 @@ def test_cumulative_between_two_norms(x64, name):
     n = fp.ln_two_pass(x @ p["w"] + p["b"], p["g"], p["be"])
     return fp.ln_fast(f(n) @ p["w2"] + p["b2"], p["g2"], p["be2"])
   assert_sound(apply, dict(DENSE, w2=(D, D), b2=(D,), g2=(D,), be2=(D,)), x_args(), expect_folded=2)
+
+
+# ----------------------------------------------------------------------------
+# max/min/argmax/argmin over the normalized features: a per-token shift is
+# constant along them, so max(h + c) = max(h) + c and the indices do not move.
+
+def test_reduce_max_over_features(x64):
+  # The softmax normalizer Σ exp(h - max h) is shift-invariant and constant along
+  # the features, so h times it stays zero-sum and the shift stays per-token.
+  run(lambda h, p: h * jnp.exp(h - jnp.max(h, -1, keepdims=True)).sum(-1, keepdims=True), 1)
+
+
+def test_reduce_max_subtracted_is_not_zero_sum(x64):
+  # h - max(h) is not zero-mean: no fold (the shift rule alone does not make one).
+  run(lambda h, p: h - jnp.max(h, -1, keepdims=True), 0)
+
+
+def test_reduce_min_over_features(x64):
+  run(lambda h, p: h * jnp.exp(jnp.min(h, -1, keepdims=True) - h).mean(-1, keepdims=True), 1)
+
+
+def test_argmax_gate(x64):
+  run(lambda h, p: h * (jnp.argmax(h, -1)[..., None] > 3), 1)
+
+
+def test_argmin_over_tokens_blocks(x64):
+  # Over the tokens the per-token shift varies: argmin may move, no fold.
+  run(lambda h, p: h * (jnp.argmin(h, 1)[:, None, :] > 1), 0)

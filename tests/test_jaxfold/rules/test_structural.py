@@ -293,3 +293,29 @@ def test_gather_clip(x64):
 
 def test_iota_positions(x64):
   run(lambda h, p: h + p["pos"][jnp.arange(h.shape[1]) + 1], 1, extra_shapes={"pos": (T + 2, D)})
+
+
+# ----------------------------------------------------------------------------
+# sort / top_k: a per-token shift is constant along the features, so it rides
+# along a sort or top_k over them; along the tokens it changes the order.
+
+def test_sort_features(x64):
+  run(lambda h, p: jnp.sort(h, axis=-1), 1)
+
+
+def test_sort_tokens_blocks(x64):
+  run(lambda h, p: h + 0.5 * jnp.sort(h, axis=1), 0)
+
+
+def test_sort_zero_sum_over_whole_axis(x64):
+  # LN over the sorted features of a centered producer: zero-sum survives the permutation.
+  run(lambda h, p: jnp.sort(h, axis=-1) * 2.0, 1)
+
+
+def test_top_k_values(x64):
+  # second largest minus largest: shift-invariant, constant along the features.
+  run(lambda h, p: h * jnp.exp(lax.top_k(h, 2)[0][..., 1:] - jnp.max(h, -1, keepdims=True)), 1)
+
+
+def test_top_k_indices_gate(x64):
+  run(lambda h, p: h * (lax.top_k(h, 2)[1][..., :1] < D // 2), 1)
