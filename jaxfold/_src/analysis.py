@@ -770,7 +770,7 @@ def _is_subtracted(level: Level, mean: Val, root: Any) -> bool:
     seen.add(v)
     for node, k in prog.consumers.get(v, ()):
       kind = rule_for(node.prim).kind
-      if rule_for(node.prim).name == "sub" and k == 1:
+      if rule_for(node.prim).epilogue == "subtract" and k == 1:
         if _strip(node.ins[0], _PASS) is root:
           return True
       scalar_scale = kind == "scale" and all(

@@ -414,8 +414,8 @@ class Planner:
       dist[v] = d
       for node, _ in prog.consumers.get(v, ()):
         rule = rule_for(node.prim)
-        if rule.kind or rule.name in ("sub", "neg", "integer_pow", "rsqrt", "sqrt") or (
-            rule.name == "add" and self._adds_param(node)):
+        if rule.kind or rule.epilogue in ("subtract", "step") or (
+            rule.epilogue == "bias" and self._adds_param(node)):
           frontier.append((node.outs[0], d + 1))
     cache[j] = dist
     return dist

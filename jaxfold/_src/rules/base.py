@@ -103,6 +103,11 @@ class Rule:
   # one operand), "scale" (multiplies by another operand) or "": lets site
   # detection see through formulations, never used for soundness.
   kind: str = ""
+  # Its role after a norm's reductions, for explaining where a value comes
+  # from and finding the subtracted mean: "subtract" (in0 - in1), "step"
+  # (carries the normalized value: neg, powers, (r)sqrt), "bias" (an add that
+  # may join β) or "". Never used for soundness.
+  epilogue: str = ""
   # Parameter variants the fuzzer must generate, e.g. ("int target", "float narrowing").
   variants: tuple = ()
 

@@ -207,10 +207,12 @@ def _fit(x, aval):
 register(Rule("add", _prims("add_p", "add_any_p", "add_jaxvals_p"),
               facts=_arith_facts(lambda a, b: a + b), canon=_add_canon(1),
               shift=_add_shift(1), zero_sum=_add_zero_sum, simplify=_add_simplify(1),
-              variants=("same shift", "two shifts", "scalar operand", "size-1 broadcast")))
+              variants=("same shift", "two shifts", "scalar operand", "size-1 broadcast"),
+              epilogue="bias"))
 register(Rule("sub", (lax.sub_p,), facts=_arith_facts(lambda a, b: a - b),
               canon=_add_canon(-1), shift=_add_shift(-1), zero_sum=_add_zero_sum,
-              simplify=_add_simplify(-1), variants=("cancellation", "near-cancellation")))
+              simplify=_add_simplify(-1), variants=("cancellation", "near-cancellation"),
+              epilogue="subtract"))
 
 
 def _neg_shift(node, ins, ctx):
@@ -221,7 +223,8 @@ def _neg_shift(node, ins, ctx):
 register(Rule("neg", (lax.neg_p,), facts=_arith_facts(lambda a: -a),
               canon=lambda node, ins, ctx: [A.scale(ins[0], -1)], shift=_neg_shift,
               zero_sum=lambda node, k, spec, ctx: [Need(0, spec)],
-              simplify=lambda node, zeros: (lambda ins: [ctx_zero(node.outs[0])]) if zeros[0] else None))
+              simplify=lambda node, zeros: (lambda ins: [ctx_zero(node.outs[0])]) if zeros[0] else None,
+              epilogue="step"))
 
 
 # ----------------------------------------------------------------------------
@@ -379,7 +382,7 @@ register(Rule("integer_pow", (lax.square_p, lax.integer_pow_p), facts=_pow_facts
               canon=_pow_canon, shift=_pow_shift, zero_sum=_pow_zero_sum,
               simplify=lambda node, zeros: ((lambda ins: [ctx_zero(node.outs[0])])
                                             if zeros[0] and _pow_n(node) >= 1 else None),
-              variants=("square", "cube", "negative")))
+              variants=("square", "cube", "negative"), epilogue="step"))
 
 
 # ----------------------------------------------------------------------------
@@ -681,4 +684,5 @@ for _name in tuple(_EXACT_UNARY) + _NONLINEAR:
   register(Rule(_tag, (_p,), facts=_arith_facts(_fn) if _fn else elementwise_facts,
                 canon=(lambda tag: (lambda node, ins, ctx: [A.app((tag,), ins, node.outs[0].shape)]))(_tag)
                 if _tag in ("sqrt", "rsqrt") else _opaque_canon,
-                shift=_block_nonlinear, zero_sum=_block_zero_sum))
+                shift=_block_nonlinear, zero_sum=_block_zero_sum,
+                epilogue="step" if _tag in ("sqrt", "rsqrt") else ""))
