@@ -182,7 +182,7 @@ def test_centering_invisible(name):
 
 # Sound folds the analysis does not find yet: control flow and scatter-add
 # are the coverage issue's work. Strict, so a fix shows up as XPASS.
-COVERAGE_TODO = {"rc4_scatter_add_seq"}
+COVERAGE_TODO: set = set()  # programs a sound fold exists for but the analysis misses (strict xfail)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(

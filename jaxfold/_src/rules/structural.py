@@ -696,3 +696,52 @@ register(Rule("sort", (lax.sort_p,), facts=_order_facts, shift=_order_shift,
               zero_sum=_sort_zero_sum, variants=("along a constant-shift axis", "along the shift")))
 register(Rule("top_k", (lax.top_k_p,), facts=_order_facts, shift=_order_shift,
               variants=("values", "indices")))
+
+
+# ----------------------------------------------------------------------------
+# scatter-add: out = operand + S(updates), linear in both. S sums update
+# windows into operand positions; along a window dim that spans the whole
+# operand dim the window maps index for index (a full window can only start at
+# 0: out-of-bounds ones are dropped or clamped), along any other dim it lands
+# wherever the indices say.
+
+
+def _full_windows(node) -> dict:
+  """{operand dim: updates dim} for the window dims spanning a whole operand dim."""
+  dn = node.params["dimension_numbers"]
+  op_shape, up_shape = node.ins[0].shape, node.ins[2].shape
+  excluded = set(dn.inserted_window_dims) | set(getattr(dn, "operand_batching_dims", ()))
+  op_window = [d for d in range(len(op_shape)) if d not in excluded]
+  return {od: ud for od, ud in zip(op_window, dn.update_window_dims) if up_shape[ud] == op_shape[od]}
+
+
+def _scatter_add_shift(node, ins, ctx):
+  operand, idx, updates = ins
+  if idx is not None:
+    raise Block("the shift reaches the indices of a `scatter-add`")
+  if getattr(node.params["dimension_numbers"], "operand_batching_dims", ()):
+    raise Block("the shift reaches a batched `scatter-add`")
+  if any(p is not None and not p.is_pure for p in (operand, updates)):
+    raise Block("a nonlinear function of the shift reaches a `scatter-add`")
+  if updates is None:
+    return [operand]          # (x + c) + S(u): the operand's shift, unchanged
+  full, rank = _full_windows(node), len(node.outs[0].shape)
+  # S(c): constant along a full window where c is, anything elsewhere.
+  dims = [None if d in full and updates.dims[full[d]] is None else (None, 1) for d in range(rank)]
+  if operand is not None:     # two shifts: a fresh one varying where either does
+    dims = [None if e is None and o is None else (None, 1) for e, o in zip(dims, operand.dims)]
+  return [A.pure(tuple(dims))]
+
+
+def _scatter_add_zero_sum(node, k, spec, ctx):
+  full = _full_windows(node)
+  if getattr(node.params["dimension_numbers"], "operand_batching_dims", ()) or any(
+      d not in full for d, _ in spec):
+    raise Block("`scatter-add` moves values along the normalized axes")
+  return [Need(0, spec), Need(2, freeze({full[d]: b for d, b in spec}))]
+
+
+register(Rule("scatter-add", (lax.scatter_add_p,), facts=lambda node, ins, ctx: [
+    Facts(size_one(node.outs[0].shape), None, any(f.random for f in ins))],
+    shift=_scatter_add_shift, zero_sum=_scatter_add_zero_sum,
+    variants=("rows along tokens", "into features")))

@@ -319,3 +319,22 @@ def test_top_k_values(x64):
 
 def test_top_k_indices_gate(x64):
   run(lambda h, p: h * (lax.top_k(h, 2)[1][..., :1] < D // 2), 1)
+
+
+# ----------------------------------------------------------------------------
+# scatter-add: rows added along the tokens keep a per-token shift per-token and
+# a zero-sum stays zero-sum; into the normalized features it moves values.
+
+def test_scatter_add_rows_along_tokens(x64):
+  run(lambda h, p: h.at[:, jnp.array([0, 0, 2])].add(0.5 * h[:, :3]), 1)
+
+
+def test_scatter_add_parameter_rows(x64):
+  # a centerable parameter scattered into tokens 1 and 3: centering it is a
+  # per-token shift there, and it must be centered for the sum to be zero-mean.
+  run(lambda h, p: h.at[:, jnp.array([1, 3])].add(jnp.broadcast_to(p["b2"], (h.shape[0], 2, D))), 1,
+      extra_shapes={"b2": (D,)})
+
+
+def test_scatter_add_into_features_blocks(x64):
+  run(lambda h, p: h.at[..., jnp.array([1, 1, D - 1])].add(h[..., :3]), 0)
