@@ -885,6 +885,8 @@ def _scatter_rows(g, sc, st):
 
 @op(("scatter-add", "into features"))
 def _scatter_features(g, sc, st):
+  if st.D < 3:
+    return None
   idx = jnp.array([1, 1, st.D - 1])
   return Op("h.at[..., [1, 1, D-1]].add(h[..., :3])", lambda P, h, E: h.at[..., idx].add(h[..., :3]),
             st.T, st.D)
