@@ -17,7 +17,7 @@ import functools
 import flax.linen as nn
 import jax.numpy as jnp
 import pytest
-from test_control_models import D, F64, PreLNLayer, _args, _sound
+from test_control_models import F64, D, PreLNLayer, _args, _sound
 
 PATCH = 2
 CHANNELS = 3
