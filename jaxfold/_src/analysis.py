@@ -396,16 +396,8 @@ class Level:
       changed = False
       for j in range(ncar):
         q = outs.get(j)
-        if q is None:
-          continue
-        if not q.is_pure:
-          raise Block("a nonlinear function of the shift is carried by a scan")
-        var = binv[nc + j]
-        cur = seeds.get(var)
-        merged = q.dims if cur is None else _merge(cur.dims, q.dims)
-        if cur is None or _blocks(merged) != _blocks(cur.dims):
-          seeds[var] = A.pure(merged)
-          changed = True
+        if q is not None:
+          changed |= _widen_carry(seeds, binv[nc + j], q, "a scan")
       if not changed:
         break
     else:
@@ -472,13 +464,7 @@ class Level:
       outs = body.collect(seeds_of(body, bc, nconst_c))
       changed = False
       for j, q in outs.items():
-        if not q.is_pure:
-          raise Block("a nonlinear function of the shift is carried by a `while` loop")
-        cur = carry.get(j)
-        merged = q.dims if cur is None else _merge(cur.dims, q.dims)
-        if cur is None or _blocks(merged) != _blocks(cur.dims):
-          carry[j] = A.pure(merged)
-          changed = True
+        changed |= _widen_carry(carry, j, q, "a `while` loop")
       if not changed:
         break
     else:
@@ -674,6 +660,19 @@ def _subsumes(general: tuple, special: tuple) -> bool:
       continue
     if g is None or s[1] % g[1]:
       return False
+  return True
+
+
+def _widen_carry(carry: dict, key, q, loop: str) -> bool:
+  """One step of a loop's carry fixed point: widens ``carry[key]`` to cover the
+  body's output shift ``q``; True when it changed."""
+  if not q.is_pure:
+    raise Block(f"a nonlinear function of the shift is carried by {loop}")
+  cur = carry.get(key)
+  merged = q.dims if cur is None else _merge(cur.dims, q.dims)
+  if cur is not None and _blocks(merged) == _blocks(cur.dims):
+    return False
+  carry[key] = A.pure(merged)
   return True
 
 
