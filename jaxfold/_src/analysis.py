@@ -568,6 +568,9 @@ class Level:
       out.append(Blocker(v, spec, f"{e} [at {node.where()}]"))
       return
     for r in reqs:
+      if r.source is not None:
+        self._walk(r.source, r.spec, None, (), out, r.source, r.spec)
+        continue
       a = node.ins[r.operand]
       if r.transparent and len(node.ins) == 1:
         self._walk(a, r.spec, use, chain + (node,), out, top_var, top_spec)

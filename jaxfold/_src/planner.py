@@ -293,8 +293,20 @@ class Planner:
             self.commit(i, actions)
     for i, blockers in failed.items():
       if i not in self.decisions:
-        self.decisions[i] = Decision(False, "input is not zero-sum: " + self.explain(blockers[0]))
+        reason = "input is not zero-sum: " + self.explain(blockers[0]) + self._why_no_aux(blockers[0])
+        self.decisions[i] = Decision(False, reason)
     return self
+
+  def _why_no_aux(self, b: Blocker) -> str:
+    """Why no auxiliary centering stands in for blocker ``b`` (empty when
+    the option is off or ``b`` is not a centerable value)."""
+    if not (self.opts.auxiliary_centering and isinstance(b.var, Val) and b.spec):
+      return ""
+    reason = self.aux_visible(b.var, b.spec)
+    if reason is not None:
+      return f"; an auxiliary centering of that value would change the result ({reason})"
+    return ("; an auxiliary centering of that value would remove fewer reductions than it adds "
+            "(it lets fewer than two sites fold)")
 
   # -- auxiliary choice ----------------------------------------------------------
 

@@ -1097,6 +1097,27 @@ def _concat_d(g, sc, st):
   return Op("concat_D(h, tanh(h))", lambda P, h, E: jnp.concatenate([h, jnp.tanh(h)], -1), st.T, 2 * st.D)
 
 
+@op(("concatenate", "permutation of one value"))
+def _concat_perm(g, sc, st):
+  # jnp.roll along D, or pieces of h in another order (exact only when they
+  # tile D; the overlapping/gapped forms must be refused).
+  k = g.choice([1, st.D // 2, st.D - 1])
+  form = g.choice(["roll", "swap", "overlap", "three"])
+  if form == "roll":
+    return Op(f"roll_D(h, {k})", lambda P, h, E: jnp.roll(h, k, axis=-1), st.T, st.D)
+  if form == "swap":
+    return Op(f"concat_D(h[..., {k}:], h[..., :{k}])",
+              lambda P, h, E: jnp.concatenate([h[..., k:], h[..., :k]], -1), st.T, st.D)
+  if form == "overlap":
+    return Op(f"concat_D(h[..., {k}:], h[..., :{k + 1}])",
+              lambda P, h, E: jnp.concatenate([h[..., k:], h[..., :k + 1]], -1), st.T, st.D + 1)
+  if st.D < 3:
+    return None
+  a, b = 1, st.D - 1
+  return Op(f"concat_D(h[..., {b}:], h[..., {a}:{b}], h[..., :{a}])",
+            lambda P, h, E: jnp.concatenate([h[..., b:], h[..., a:b], h[..., :a]], -1), st.T, st.D)
+
+
 def _pad3(h, cfg, value=0.0):
   return lax.pad(h, jnp.asarray(value, h.dtype), cfg)
 

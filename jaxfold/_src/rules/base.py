@@ -53,10 +53,13 @@ class Facts:
 class Need:
   """Operand ``operand`` must be zero-sum over ``spec``; ``transparent`` when
   the operation only re-indexes or converts it (an untied copy of a
-  parameter can be taken through such steps)."""
+  parameter can be taken through such steps). With ``source``, that earlier
+  value must be zero-sum instead: the operation's operands are pieces that
+  together rearrange it (no use to untie)."""
   operand: int
   spec: Spec
   transparent: bool = False
+  source: Any = None    # the value that must be zero-sum instead of the operand (see concatenate)
 
 
 def _no_facts(node: Node, ins: list, ctx) -> list:

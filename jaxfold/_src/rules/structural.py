@@ -458,9 +458,43 @@ def _concat_shift(node, ins, ctx):
   return [out]
 
 
+def _permuted_source(node, dim: int):
+  """The value whose pieces ``node`` concatenates in another order, if its
+  operands are unit-stride slices of one value, whole along every other dim,
+  that tile ``dim`` exactly (``jnp.roll``, a swap of halves): a permutation
+  along ``dim``, so sums over all of ``dim`` are unchanged."""
+  src, spans = None, []
+  for a in node.ins:
+    prod = getattr(a, "producer", None)
+    if prod is None or prod.prim is not lax.slice_p:
+      return None
+    s = prod.ins[0]
+    if src is None:
+      src = s
+    elif s is not src:
+      return None
+    start, limit = prod.params["start_indices"], prod.params["limit_indices"]
+    strides = prod.params["strides"] or (1,) * len(start)
+    if strides[dim] != 1 or any(d != dim and (start[d] != 0 or limit[d] != n or strides[d] != 1)
+                                for d, n in enumerate(s.shape)):
+      return None
+    spans.append((start[dim], limit[dim]))
+  spans.sort()
+  end = 0
+  for lo, hi in spans:
+    if lo != end:
+      return None
+    end = hi
+  return src if end == src.shape[dim] == node.outs[0].shape[dim] else None
+
+
 def _concat_zero_sum(node, k, spec, ctx):
   dim = node.params["dimension"]
   block = dict(spec).get(dim)
+  if block == node.outs[0].shape[dim] and len(node.ins) > 1:
+    src = _permuted_source(node, dim)
+    if src is not None:
+      return [Need(0, spec, source=src)]
   if block is not None and not all(a.shape[dim] % block == 0 for a in node.ins):
     # Pieces that are whole groups keep each group inside one operand.
     raise Block("a concatenation along the normalized axes whose pieces are not whole groups")
@@ -479,7 +513,8 @@ def _concat_facts(node, ins, ctx):
 register(Rule("concatenate", (lax.concatenate_p,), facts=_concat_facts,
               canon=lambda node, ins, ctx: [A.app(_tag(node), ins, node.outs[0].shape, False)],
               shift=_concat_shift, zero_sum=_concat_zero_sum,
-              simplify=_all_data_zero(10**9), variants=("other axis", "normalized axis")))
+              simplify=_all_data_zero(10**9),
+              variants=("other axis", "normalized axis", "permutation of one value")))
 
 
 def _padded_dims(node) -> set:

@@ -122,11 +122,27 @@ def test_roll_tokens(x64):
   run(lambda h, p: jnp.roll(h, 1, axis=1), 1)
 
 
-@pytest.mark.xfail(strict=True, reason="slice + concatenate that together permute the normalized "
-                   "axis is not recognized: each piece alone is a partial group")
 def test_roll_features(x64):
-  # A cyclic shift of the features keeps Σ_D, so the norm IS foldable.
+  # A cyclic shift of the features (slice + slice + concatenate of one
+  # value) keeps Σ_D, so the norm folds.
   run(lambda h, p: jnp.roll(h, 3, axis=-1), 1)
+
+
+def test_swap_halves_features(x64):
+  run(lambda h, p: jnp.concatenate([h[..., D // 2:], h[..., :D // 2]], -1), 1)
+
+
+@pytest.mark.parametrize("pieces,d_norm", [
+    (lambda h: jnp.concatenate([h[..., 1:], h[..., :2]], -1)[..., :D], D),   # overlapping spans
+    (lambda h: jnp.concatenate([h[..., 2:], h[..., :1]], -1), D - 1),        # a gap
+    (lambda h: jnp.concatenate([h[..., 3:], h[:, ::-1, :3]], -1), D),        # a piece re-indexed along tokens
+    (lambda h: jnp.concatenate([h[..., 4:], 2 * h[..., :4]], -1), D),        # a piece scaled
+    (lambda h: jnp.concatenate([h[..., 4:], h[..., :4] + 0.0 * h[..., 4:8]], -1), D),  # a piece via another op
+], ids=["overlap", "gap", "other-axis-reindexed", "scaled", "via-add"])
+def test_pieces_that_do_not_permute(x64, pieces, d_norm):
+  # None of these is recognised as a rearrangement of one value (only the
+  # last one keeps the sum, by a route the rule does not claim): no fold.
+  run(lambda h, p: pieces(h), None, d_norm=d_norm)
 
 
 # ----------------------------------------------------------------------------
