@@ -4,7 +4,8 @@ jax 0.10 (CI, Python 3.11) and jax 0.11 (GPU machines, Python 3.12) differ in
 how closed jaxprs are represented (0.11 merged ``Jaxpr`` and ``ClosedJaxpr``),
 in the scan parameters (``num_consts``/``num_carry`` became ``ft_in``) and in
 where ``Var``/``Literal`` live. Primitives are discovered by tracing tiny
-programs, so we compare them by identity and never by name.
+programs (or looked up where each version defines them, ``lax_prims``), so
+we compare them by identity and never by name.
 """
 
 from __future__ import annotations
@@ -151,6 +152,40 @@ def scan_partition(params: dict) -> tuple[int, int]:
     return len(consts), len(carry)
   count = lambda t: len(jax.tree_util.tree_leaves(t, is_leaf=lambda v: v is None))
   return count(ft_in[0]), count(ft_in[1])
+
+
+def while_partition(params: dict) -> tuple[int, int]:
+  """``(cond_nconsts, body_nconsts)`` of a while equation (unchanged in 0.11)."""
+  return params["cond_nconsts"], params["body_nconsts"]
+
+
+def _private_modules() -> tuple:
+  mods = []
+  try:  # add_any (the sum AD produces) is not exported under one public name
+    from jax._src import ad_util
+    mods.append(ad_util)
+  except ImportError:  # pragma: no cover
+    pass
+  try:  # the loop primitives live in lax's private control-flow module
+    from jax._src.lax import control_flow
+    mods.append(control_flow)
+  except ImportError:  # pragma: no cover
+    pass
+  return tuple(mods)
+
+
+def lax_prims(*names: str) -> tuple:
+  """The primitives named ``names`` (e.g. ``"add_p"``) that this jax defines,
+  from ``jax.lax`` or, failing that, the private modules that hold the rest."""
+  out = []
+  for n in names:
+    p = getattr(lax, n, None)
+    for mod in _private_modules():
+      if p is None:
+        p = getattr(mod, n, None)
+    if p is not None and p not in out:
+      out.append(p)
+  return tuple(out)
 
 
 def _discover() -> dict[str, Any]:

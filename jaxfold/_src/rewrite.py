@@ -294,8 +294,7 @@ def _cond(eqn, invals, plan, extras, path):
 
 def _while(eqn, invals, plan, extras, path):
   """Re-traces a while loop whose condition or body the plan changes."""
-  from jaxfold._src.rules.control import while_partition
-  cn, bn = while_partition(eqn.params)
+  cn, bn = compat.while_partition(eqn.params)
   invals = [v.materialize() if isinstance(v, Zero) else v for v in invals]
   cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
   c_inner, c_consts = compat.open_jaxpr(eqn.params["cond_jaxpr"])

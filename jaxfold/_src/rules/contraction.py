@@ -144,8 +144,15 @@ def _conv_shift(node, ins, ctx):
 def _conv_zero_sum(node, k, spec, ctx):
   cd = D.ConvDims(node.params)
   s = dict(spec)
-  if cd.out_channel not in s or cd.batch_groups != 1:
-    raise Block("a convolution whose output is normalized over axes other than its channels")
+  if cd.batch_groups != 1:
+    raise Block("a convolution with batch groups whose output is normalized")
+  if cd.out_channel not in s:
+    others = sorted(s)
+    shape = node.outs[0].shape
+    raise Block(f"the norm reduces over {'axis' if len(others) == 1 else 'axes'} "
+                f"{', '.join(f'{d} (size {shape[d]})' for d in others)} of a convolution's "
+                f"output but not over its channels (axis {cd.out_channel}): centering the "
+                "kernel's output channels makes only sums over the channels zero")
   block = s[cd.out_channel]
   per_group = node.outs[0].shape[cd.out_channel] // cd.groups
   if per_group % block:

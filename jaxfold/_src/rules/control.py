@@ -21,21 +21,6 @@ from jaxfold._src import compat
 from jaxfold._src.rules.base import Rule, register
 from jaxfold._src.rules.elementwise import _prims
 
-try:  # the loop primitives live in lax's private control-flow module
-  from jax._src.lax import control_flow as _cf
-except ImportError:  # pragma: no cover
-  _cf = None
-
-
-def _prim(name):
-  p = getattr(_cf, name, None) if _cf is not None else None
-  return (p,) if p is not None else _prims(name)
-
-
-def while_partition(params: dict) -> tuple:
-  """``(cond_nconsts, body_nconsts)`` of a while equation."""
-  return params["cond_nconsts"], params["body_nconsts"]
-
 
 def body_operand(node, k: int, i: int) -> Optional[int]:
   """The outer operand that input ``i`` of body ``k`` of ``node`` reads
@@ -44,7 +29,7 @@ def body_operand(node, k: int, i: int) -> Optional[int]:
   if compat.is_cond(node.eqn):
     return i + 1                       # operand 0 is the branch index
   if compat.is_while(node.eqn):
-    cn, bn = while_partition(node.params)
+    cn, bn = compat.while_partition(node.params)
     n = cn if k == 0 else bn
     if i < n:
       return i if k == 0 else cn + i
@@ -57,7 +42,7 @@ def body_operand(node, k: int, i: int) -> Optional[int]:
 
 def carries(node, k: int) -> Optional[tuple]:
   """For a while loop's body ``k``: ``(first carry input, first carry operand)``."""
-  cn, bn = while_partition(node.params)
+  cn, bn = compat.while_partition(node.params)
   return (cn if k == 0 else bn), cn + bn
 
 
@@ -73,9 +58,9 @@ def _while_shift(node, ins, ctx):
   return ctx.while_shift(node, ins)
 
 
-register(Rule("scan", _prim("scan_p"), shift=_scan_shift,
+register(Rule("scan", _prims("scan_p"), shift=_scan_shift,
               variants=("stacked layers", "carry leak")))
-register(Rule("cond", _prim("cond_p"), shift=_cond_shift,
+register(Rule("cond", _prims("cond_p"), shift=_cond_shift,
               variants=("two branches", "switch", "index from stream")))
-register(Rule("while", _prim("while_p"), shift=_while_shift,
+register(Rule("while", _prims("while_p"), shift=_while_shift,
               variants=("fixed trip count", "fori traced bounds", "stream predicate")))

@@ -16,24 +16,12 @@ import numpy as np
 from jax import lax
 
 from jaxfold._src import algebra as A
+from jaxfold._src import compat
 from jaxfold._src.rules.base import Block, Facts, Need, Rule, lift_poly, operand_const, operand_spec, register, size_one
-
-_ad_util = None
-try:  # add_any (the sum AD produces) is not exported under one public name
-  from jax._src import ad_util as _ad_util
-except ImportError:  # pragma: no cover
-  pass
 
 
 def _prims(*names: str) -> tuple:
-  out = []
-  for n in names:
-    p = getattr(lax, n, None)
-    if p is None and _ad_util is not None:
-      p = getattr(_ad_util, n, None)
-    if p is not None and p not in out:
-      out.append(p)
-  return tuple(out)
+  return compat.lax_prims(*names)
 
 
 # ----------------------------------------------------------------------------

@@ -49,8 +49,19 @@ def _sum_shift(node, ins, ctx):
     return [A.poly_map(p, lambda c: A.reduce_sum(c, axes, in_shape), dims)]
   if p.is_pure:
     return [A.pure(dims)]
-  raise Block(f"a nonlinear function of the shift is summed over axes {axes} along which "
-              "the shift varies")
+  varying = [a for a in axes if p.dims[a] is not None]
+  raise Block(f"a nonlinear function of the shift (a variance, say) is summed over axes {axes}, "
+              f"which include {_axes_text(varying, in_shape)} along which the shift varies: a "
+              f"reduction over {_axes_text(varying, in_shape, short=True)} as well does not "
+              "remove a shift that differs along it")
+
+
+def _axes_text(axes, shape, short: bool = False) -> str:
+  """``axis 1 (size 5)``, ``axes 1 (size 5) and 2 (size 3)``."""
+  if short:
+    return ("axis " if len(axes) == 1 else "axes ") + ", ".join(map(str, axes))
+  parts = [f"{a} (size {shape[a]})" for a in axes]
+  return ("axis " if len(parts) == 1 else "axes ") + " and ".join(parts)
 
 
 def _sum_zero_sum(node, k, spec, ctx):
