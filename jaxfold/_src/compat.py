@@ -106,17 +106,22 @@ def _short_path(path: str) -> str:
   return "/".join(parts[-2:])
 
 
-def user_source(eqn: Any) -> str:
-  """``file.py:line (function)`` of the innermost frame outside jax and the
-  libraries above (so never a line of flax's LayerNorm); "" without one."""
+def user_frames(eqn: Any) -> list[str]:
+  """``file.py:line (function)`` of every frame outside jax and the libraries
+  above (so never a line of flax's LayerNorm), innermost first."""
   try:
     from jax._src import source_info_util as siu
-    for f in siu.user_frames(eqn.source_info.traceback):
-      if not _is_library_file(f.file_name):
-        return f"{_short_path(f.file_name)}:{f.start_line} ({f.function_name})"
+    return [f"{_short_path(f.file_name)}:{f.start_line} ({f.function_name})"
+            for f in siu.user_frames(eqn.source_info.traceback)
+            if not _is_library_file(f.file_name)]
   except Exception:  # pragma: no cover - best effort only
-    pass
-  return ""
+    return []
+
+
+def user_source(eqn: Any) -> str:
+  """The innermost of ``user_frames``; "" without one."""
+  frames = user_frames(eqn)
+  return frames[0] if frames else ""
 
 
 def name_stack(eqn: Any) -> str:

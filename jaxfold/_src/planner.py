@@ -16,7 +16,7 @@ from typing import Optional, Union
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfold._src import layout
+from jaxfold._src import compat, layout
 from jaxfold._src.analysis import (
   DROPOUT_NOTE,
   Analyzer,
@@ -449,13 +449,15 @@ class Planner:
     aux_index = {v: k + 1 for k, v in enumerate(self.aux_commit)}
     aux_users: dict = {v: [] for v in self.aux_commit}
     sites, seen = [], set()
+    wheres = _distinct([self.site_where(i) for i in range(len(self.sites))],
+                       [s.node for s in self.sites])
     for i, s in enumerate(self.sites):
       d = self.decisions[i]
       own = tuple(c for c in d.centered if (c.param, c.spec, c.mode) not in seen)
       seen |= {(c.param, c.spec, c.mode) for c in d.centered}
       for v in d.aux_vars:
         aux_users[v].append(len(sites))
-      sites.append(ReportSite(index=len(sites), where=self.site_where(i), shape=s.input.shape,
+      sites.append(ReportSite(index=len(sites), where=wheres[i], shape=s.input.shape,
                               axes=s.axes, folded=d.folded, reason=d.reason,
                               centered=own, auxiliary=d.auxiliary,
                               num_reductions=len(s.reduces), exact=d.exact,
@@ -521,6 +523,33 @@ class Planner:
 
   def folded_sites(self) -> list:
     return [s for i, s in enumerate(self.sites) if self.decisions[i].folded]
+
+
+def _distinct(wheres: list, nodes: list) -> list:
+  """Site locations made distinct: where two sites read the same (one helper
+  function called from two lines, one module applied twice), the user's
+  calling line that tells them apart is added, else the call's ordinal."""
+  out = list(wheres)
+  groups: dict = collections.defaultdict(list)
+  for i, w in enumerate(wheres):
+    groups[w].append(i)
+  for w, members in groups.items():
+    if len(members) < 2:
+      continue
+    frames = {i: compat.user_frames(nodes[i].eqn) for i in members}
+    # (a location that is itself the innermost user line starts past it)
+    first = int(all(f and f[0] in w for f in frames.values()))
+    depth = max(len(f) for f in frames.values())
+    for k in range(first + 1, depth + 1):
+      keys = [tuple(frames[i][first:k]) for i in members]
+      if len(set(keys)) == len(keys):
+        for i in members:
+          out[i] = " ← ".join([w] + frames[i][first:k])
+        break
+    else:
+      for n, i in enumerate(members):
+        out[i] = f"{w} (use {n + 1} of {len(members)})"
+  return out
 
 
 def _position(v: Val) -> int:

@@ -1147,6 +1147,33 @@ _add("rc12_softmax_second_consumer", init_from(_SPEC1), _rc12_softmax, x_args,
 # rc11: dtype programs (run in float32 without x64, called with bfloat16).
 
 
+# ============================================================================
+# rc15: pieces of one value concatenated in another order along the normalized
+# axis (jnp.roll, swapped halves) keep its sum; near misses must not fold.
+
+_dense_ln_program("rc15_roll_features", lambda h: jnp.roll(h, 5, axis=-1),
+                  "jnp.roll along the normalized features (slice + slice + concatenate)", True, "rc15")
+_dense_ln_program("rc15_three_pieces_reordered",
+                  lambda h: jnp.concatenate([h[..., 11:], h[..., 3:11], h[..., :3]], -1),
+                  "three slices of one value that tile the features, reordered", True, "rc15")
+_dense_ln_program("rc15_pieces_overlap",
+                  lambda h: jnp.concatenate([h[..., 2:], h[..., :3]], -1),
+                  "two slices that overlap by one feature (D+1 features): not a permutation",
+                  False, "rc15", d_norm=D + 1)
+
+
+def _rc15_two_sources(p, x):
+  a = x @ p["w"] + p["b"]
+  c = jnp.tanh(x @ p["w2"])
+  return ln_fast(jnp.concatenate([a[..., D // 2:], c[..., :D // 2]], -1), p["g"], p["be"])
+
+
+_add("rc15_pieces_of_two_values", init_from({"w": (DIN, D), "b": (D,), "w2": (DIN, D), "g": (D,), "be": (D,)}),
+     _rc15_two_sources, x_args,
+     "halves of a dense output and of tanh(dense): the tanh half cannot be made zero-sum",
+     False, "rc15")
+
+
 def _dtype_init(key):
   k = jax.random.split(key, 4)
   return {"w": jax.random.normal(k[0], (DIN, D), jnp.float32) / math.sqrt(DIN),

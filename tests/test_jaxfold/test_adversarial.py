@@ -201,6 +201,19 @@ def test_expect_fold(name):
                                  + _describe(rep))
 
 
+_LIBRARY_FRAMES = ("site-packages", "flax/", "jax/_src", "numpy/", "jaxfold/_src")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_site_locations(name):
+  # Every site reads differently, in the user's terms (module path or the
+  # user's file:line), never a frame inside flax, jax or numpy.
+  wheres = [s.where for s in _folded(name).report.sites]
+  assert len(set(wheres)) == len(wheres), wheres
+  for w in wheres:
+    assert w and not any(k in w for k in _LIBRARY_FRAMES), w
+
+
 # ----------------------------------------------------------------------------
 # rc11: dtypes. CBWC traced with float32 parameters, called with bfloat16 ones.
 
