@@ -1042,6 +1042,18 @@ def _dslice_d(g, sc, st):
   return Op(f"dynamic_slice_D(h, i, {n})", lambda P, h, E: lax.dynamic_slice_in_dim(h, E.a["i"], n, 2), st.T, n)
 
 
+@op(("dynamic_slice", "cyclic window"))
+def _dslice_cyclic(g, sc, st):
+  # jnp.roll by a traced shift along D (exact), or a window over [h, 2h] (not).
+  if not st.extras:
+    return None
+  if g.coin():
+    return Op("roll_D(h, i)", lambda P, h, E: jnp.roll(h, E.a["i"], axis=-1), st.T, st.D)
+  return Op("dslice_D(concat_D(h, 2h), i, D)",
+            lambda P, h, E: lax.dynamic_slice_in_dim(jnp.concatenate([h, 2 * h], -1), E.a["i"], st.D, 2),
+            st.T, st.D, frozenset({("concatenate", "normalized axis")}))
+
+
 @op(("dynamic_slice", "two indices"))
 def _dslice_two(g, sc, st):
   if not st.extras or st.T < 3 or st.keep_t:

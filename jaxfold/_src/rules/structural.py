@@ -318,9 +318,34 @@ def _dslice_canon(node, ins, ctx):
   return [A.app(("dynamic_slice", _tag(node)), ins, node.outs[0].shape, False)]
 
 
+def _copies_of(v, dim: int):
+  """``u`` when ``v`` is ``concatenate([u, u, ...], dim)`` (two or more copies)."""
+  node = getattr(v, "producer", None)
+  if node is None or node.prim is not lax.concatenate_p or node.params["dimension"] != dim:
+    return None
+  u = node.ins[0]
+  return u if len(node.ins) > 1 and all(a is u for a in node.ins) else None
+
+
+def _dslice_zero_sum(node, k, spec, ctx):
+  in_shape, out_shape = node.ins[0].shape, node.outs[0].shape
+  cut = [d for d, _ in spec if not D._same(in_shape[d], out_shape[d])]
+  if not cut:
+    return [Need(0, spec, transparent=True)]
+  # A window of one copy's length over copies of one value (``jnp.roll`` by a
+  # traced shift: the start is clamped into the copies) is a cyclic rotation
+  # of that value along the axis, which keeps its sums over all of it.
+  d = cut[0]
+  u = _copies_of(node.ins[0], d) if len(cut) == 1 else None
+  if u is not None and u.shape[d] == out_shape[d] == dict(spec)[d]:
+    return [Need(0, spec, source=u)]
+  raise Block("a dynamic slice along the normalized axes (where its window falls is known only at "
+              "run time)")
+
+
 register(Rule("dynamic_slice", (lax.dynamic_slice_p,), facts=_slice_facts, canon=_dslice_canon,
-              shift=_dslice_shift, zero_sum=_slice_zero_sum, simplify=_only_operand_zero,
-              variants=("other axis", "normalized axis", "two indices")))
+              shift=_dslice_shift, zero_sum=_dslice_zero_sum, simplify=_only_operand_zero,
+              variants=("other axis", "normalized axis", "two indices", "cyclic window")))
 
 
 def _split_facts(node, ins, ctx):

@@ -180,6 +180,22 @@ def test_dynamic_slice_normalized_axis(x64):
   run(lambda h, p, i: lax.dynamic_slice_in_dim(h, i, 6, 2), 0, d_norm=6, extra=index_args((1, 2)))
 
 
+def test_roll_features_traced_shift(x64):
+  # jnp.roll by a traced shift: a window of D over concatenate([h, h]), a
+  # cyclic rotation of h wherever the (clamped) start falls.
+  run(lambda h, p, i: jnp.roll(h, i, axis=-1), 1, extra=index_args((3, -5)))
+
+
+@pytest.mark.parametrize("window", [
+    lambda h, i: lax.dynamic_slice_in_dim(jnp.concatenate([h, h], -1), i, D - 2, 2),   # shorter than a copy
+    lambda h, i: lax.dynamic_slice_in_dim(jnp.concatenate([h, 2 * h], -1), i, D, 2),   # not copies
+    lambda h, i: lax.dynamic_slice_in_dim(jnp.concatenate([h, h[:, ::-1]], -1), i, D, 2),  # a re-indexed copy
+], ids=["short", "scaled-copy", "reversed-copy"])
+def test_dynamic_window_not_a_rotation(x64, window):
+  d_norm = D - 2 if window(jnp.zeros((1, 2, D)), 0).shape[-1] == D - 2 else D
+  run(lambda h, p, i: window(h, i), 0, d_norm=d_norm, extra=index_args((3, 7)))
+
+
 @pytest.mark.parametrize("combine,expect", [("sub", 1), ("mul", 0)])
 def test_dynamic_slice_two_indices(x64, combine, expect):
   f = {"sub": lambda a, b: a - b, "mul": lambda a, b: a * b}[combine]
