@@ -20,7 +20,7 @@ from typing import Any, Optional
 from models.common import ModelSpec, randomize_norms
 
 _TEXT_MODULES = ("gpt2", "gpt2_nnx", "bert", "opt", "bloom", "phi")
-_OPTIONAL_MODULES = ("vit", "swin", "cnn", "mlp")
+_OPTIONAL_MODULES = ("vit", "swin", "cnn", "mlp", "clip", "whisper", "wav2vec2")
 
 _REGISTRY: dict[str, Any] = {}
 _IMPORT_ERRORS: dict[str, str] = {}
