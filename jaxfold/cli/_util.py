@@ -212,7 +212,8 @@ def print_timing(s: dict, out=None) -> None:
 def describe(spec) -> str:
   c = spec.config
   bits = []
-  for k in ("n_embd", "hidden_size", "n_layer", "num_hidden_layers", "vocab_size"):
+  for k in ("n_embd", "hidden_size", "d_model", "n_layer", "num_hidden_layers", "encoder_layers",
+            "vocab_size"):
     if hasattr(c, k):
       bits.append(f"{k}={getattr(c, k)}")
   return ", ".join(bits) or spec.family
