@@ -96,6 +96,7 @@ class Planner:
     self._vis: dict = {}
     self._inexact = False
     self._ties_by_copy = False
+    self._blocker_counts: collections.Counter = collections.Counter()   # (Val, spec) -> failed sites
 
   # -- invisibility (obligation 1), cached --------------------------------------
 
@@ -302,18 +303,22 @@ class Planner:
     the option is off or ``b`` is not a centerable value)."""
     if not (self.opts.auxiliary_centering and isinstance(b.var, Val) and b.spec):
       return ""
+    if self._blocker_counts.get((b.var, b.spec), 0) < 2:
+      # (the cost rule alone rules it out: no need to prove anything)
+      return ("; an auxiliary centering of that value would remove no more reductions than it "
+              "adds (only this site needs it)")
     reason = self.aux_visible(b.var, b.spec)
     if reason is not None:
       return f"; an auxiliary centering of that value would change the result ({reason})"
     return ("; an auxiliary centering of that value would remove fewer reductions than it adds "
-            "(it lets fewer than two sites fold)")
+            "(it would let fewer than two sites fold)")
 
   # -- auxiliary choice ----------------------------------------------------------
 
   def choose_auxiliary(self, failed: dict) -> None:
     """One inserted centering (one reduction) pays off when it lets at least
     two sites drop theirs."""
-    counts = collections.Counter()
+    counts = self._blocker_counts
     for blockers in failed.values():
       for b in {(b.var, b.spec) for b in blockers}:
         if isinstance(b[0], Val) and b[1]:
