@@ -696,17 +696,25 @@ def derived(p: Poly, factor: Expr, const_dims: frozenset, out_shape: Shape) -> P
   return Poly(sym, dims, p.coeffs)
 
 
-def exp_of(p: Poly, value: Expr) -> Poly:
+def exp_of(p: Poly, value: Expr, out: Any) -> Poly:
   """``exp(x + k*c) = exp(x) * (1 + d)`` with ``d = exp(k*c) - 1``: a pure
-  shift becomes a *proportional* one (coefficient = the value itself) in a
-  symbol ``d`` derived from ``c``, constant where ``c`` is, and never ``-1``."""
+  shift becomes a *proportional* one (coefficient = the value itself, here
+  the atom of ``out``) in a symbol ``d`` derived from ``c``, constant where
+  ``c`` is, and never ``-1``."""
   key = ("exp", p.sym, p.dims, p.coeffs[0].const_value)
   sym = _DERIVED.get(key)
   if sym is None:
     sym = _DERIVED[key] = next(_syms)
     _DERIVED[("exp-info", sym)] = (p.sym, p.dims, p.coeffs[0].const_value)
+    _DERIVED[("exp-vals", sym)] = []
+  _DERIVED[("exp-vals", sym)].append(out)
   dims = tuple(None if e is None else (("exp", sym, d), e[1]) for d, e in enumerate(p.dims))
   return Poly(sym, dims, (value,))
+
+
+def exp_values(p: Poly) -> list:
+  """The ``exp`` outputs whose atoms the coefficients of ``p``'s symbol are written in."""
+  return _DERIVED.get(("exp-vals", p.sym), [])
 
 
 def is_proportional(p: Poly, value: Expr) -> bool:

@@ -757,6 +757,7 @@ def find_sites(level: Level) -> list:
 
 
 _CANCEL_STEPS = 64
+_CANCEL_DEPTH = 12
 
 
 def _shift_cancels(level: Level, reduce: Node, u: Val, axes: tuple) -> bool:
@@ -769,14 +770,28 @@ def _shift_cancels(level: Level, reduce: Node, u: Val, axes: tuple) -> bool:
   """
   root = _strip(u, ("identity",))
   seed = root if isinstance(root, Val) and root.shape == u.shape else u
+  consumers = level.program.consumers
+  # The seed must reach the cancelling node along two paths: a value read
+  # only by this sum (a variance's squares, say) cannot cancel.
+  if len(consumers.get(seed, ())) < 2 and (seed is u or len(consumers.get(u, ())) < 2):
+    return False
+  # Only the few steps after the sum matter (a norm is short); the stream
+  # that continues past it is not followed.
+  last, frontier, seen = reduce.index, [reduce.outs[0]], set()
+  for _ in range(_CANCEL_DEPTH):
+    nxt = []
+    for v in frontier:
+      for n, _ in consumers.get(v, ()):
+        if n.index not in seen:
+          seen.add(n.index)
+          last = max(last, n.index)
+          nxt.extend(n.outs)
+    frontier = nxt
   polys = {seed: A.pure(tuple(None if d in axes else (None, 1) for d in range(len(u.shape))))}
   cone = {reduce.outs[0]}
-  consumers = level.program.consumers
-  start = min((n.index for n, _ in consumers.get(seed, ())), default=None)
-  if start is None:
-    return False
+  start = min(n.index for n, _ in consumers.get(seed, ()))
   steps = 0
-  for node in level.program.nodes[start:]:
+  for node in level.program.nodes[start:last + 1]:
     ins = [polys.get(a) if isinstance(a, Val) else None for a in node.ins]
     if all(p is None for p in ins):
       continue

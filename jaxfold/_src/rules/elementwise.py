@@ -290,9 +290,10 @@ def _div_shift(node, ins, ctx):
     if ins[0] is not None and _float_node(node):
       # exp(x + c) / Σ exp(x + c): the factor exp(c) cancels in the ratio (softmax).
       pa, pb = lift_poly(ins[0], node.ins[0], out_shape), lift_poly(ins[1], node.ins[1], out_shape)
-      if (pa.same_symbol(pb) and A.is_proportional(pa, A.lift(ctx.canon(node.ins[0]), out_shape))
-              and A.is_proportional(pb, A.lift(ctx.canon(node.ins[1]), out_shape))):
-        return [None]
+      if pa.same_symbol(pb) and A.exp_values(pa):
+        ca, cb = _in_exp_atoms(ctx, pa, node.ins)
+        if A.is_proportional(pa, A.lift(ca, out_shape)) and A.is_proportional(pb, A.lift(cb, out_shape)):
+          return [None]
     raise Block("the shift reaches a divisor")
   if not _is_float(node.outs[0].dtype):
     raise Block("integer division truncates the shift")
@@ -684,12 +685,23 @@ def _exp_shift(node, ins, ctx):
   p = ins[0]
   if not p.is_pure or not _float_node(node):
     return _block_nonlinear(node, ins, ctx)
-  return [A.exp_of(p, ctx.canon(node.outs[0]))]
+  out = node.outs[0]
+  return [A.exp_of(p, ctx.atom(out), out)]
+
+
+def _in_exp_atoms(ctx, p: A.Poly, vals) -> list:
+  """Canonical forms of ``vals`` written over the atoms of the ``exp``
+  outputs that carry ``p``'s symbol (what its coefficients are written in;
+  cheap: nothing behind those outputs is expanded)."""
+  overrides = dict(ctx.overrides)
+  overrides.update({v: ctx.atom(v) for v in A.exp_values(p)})
+  with ctx.assuming(overrides):
+    return [ctx.canon(v) for v in vals]
 
 
 def _log_shift(node, ins, ctx):
   p = ins[0]
-  if _float_node(node) and A.is_proportional(p, ctx.canon(node.ins[0])):
+  if _float_node(node) and A.exp_values(p) and A.is_proportional(p, _in_exp_atoms(ctx, p, node.ins)[0]):
     return [A.log_of(p)]
   return _block_nonlinear(node, ins, ctx)
 
