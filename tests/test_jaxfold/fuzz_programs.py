@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import jax.scipy.special as jsp
 import numpy as np
+import spellings as _S
 from jax import lax
 
 F64 = jnp.float64
@@ -363,6 +364,17 @@ NORMS = [
              (("reshape", "grouped"),)),
     NormKind("ln_tokens_and_features", lambda h, g, b, G: ln_tokens_features(h, g, b)),
 ]
+# The same norms in other spellings (``spellings.py``: random chains of ring
+# identities, and the forms of Keras, Haiku, Equinox, penzai, torch): a fold
+# must not depend on how the arithmetic is written.
+NORMS += [NormKind(f"spelled_ln[{s.name}]", (lambda sp: lambda h, g, b, G: _S.layer_norm(sp, h, g, b, EPS))(s))
+          for s in _S.sample(24, seed=11)]
+NORMS += [NormKind(f"spelled_gn[{s.name}]", (lambda sp: lambda h, g, b, G: _S.group_norm(sp, h, g, b, G, EPS))(s),
+                   True, (("reshape", "grouped"),)) for s in _S.sample(6, seed=12)]
+NORMS += [NormKind(f"spelled_rms[{s.name}]", (lambda sp: lambda h, g, b, G: _S.rms_norm(sp, h, g, EPS) + b)(s))
+          for s in _S.sample(4, seed=13)]
+NORMS += [NormKind(f"library_ln[{k}]", (lambda fn: lambda h, g, b, G: fn(h, g, b, EPS))(f))
+          for k, f in sorted(_S.LIBRARY_FORMS.items())]
 NORMS_BY_NAME = {n.name: n for n in NORMS}
 
 

@@ -12,7 +12,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 import spellings as S
 from conftest import rel_err, x64_context
