@@ -680,7 +680,12 @@ def derived(p: Poly, factor: Expr, const_dims: frozenset, out_shape: Shape) -> P
   ``h -> h + c``: Keras's LayerNorm).
   """
   info = _DERIVED.get(("info", p.sym))
-  base, base_dims, f = (p.sym, p.dims, None) if info is None else info
+  # Chain onto the product only while the shift is indexed as it was made
+  # (no transpose or reshape since): F is written in those coordinates.
+  if info is None or info[3] != p.dims or (info[2].shape is not None and len(info[2].shape) != len(out_shape)):
+    base, base_dims, f = p.sym, p.dims, None
+  else:
+    base, base_dims, f = info[:3]
   try:
     f = _lift_mul(f, factor, out_shape)
   except Unrepresentable:
@@ -691,8 +696,8 @@ def derived(p: Poly, factor: Expr, const_dims: frozenset, out_shape: Shape) -> P
   sym = _DERIVED.get(key)
   if sym is None:
     sym = _DERIVED[key] = next(_syms)
-    _DERIVED[("info", sym)] = (base, base_dims, f)
   dims = tuple(None if b is None else (("derived", sym, d), b) for d, b in enumerate(shape))
+  _DERIVED[("info", sym)] = (base, base_dims, f, dims)
   return Poly(sym, dims, p.coeffs)
 
 
