@@ -403,9 +403,14 @@ class Level:
     else:
       raise Block("the shift on a scan carry has no fixed point")
     result = []
+    skip = control.may_skip(node)
     for k in range(len(node.outs)):
       q = outs.get(k)
-      if q is None:
+      if k < ncar and skip and binv[nc + k] in seeds:
+        # Zero trips: the carry leaves as it entered. The widened seed covers
+        # both the initial shift and every iteration's.
+        result.append(A.pure(seeds[binv[nc + k]].dims))
+      elif q is None:
         result.append(None)
       elif not q.is_pure:
         raise Block("a nonlinear function of the shift leaves a scan")
@@ -621,6 +626,9 @@ class Level:
     nc, ncar = compat.scan_partition(node.params)
     ov = body.program.outvars[k]
     if k < ncar:
+      if control.may_skip(node):
+        # Zero trips: the final carry is the initial one.
+        self._walk(node.ins[nc + k], spec, None, (), out, node.ins[nc + k], spec)
       return body._walk(ov, spec, None, (), out, ov, spec)
     if any(d == 0 for d, _ in spec):
       out.append(Blocker(v, spec, "a scan output normalized over its stacked axis"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -157,6 +157,16 @@ def scan_partition(params: dict) -> tuple[int, int]:
     return len(consts), len(carry)
   count = lambda t: len(jax.tree_util.tree_leaves(t, is_leaf=lambda v: v is None))
   return count(ft_in[0]), count(ft_in[1])
+
+
+def scan_length(params: dict) -> Optional[int]:
+  """A scan's static trip count, or None where it is not a concrete int
+  (a symbolic dimension under shape polymorphism)."""
+  n = params.get("length")
+  try:
+    return int(n) if n is not None and n == int(n) else None
+  except Exception:  # noqa: BLE001 - a symbolic dimension has no int value
+    return None
 
 
 def while_partition(params: dict) -> tuple[int, int]:

@@ -226,8 +226,14 @@ class Planner:
     if reason is None:
       actions.append(CenterLeaf(var, spec))
       return
-    if n.use is not None and self.is_leaf(var) and (
-        (id(n.use[0]), n.use[1]) in self.untie_commit or self.use_visible(n) is None):
+    prior = self.untie_commit.get((id(n.use[0]), n.use[1])) if n.use is not None else None
+    if prior is not None and prior.spec != spec:
+      # One use reads one copy: another site's copy there is centered over other axes.
+      blockers.append(Blocker(n.out_var, n.out_spec,
+                              f"this use of {param_label(self.name(var))} already reads a copy centered over "
+                              "other axes for another site"))
+      return
+    if n.use is not None and self.is_leaf(var) and (prior is not None or self.use_visible(n) is None):
       if self.opts.tie_by_aux() and not self._ties_by_copy:
         at = self._aux_point(Blocker(n.out_var, n.out_spec, ""))
         if at.spec and assume_aux.get(at.var) == at.spec:

@@ -1174,6 +1174,121 @@ _add("rc15_pieces_of_two_values", init_from({"w": (DIN, D), "b": (D,), "w2": (DI
      False, "rc15")
 
 
+# ============================================================================
+# rc19: every use of a parameter centered in place (direct reads of it as a
+# value, a second use of the same kernel), and loops that run zero times.
+
+_SPEC19 = {"w": (DIN, D), "b": (D,), "g": (D,), "be": (D,), "w2": (DIN, D), "b2": (D,)}
+
+
+def _rc19_reads(read):
+  def apply(p, x):
+    return read(p, ln_fast(x @ p["w"] + p["b"], p["g"], p["be"]))
+  return apply
+
+
+for _name, _read, _note in [
+    ("sum", lambda p, y: (y, jnp.sum(p["w"])), "jnp.sum of the kernel returned"),
+    ("norm_scale", lambda p, y: y * jnp.linalg.norm(p["w"]), "the kernel's norm scales the output"),
+    ("mean_added", lambda p, y: y + p["w"].mean(), "the kernel's mean added into the output"),
+    ("l2", lambda p, y: (y, 0.5 * sum(jnp.sum(v * v) for v in jax.tree_util.tree_leaves(p))),
+     "an L2 regularizer over every parameter, computed in apply_fn and returned"),
+    ("axis_mean", lambda p, y: (y, p["w"].mean(-1)),
+     "the kernel's mean along its output axis (exactly the shift a centering removes) returned"),
+    ("bias_sum_in_loop", lambda p, y: y + lax.fori_loop(0, 2, lambda i, c: c + p["b"].sum(), 0.0),
+     "the bias' sum accumulated in a loop and added to the output")]:
+  _add(f"rc19_param_read_{_name}", init_from(_SPEC19), _rc19_reads(_read), x_args,
+       f"Dense -> LN, and {_note}: the kernel/bias cannot be centered in place (a copy for the "
+       "Dense's use folds)", True, "rc19")
+
+
+def _rc19_transposed(p, x):
+  y = ln_fast(x @ p["w"] + p["b"], p["g"], p["be"])
+  return ln_two_pass(y @ p["w"].T, p["g2"], p["be2"])     # W.T: another layer's kernel
+
+
+_add("rc19_kernel_transposed_reuse",
+     init_from({"w": (DIN, D), "b": (D,), "g": (D,), "be": (D,), "g2": (DIN,), "be2": (DIN,)}),
+     _rc19_transposed, x_args,
+     "W used by a Dense before an LN and, transposed, as the next layer's kernel (contracting the "
+     "centered axis)", True, "rc19")
+
+
+def _rc19_group_norm_tied(p, x):
+  y = ln_fast(x @ p["w"] + p["b"], p["g"], p["be"])
+  return y + group_norm_tokens(0.5 * (x @ p["w"]), p["g"], p["be"], 4)
+
+
+_add("rc19_kernel_tied_group_norm", init_from(_SPEC19), _rc19_group_norm_tied, x_args,
+     "one kernel feeds an LN (centered over all features) and, in a second product, a per-position "
+     "GroupNorm (centered per group)", True, "rc19")
+
+
+def _rc19_two_uses(p, x):
+  y = ln_fast(x @ p["w"] + p["b"], p["g"], p["be"])
+  return y + jnp.tanh(x @ p["w"]) + 0.1 * (x @ p["w"]).sum(-1, keepdims=True)
+
+
+_add("rc19_kernel_second_use_visible", init_from(_SPEC19), _rc19_two_uses, x_args,
+     "the same kernel at a second use through tanh and a contraction over the centered axis",
+     True, "rc19")
+
+
+def _zero_trip_args(seed, variant):
+  return x_args(seed, variant) + (jnp.asarray(variant, jnp.int32),)   # n = 0 or 1: n - 1 <= 0
+
+
+def _rc19_loop(loop):
+  """LN(final carry) where the carry starts at tanh(x @ w2) (not zero-sum) and
+  the body overwrites it with x @ w + b (zero-sum after centering w, b)."""
+  def apply(p, x, n):
+    init = jnp.tanh(x @ p["w2"] + p["b2"])
+    return ln_fast(loop(lambda c: x @ p["w"] + p["b"], init, n), p["g"], p["be"])
+  return apply
+
+
+for _name, _loop, _note in [
+    ("scan_length0", lambda f, c, n: lax.scan(lambda c, _: (f(c), None), c, None, length=0)[0],
+     "lax.scan of length 0"),
+    ("fori_equal_static", lambda f, c, n: lax.fori_loop(3, 3, lambda i, c: f(c), c),
+     "fori_loop(3, 3) (a scan of length 0)"),
+    ("fori_equal_traced", lambda f, c, n: lax.fori_loop(n, n, lambda i, c: f(c), c),
+     "fori_loop(n, n) with traced n (a while loop)"),
+    ("while_false_at_entry", lambda f, c, n: lax.while_loop(lambda k: k[0] < n - 1,
+                                                            lambda k: (k[0] + 1, f(k[1])), (0, c))[1],
+     "while_loop whose condition is false at entry")]:
+  _add(f"rc19_{_name}_overwrite", init_from(_SPEC19), _rc19_loop(_loop), _zero_trip_args,
+       f"{_note}: the body overwrites the carry with a Dense output, but the loop runs zero times "
+       "and the carry stays tanh(...)", False, "rc19")
+
+_add("rc19_scan_length2_overwrite", init_from(_SPEC19),
+     _rc19_loop(lambda f, c, n: lax.scan(lambda c, _: (f(c), None), c, None, length=2)[0]),
+     _zero_trip_args, "control: lax.scan of length 2 whose body overwrites the carry with a Dense "
+     "output (the final carry is that output)", True, "rc19")
+
+
+def _rc19_scan0_passthrough(p, x):
+  h = x @ p["w"] + p["b"]
+  c, _ = lax.scan(lambda c, _: (jnp.zeros_like(c), None), h, None, length=0)
+  return ln_fast(h, p["g"], p["be"]), c
+
+
+_add("rc19_scan_length0_shift_passthrough", init_from(_SPEC19), _rc19_scan0_passthrough, x_args,
+     "a Dense output feeds an LN and a length-0 scan whose body zeroes the carry: the carry (the "
+     "Dense output) is returned unchanged, so centering the Dense is visible", False, "rc19")
+
+
+def _rc19_scan0_stacked(p, x):
+  h = x @ p["w"] + p["b"]
+  c, ys = lax.scan(lambda c, _: (c, ln_two_pass(c, p["g"], p["be"])), h, None, length=0)
+  return ln_fast(c, p["g"], p["be"]), ys
+
+
+_add("rc19_scan_length0_stacked_outputs", init_from(_SPEC19), _rc19_scan0_stacked, x_args,
+     "a length-0 scan that passes its carry through and stacks LN(carry) (an empty output): the "
+     "LN after it folds", True, "rc19")
+
+
 def _dtype_init(key):
   k = jax.random.split(key, 4)
   return {"w": jax.random.normal(k[0], (DIN, D), jnp.float32) / math.sqrt(DIN),

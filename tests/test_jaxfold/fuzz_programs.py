@@ -60,6 +60,14 @@ BATCHES = (2, 3)  # batch sizes of the two argument sets (tokens and features ar
 # Few distinct shapes: eager kernels compiled for one program are reused by the next.
 HIDDEN = (8, 8, 8, 12, 4)
 TOKENS = (4, 4, 3, 5)
+OTHER_T = 2       # the second argument set also has T0 + OTHER_T tokens (where the program accepts it)
+TROWS = 48        # rows of per-token tables and masks, sliced to the stream's length at run time
+
+
+def _rows(a, h, axis=0):
+  """The first ``h.shape[1]`` rows of a per-token table (or mask, ``axis`` 1):
+  one program for every sequence length."""
+  return lax.slice_in_dim(a, 0, h.shape[1], axis=axis)
 
 
 # ============================================================================
@@ -440,14 +448,14 @@ def _add_scalar(g, sc, st):
 
 @op(("add", "size-1 broadcast"))
 def _add_size1(g, sc, st):
-  pt = sc.param("s", (st.T, 1))
-  return Op("h + per-token bias (T,1)", lambda P, h, E: h + P[pt], st.T, st.D)
+  pt = sc.param("s", (TROWS, 1))
+  return Op("h + per-token bias (T,1)", lambda P, h, E: h + _rows(P[pt], h), st.T, st.D)
 
 
 @op(("add", "size-1 broadcast"), ("broadcast_in_dim", "size-1 expansion"))
 def _add_bcast_explicit(g, sc, st):
-  pt = sc.param("s", (st.T, 1))
-  return Op("h + broadcast_to(per-token (T,1))", lambda P, h, E: h + jnp.broadcast_to(P[pt], h.shape),
+  pt = sc.param("s", (TROWS, 1))
+  return Op("h + broadcast_to(per-token (T,1))", lambda P, h, E: h + jnp.broadcast_to(_rows(P[pt], h), h.shape),
             st.T, st.D)
 
 
@@ -492,8 +500,8 @@ def _mul_token(g, sc, st):
     pw = sc.param("w", (DIN, 1))
     return Op("h * sigmoid(x @ w_gate) (per-token gate)",
               lambda P, h, E: h * jax.nn.sigmoid(E.a["x"] @ P[pw]), st.T, st.D)
-  pt = sc.param("s", (st.T, 1))
-  return Op("h * (1 + s_t^2) (T,1)", lambda P, h, E: h * (1 + P[pt] ** 2), st.T, st.D)
+  pt = sc.param("s", (TROWS, 1))
+  return Op("h * (1 + s_t^2) (T,1)", lambda P, h, E: h * (1 + _rows(P[pt], h) ** 2), st.T, st.D)
 
 
 @op(("mul", "varying factor"))
@@ -522,8 +530,8 @@ def _div_recip(g, sc, st):
 
 @op(("div", "per-token divisor"))
 def _div_token(g, sc, st):
-  pt = sc.param("s", (st.T, 1))
-  return Op("h / (1 + s_t^2)", lambda P, h, E: h / (1 + P[pt] ** 2), st.T, st.D)
+  pt = sc.param("s", (TROWS, 1))
+  return Op("h / (1 + s_t^2)", lambda P, h, E: h / (1 + _rows(P[pt], h) ** 2), st.T, st.D)
 
 
 @op(("div", "shift in divisor"))
@@ -580,8 +588,8 @@ def _sel_token(g, sc, st):
   if g.coin() and st.T == st.T0:
     return Op("where(ids != 0, h, 0) (per-token)",
               lambda P, h, E: jnp.where((E.a["ids"] != 0)[..., None], h, 0.0), st.T, st.D)
-  m = g.mask((st.T, 1))
-  return Op(f"where(mask_tok {m}, h, 0)", lambda P, h, E: jnp.where(E.a[m], h, 0.0), st.T, st.D)
+  m = g.mask((TROWS, 1))
+  return Op(f"where(mask_tok {m}, h, 0)", lambda P, h, E: jnp.where(_rows(E.a[m], h, 1), h, 0.0), st.T, st.D)
 
 
 @op(("select_n", "per-token predicate"))
@@ -598,8 +606,8 @@ def _sel_vary(g, sc, st):
   if not st.extras:
     return None
   if g.coin():
-    m = g.mask((st.T, st.D))
-    return Op(f"where(mask_feat {m}, h, 0.3h)", lambda P, h, E: jnp.where(E.a[m], h, 0.3 * h),
+    m = g.mask((TROWS, st.D))
+    return Op(f"where(mask_feat {m}, h, 0.3h)", lambda P, h, E: jnp.where(_rows(E.a[m], h, 1), h, 0.3 * h),
               st.T, st.D)
   return Op("dropout (jax.random.bernoulli (B,T,D))",
             lambda P, h, E: jnp.where(jax.random.bernoulli(E.a["key"], 0.8, h.shape), h / 0.8, 0.0),
@@ -1357,8 +1365,42 @@ def _two_dense_concat(g, sc, st):
             frozenset({("dot_general", "weight side")}))
 
 
+REUSES = ("tanh", "emit", "transposed", "group_norm", "contract", "norm_scale", "sum_added")
+
+
+@op(("dot_general", "weight side"), where="producer")
+def _dense_reuse(g, sc, st):
+  """Dense whose kernel is also read at a second use (soundness issue 19): a
+  centering of the kernel in place changes that use too."""
+  d_out = g.choice([8, 12])
+  pw, pb = sc.param("w", (st.D, d_out)), sc.param("b", (d_out,))
+  kind = g.choice(REUSES)
+  if kind == "emit" and not st.emit:
+    kind = "tanh"
+  groups = g.choice([2, 4])
+
+  def fn(P, h, E):
+    w = P[pw]
+    y = h @ w + P[pb]
+    if kind == "tanh":                  # a nonlinear function of the same product
+      return y + 0.2 * jnp.tanh(h @ w)
+    if kind == "emit":                  # the product is also a program output
+      E.emit(h @ w)
+      return y
+    if kind == "transposed":            # W.T as another layer's kernel (contracts the centered axis)
+      return y + 0.2 * jnp.tanh(y @ w.T) @ w
+    if kind == "group_norm":            # the product next to a per-position GroupNorm
+      return y + gn_tokens(0.5 * (h @ w), 1.0, 0.0, groups)
+    if kind == "contract":              # a contraction over the centered axis
+      return y + 0.1 * (h @ w).sum(-1, keepdims=True)
+    if kind == "norm_scale":            # a direct read: the weight's norm scales the output
+      return y * (1 + 0.1 * jnp.linalg.norm(w))
+    return y + jnp.sum(w, -1).mean()    # a direct read: a sum of the weight added in
+  return Op(f"Dense({st.D}->{d_out}) whose kernel is reused: {kind}", fn, st.T, d_out)
+
+
 PRODUCERS = [_dense, _dense, _dense, _dense_t, _dense_general, _conv_prod, _conv_grouped, _two_dense,
-             _two_dense_concat]
+             _two_dense_concat, _dense_reuse]
 
 
 # ---------------------------------------------------------------------------
@@ -1366,7 +1408,9 @@ PRODUCERS = [_dense, _dense, _dense, _dense_t, _dense_general, _conv_prod, _conv
 
 
 def _in_dense(g, sc, st):
-  return _dense(g, sc, St(st.T, DIN, st.T0, "pre"))
+  op_ = _dense(g, sc, St(st.T, DIN, st.T0, "pre"))
+  op_.kernel = [k for k in sc.specs if k.startswith("w")][-1]   # for a transposed reuse at the head
+  return op_
 
 
 @op(("gather", "embedding lookup"), where="input")
@@ -1769,12 +1813,73 @@ def seg_while_stream(g, sc, st, forced=None, where=None) -> Segment:
   return Segment("while_stream", lines, fn, st.T, st.D)
 
 
+# ---- loops that run zero times (soundness issue 19) -------------------------
+# The carry leaves as it entered and a scan's stacked outputs are empty: a
+# rule that holds only after one iteration (the body makes the carry zero-sum,
+# or drops its shift) is wrong here.
+
+_INITS = {"h": lambda h: h, "tanh": jnp.tanh, "affine": lambda h: 0.5 * h + 1.0}
+
+
+def _zero_trip(g, sc, st, lines, what):
+  """(init, step) of a zero-trip loop: ``step(P, c, h, E)`` is the body, which
+  either carries ``c`` through a residual block or overwrites it with a block
+  of the loop-invariant stream ``h``."""
+  init = g.choice(sorted(_INITS))
+  overwrite = g.coin()
+  body = _block_template(g, sc.child("blk"), dataclasses.replace(st, emit=False), lines)
+  lines[0] += (f" [init {init}(h); body " + ("overwrites the carry with block(h)]" if overwrite
+                                            else "carries it through a block]"))
+
+  def step(P, c, h, E):
+    return body(P["blk"], h if overwrite else c, E)
+  return _INITS[init], step
+
+
+def seg_scan0(g, sc, st, forced=None, where=None) -> Segment:
+  how = g.choice(["scan", "fori_static"])
+  lines = ["  " + ("lax.scan(length=0)" if how == "scan" else "lax.fori_loop(2, 2) (a scan of length 0)")]
+  init, step = _zero_trip(g, sc, st, lines, how)
+  emit_ys = how == "scan" and st.emit and g.coin()
+  if emit_ys:
+    lines.append("    the (empty) stacked outputs are a program output")
+
+  def fn(P, h, E):
+    if how == "fori_static":
+      return lax.fori_loop(2, 2, lambda i, c: step(P, c, h, E), init(h))
+    c, ys = lax.scan(lambda c, _: (step(P, c, h, E), step(P, c, h, E)), init(h), None, length=0)
+    if emit_ys:
+      E.emit(ys)
+    return c
+  g.tags.add(("scan", "zero length"))
+  return Segment("scan0", lines, fn, st.T, st.D)
+
+
+def seg_while0(g, sc, st, forced=None, where=None) -> Segment:
+  how = g.choice(["while", "fori_traced"])
+  lines = ["  " + ("lax.while_loop(i < n) with n <= 0 (false at entry)" if how == "while"
+                   else "lax.fori_loop(i, i) (traced equal bounds)")]
+  init, step = _zero_trip(g, sc, st, lines, how)
+
+  def fn(P, h, E):
+    if how == "fori_traced":
+      return lax.fori_loop(E.a["i"], E.a["i"], lambda i, c: step(P, c, h, E), init(h))
+    n = E.a["i"] - 2                    # traced; i is 0, 1 or 2
+    return lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, step(P, c[1], h, E)),
+                          (jnp.int32(0), init(h)))[1]
+  g.tags.add(("while", "false at entry"))
+  g.differentiable = False
+  return Segment("while0", lines, fn, st.T, st.D)
+
+
 SEGMENTS.update({"switch": seg_switch, "cond_stream": seg_cond_stream, "fori": seg_fori,
-                 "while_stream": seg_while_stream})
-SEGMENT_WEIGHTS.update({"switch": 2, "cond_stream": 1, "fori": 2, "while_stream": 1})
+                 "while_stream": seg_while_stream, "scan0": seg_scan0, "while0": seg_while0})
+SEGMENT_WEIGHTS.update({"switch": 2, "cond_stream": 1, "fori": 2, "while_stream": 1, "scan0": 3,
+                        "while0": 2})
 for _k, _rv in (("switch", ("cond", "switch")), ("cond_stream", ("cond", "index from stream")),
                 ("fori", ("while", "fori traced bounds")),
-                ("while_stream", ("while", "stream predicate"))):
+                ("while_stream", ("while", "stream predicate")),
+                ("scan0", ("scan", "zero length")), ("while0", ("while", "false at entry"))):
   op(_rv, where="segment")(_k)
 # ---- end of control-flow variants --------------------------------------------
 
@@ -1798,7 +1903,7 @@ class Program:
   forced: tuple             # the (rule, variant) this program was built around
   params: Any               # float64 parameters (fold/trace with these)
   other_params: Any         # another draw (CBWC is checked here)
-  args: list                # [args at batch 2, args at batch 3]
+  args: list                # [args at batch 2, args at batch 3 (and T0 + OTHER_T tokens if other_t)]
   apply: Callable           # apply(params, x, aux) -> tuple of outputs
   lines: list
   tags: frozenset
@@ -1806,6 +1911,7 @@ class Program:
   tol: float                # relative tolerance of output comparisons
   grad_tol: float
   differentiable: bool      # reverse mode works (no lax.while_loop)
+  other_t: bool = False     # the second argument set also has another sequence length
 
   def describe(self) -> str:
     head = (f"fuzz program seed={self.seed} (forced {self.forced}); fold kwargs {self.fold_kwargs}; "
@@ -1824,6 +1930,26 @@ def _args(g: Gen, T0: int, B: int, salt: int) -> tuple:
   for name, (shape, p) in g.masks.items():
     aux[name] = jnp.asarray(rng.random((B,) + shape) < p)
   return (x, aux)
+
+
+READS = ("sum", "norm", "mean_added", "l2", "last_axis_mean", "first_axis_sum")
+
+
+def _read_param(kind: str, i: int, params, outs: list) -> list:
+  """``outs`` with a direct read of parameter leaf ``i`` (mod their number)."""
+  leaves = [v for v in jax.tree_util.tree_leaves(params) if jnp.issubdtype(v.dtype, jnp.floating)]
+  w = leaves[i % len(leaves)]
+  if kind == "sum":
+    return outs + [jnp.sum(w)]
+  if kind == "norm":
+    return outs + [jnp.linalg.norm(w)]
+  if kind == "mean_added":
+    return [outs[0] + w.mean()] + outs[1:]
+  if kind == "l2":                      # a weight-decay term computed inside apply_fn
+    return outs + [0.5 * sum(jnp.sum(v * v) for v in leaves)]
+  if kind == "last_axis_mean":          # exactly the shift a centering along the last axis removes
+    return outs + [w.mean(-1) if w.ndim else w]
+  return outs + [w.sum(0) if w.ndim else w]
 
 
 def make_program(seed: int, forced: Optional[tuple] = None) -> Program:
@@ -1866,10 +1992,10 @@ def make_program(seed: int, forced: Optional[tuple] = None) -> Program:
 
   # Outputs.
   out_sc = root.child("out")
-  out_kind = g.choice(["head", "norm_head", "norm_head", "raw", "pool_head", "tied"])
+  out_kind = g.choice(["head", "norm_head", "norm_head", "raw", "pool_head", "tied", "tied"])
   if out_kind == "tied" and not (hasattr(inp, "table") and st.D == inp.D):
-    out_kind = "norm_head"
-  norm = make_norm(g, out_sc, st) if out_kind in ("norm_head", "tied") else None
+    out_kind = "tied_kernel" if hasattr(inp, "kernel") and st.D == inp.D else "norm_head"
+  norm = make_norm(g, out_sc, st) if out_kind in ("norm_head", "tied", "tied_kernel") else None
   if norm is not None:
     g.tags |= norm.tags
   n_out = g.choice([2, 3])
@@ -1877,8 +2003,14 @@ def make_program(seed: int, forced: Optional[tuple] = None) -> Program:
   int_out = g.coin(0.15)
   lines.append(f"  output: {out_kind}" + (f" after {norm.name}" if norm else "")
                + ("; + argmax_D(h) int output" if int_out else "") + ("; outputs cast to f32" if g.out32 else ""))
+  # Direct reads of the parameters as values (soundness issue 19): a centering
+  # in place changes every one of them unless the analysis sees it.
+  reads = [(g.choice(READS), int(g.rng.integers(1 << 20))) for _ in range(g.choice([0, 0, 0, 1, 2]))]
+  if reads:
+    lines.append("  parameter reads: " + ", ".join(f"{k}(leaf #{i})" for k, i in reads))
   out32 = g.out32
   table = getattr(inp, "table", None)
+  kernel = getattr(inp, "kernel", None)
 
   def apply(params, x, aux):
     E = Env(dict(aux, x=x), [])
@@ -1897,11 +2029,15 @@ def make_program(seed: int, forced: Optional[tuple] = None) -> Program:
       outs.append(h.mean(1) @ P[ph])
     elif out_kind == "tied":
       outs.append(h_n @ params["in"][table].T)
+    elif out_kind == "tied_kernel":       # the input Dense's kernel, transposed, as the head
+      outs.append(h_n @ params["in"][kernel].T)
     else:
       outs.append(h)
     if int_out:
       outs.append(jnp.argmax(h, -1))
     outs += E.outs
+    for kind, i in reads:
+      outs = _read_param(kind, i, params, outs)
     if out32:
       outs = [o.astype(F32) if jnp.issubdtype(o.dtype, jnp.floating) else o for o in outs]
     return tuple(outs)
@@ -1920,10 +2056,18 @@ def make_program(seed: int, forced: Optional[tuple] = None) -> Program:
                                   instantiate(root, np.random.default_rng([seed, 1])))
   other = jax.tree_util.tree_map(lambda a: jnp.asarray(a, F64),
                                  instantiate(root, np.random.default_rng([seed, 2])))
-  args = [_args(g, T0, b, 0) for b in BATCHES]
+  # The second argument set: another batch and, where the program accepts it
+  # (no parameter or index sized by the token count), another sequence length.
+  args = [_args(g, T0, BATCHES[0], 0), _args(g, T0 + OTHER_T, BATCHES[1], 0)]
+  try:
+    jax.eval_shape(apply, params, *args[1])
+    other_t = True
+  except Exception:  # noqa: BLE001 - the program is defined at T0 only
+    args[1], other_t = _args(g, T0, BATCHES[1], 0), False
+  lines.append(f"  argument sets: (B={BATCHES[0]}, T={T0}), (B={BATCHES[1]}, T={T0 + OTHER_T if other_t else T0})")
   tol, gtol = (1e-5, 1e-4) if out32 else (1e-9, 1e-8)
   return Program(seed, forced, params, other, args, apply, lines, frozenset(g.tags), kw, tol, gtol,
-                 g.differentiable)
+                 g.differentiable, other_t)
 
 
 # ============================================================================

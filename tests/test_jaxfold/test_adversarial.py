@@ -95,7 +95,7 @@ def _loss_fn(example_out):
 
 def test_program_library_is_sane():
   """Every program runs at both variants, and the two variants differ in shape."""
-  assert 40 <= len(NAMES) <= 100
+  assert 40 <= len(NAMES) <= 130
   with x64_context():
     for name in NAMES:
       prog, p, _, args = _setup(name)
@@ -146,7 +146,16 @@ def test_cbwc_grad(name):
         g_ref = jax.grad(lambda t, loss=loss, a=a: loss(prog.apply(t, *a)))(q)
       except ValueError as e:  # e.g. reverse mode through a dynamic while_loop
         pytest.skip(f"the original program is not reverse-differentiable: {str(e)[:80]}")
-      g_cb = jax.grad(lambda t, loss=loss, a=a: loss(r.apply_fn(t, *a)))(q)
+      try:
+        g_cb = jax.grad(lambda t, loss=loss, a=a: loss(r.apply_fn(t, *a)))(q)
+      except ValueError as e:
+        # CBWC runs the program traced at abstract arguments: a fori_loop whose
+        # bounds are arguments is a while loop there, as in the original under jit.
+        try:
+          jax.jit(lambda t, a, loss=loss: jax.grad(lambda u: loss(prog.apply(u, *a)))(t))(q, a)
+        except ValueError:
+          pytest.skip(f"the original program under jit is not reverse-differentiable: {str(e)[:80]}")
+        raise
       paths = jax.tree_util.tree_flatten_with_path(g_ref)[0]
       ref_leaves = [np.asarray(x) for _, x in paths]
       cb_leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(g_cb)]

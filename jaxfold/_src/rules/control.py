@@ -46,6 +46,19 @@ def carries(node, k: int) -> Optional[tuple]:
   return (cn if k == 0 else bn), cn + bn
 
 
+def may_skip(node) -> bool:
+  """Whether a loop may run zero times, leaving its carries at their initial
+  values (and a scan's stacked outputs empty): a ``while`` whose condition
+  may be false at entry (``fori_loop`` with traced bounds), a scan whose
+  length is 0 (``fori_loop`` with equal static bounds) or not a concrete int.
+  Then every carry rule must hold for the initial carry too, and a centering
+  placed in the body ("at every iteration") may never run."""
+  if compat.is_scan(node.eqn):
+    n = compat.scan_length(node.params)
+    return n is None or n <= 0
+  return compat.is_while(node.eqn)
+
+
 def _scan_shift(node, ins, ctx):
   return ctx.scan_shift(node, ins)
 
@@ -59,8 +72,8 @@ def _while_shift(node, ins, ctx):
 
 
 register(Rule("scan", _prims("scan_p"), shift=_scan_shift,
-              variants=("stacked layers", "carry leak")))
+              variants=("stacked layers", "carry leak", "zero length")))
 register(Rule("cond", _prims("cond_p"), shift=_cond_shift,
               variants=("two branches", "switch", "index from stream")))
 register(Rule("while", _prims("while_p"), shift=_while_shift,
-              variants=("fixed trip count", "fori traced bounds", "stream predicate")))
+              variants=("fixed trip count", "fori traced bounds", "stream predicate", "false at entry")))

@@ -298,3 +298,44 @@ def test_auxiliary_centering_inside_scan_body(x64):
   res = sound(apply, spec, expect_folded=3)
   assert len(res.fold_report.auxiliary) == 1, res.fold_report
   sound(apply, spec, expect_folded=0, auxiliary_centering=False)
+
+
+@pytest.mark.parametrize("length", [0, 2])
+def test_centering_inside_scan_body_at_zero_trips(x64, length):
+  # The body overwrites the carry with a stream that starts at gelu(x W + b)
+  # (an auxiliary centering in the body, at every step, makes it zero-sum); two
+  # pre-LN blocks and a norm read the final carry after the loop. With zero
+  # steps the final carry is the initial tanh(...): the body's centering never
+  # runs, so the norms after the loop cannot rely on it.
+  def apply(p, x):
+    def step(c, _):
+      s = jax.nn.gelu(x @ p["w_in"] + p["b_in"])
+      return preln_block(s, p["la"]), None
+    h, _ = lax.scan(step, jnp.tanh(x @ p["w_0"]), None, length=length)
+    h = preln_block(preln_block(h, p["lb"]), p["lc"])
+    return fp.ln_fast(h, p["g_f"], p["be_f"]) @ p["head"]
+  spec = {"w_in": (DIN, D), "b_in": (D,), "w_0": (DIN, D), "la": block_shapes(), "lb": block_shapes(),
+          "lc": block_shapes(), "g_f": (D,), "be_f": (D,), "head": (D, 3)}
+  sound(apply, spec, min_folded=1)
+
+
+@pytest.mark.parametrize("loop", ["scan0", "fori_static", "fori_traced", "while_false"])
+def test_zero_trip_loop_keeps_initial_shift(x64, loop):
+  # A Dense output enters a loop that runs zero times and whose body drops the
+  # carry: the loop returns it unchanged, so centering the Dense (for the LN
+  # that also reads it) would change that output.
+  def apply(p, x, n):
+    h = x @ p["w_in"] + p["b_in"]
+    f = lambda c: jnp.zeros_like(c)
+    if loop == "scan0":
+      c = lax.scan(lambda c, _: (f(c), None), h, None, length=0)[0]
+    elif loop == "fori_static":
+      c = lax.fori_loop(1, 1, lambda i, c: f(c), h)
+    elif loop == "fori_traced":
+      c = lax.fori_loop(n, n, lambda i, c: f(c), h)
+    else:
+      c = lax.while_loop(lambda k: k[0] < n - 5, lambda k: (k[0] + 1, f(k[1])), (0, h))[1]
+    return fp.ln_fast(h, p["g_f"], p["be_f"]), c
+  spec = {"w_in": (DIN, D), "b_in": (D,), "g_f": (D,), "be_f": (D,)}
+  sound(apply, spec, x_args(extra=lambda rng, b: (jnp.asarray(b, jnp.int32),)), expect_folded=0,
+        grads=loop in ("scan0", "fori_static"))
