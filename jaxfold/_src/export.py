@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import export as jax_export
 
+from jaxfold._src import compat
 from jaxfold._src.fold import FoldedParams
 from jaxfold._src.integrity import IntegrityError, IsADirectory, NotFoundError, versions
 
@@ -70,6 +71,13 @@ MAGIC = b"JAXFOLDX"
 ARTIFACT_VERSION = 2
 _LEN = struct.Struct("<Q")
 _MAX_HEADER = 16 * 2**20
+
+
+def _host_tensor(x: Any) -> Any:
+  """A parameter on the host; typed PRNG keys stay key arrays (numpy has no key
+  dtype: ``wrap_artifact`` stores their ``key_data``)."""
+  x = jax.device_get(x)
+  return x if compat.is_prng_key(getattr(x, "dtype", None)) else np.asarray(x)
 
 
 class ExportWarning(UserWarning):
@@ -193,7 +201,7 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
 
   weights = None
   if bundled:
-    weights = [(jax.tree_util.keystr(path), np.asarray(jax.device_get(x)))
+    weights = [(jax.tree_util.keystr(path), _host_tensor(x))
                for path, x in jax.tree_util.tree_flatten_with_path(params)[0]]
   blob = wrap_artifact(bytes(exported.serialize()), meta, params_as_argument=params_as_argument,
                        weights=weights)
@@ -230,7 +238,7 @@ class _Loaded:
         raise IntegrityError(f"{source}: the program takes {params_def.num_leaves} parameter "
                              f"tensors, the artifact holds {len(weights)}: {_REEXPORT}")
       for w, a in zip(weights, exported.in_avals):
-        if tuple(w.shape) != tuple(a.shape) or np.dtype(w.dtype) != np.dtype(a.dtype):
+        if tuple(w.shape) != tuple(a.shape) or w.dtype != a.dtype:   # key dtypes have no np.dtype
           raise IntegrityError(f"{source}: a stored tensor {w.dtype}{list(w.shape)} does not fit "
                                f"the program's parameter {a.str_short()}: {_REEXPORT}")
       self.params = jax.tree_util.tree_unflatten(params_def, [jnp.asarray(w) for w in weights])
@@ -262,7 +270,8 @@ def wrap_artifact(program: bytes, meta: Optional[dict] = None, *,
   """Puts a ``jax.export`` serialization in jaxfold's hashed container.
 
   ``weights``: ``[(name, array), ...]`` stored after the program, each with its
-  dtype, shape, offset and SHA-256 in the header (format 2)."""
+  dtype, shape, offset and SHA-256 in the header (format 2); a typed PRNG key
+  array is stored as its ``key_data`` with the implementation's name."""
   header = {
       "format": "jaxfold-export", "format_version": 1 if weights is None else ARTIFACT_VERSION,
       "params_as_argument": bool(params_as_argument),
@@ -273,11 +282,15 @@ def wrap_artifact(program: bytes, meta: Optional[dict] = None, *,
   if weights is not None:
     table, offset = [], 0
     for name, w in weights:
-      w = np.ascontiguousarray(w)
-      data = w.tobytes()
+      key = {}
+      if compat.is_prng_key(getattr(w, "dtype", None)):
+        key = {"key_impl": compat.key_impl_name(w)}
+        w = jax.random.key_data(w)
+      w = np.asarray(w)   # not ascontiguousarray: it makes a scalar 1-d
+      data = w.tobytes()  # C order whatever w's layout
       table.append({"name": name, "dtype": jnp.dtype(w.dtype).name, "shape": list(w.shape),
                     "offset": offset, "bytes": len(data),
-                    "sha256": hashlib.sha256(data).hexdigest()})
+                    "sha256": hashlib.sha256(data).hexdigest(), **key})
       chunks.append(data)
       offset += len(data)
     header["weights"] = {"bytes": offset, "tensors": table}
@@ -359,8 +372,9 @@ def read_weights(data: bytes, header: dict, source: str = "<bytes>") -> Optional
                            f"{t['dtype']}{t['shape']}) does not match its SHA-256 (corrupted, e.g. "
                            f"flipped bits): {_REEXPORT}")
     try:
-      out.append(np.frombuffer(chunk, dtype=jnp.dtype(t["dtype"])).reshape(t["shape"]))
-    except (TypeError, ValueError) as e:
+      w = np.frombuffer(chunk, dtype=jnp.dtype(t["dtype"])).reshape(t["shape"])
+      out.append(jax.random.wrap_key_data(w, impl=t["key_impl"]) if "key_impl" in t else w)
+    except (TypeError, ValueError, KeyError) as e:
       raise IntegrityError(f"{source}: parameter tensor {k} ({t.get('name', '?')}) cannot be "
                            f"read ({e}): {_REEXPORT}") from None
   return out
