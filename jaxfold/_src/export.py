@@ -167,14 +167,17 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
   apply_fn, params = folded.apply_fn, folded.params
 
   bundled = bundle_params and not params_as_argument
+  # The program takes the parameters as a flat list: jax.export serializes only the
+  # pytree nodes it knows, not e.g. nnx.State and its Param/RngKey/RngCount variables.
+  p_leaves, p_tree = jax.tree_util.tree_flatten(params)
   if params_as_argument or bundled:
-    fn = jax.jit(lambda p, *a: apply_fn(p, *a))
+    fn = jax.jit(lambda p, *a: apply_fn(jax.tree_util.tree_unflatten(p_tree, p), *a))
   else:
     fn = jax.jit(lambda *a: apply_fn(params, *a))
   kwargs = {"platforms": tuple(platforms)} if platforms else {}
   exporter = jax_export.export(fn, **kwargs)
-  p_spec = (jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)),
-                                   params),) if (params_as_argument or bundled) else ()
+  p_spec = ([jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in p_leaves],) \
+      if (params_as_argument or bundled) else ()
 
   attempts = [names]
   if len(names) > 1:
@@ -204,11 +207,11 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
     weights = [(jax.tree_util.keystr(path), _host_tensor(x))
                for path, x in jax.tree_util.tree_flatten_with_path(params)[0]]
   blob = wrap_artifact(bytes(exported.serialize()), meta, params_as_argument=params_as_argument,
-                       weights=weights)
+                       weights=weights, flat_params=params_as_argument or bundled)
   if check and all(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree_util.tree_leaves(example_args)):
     fn_loaded = load_exported(blob)
     got = fn_loaded(params, *example_args) if params_as_argument else fn_loaded(*example_args)
-    want = fn(params, *example_args) if (params_as_argument or bundled) else fn(*example_args)
+    want = fn(p_leaves, *example_args) if (params_as_argument or bundled) else fn(*example_args)
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
       g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
       scale = max(float(np.max(np.abs(w))) if w.size else 0.0, 1e-30)
@@ -256,6 +259,8 @@ class _Loaded:
     return self.exported.out_avals
 
   def __call__(self, *args):
+    if args and self.header.get("params_as_argument") and self.header.get("flat_params"):
+      args = (jax.tree_util.tree_leaves(args[0]), *args[1:])
     if self.params is not None:
       return self._call(self.params, *args)
     return self._call(*args)
@@ -266,15 +271,18 @@ class _Loaded:
 
 
 def wrap_artifact(program: bytes, meta: Optional[dict] = None, *,
-                  params_as_argument: bool = False, weights: Optional[list] = None) -> bytes:
+                  params_as_argument: bool = False, weights: Optional[list] = None,
+                  flat_params: bool = False) -> bytes:
   """Puts a ``jax.export`` serialization in jaxfold's hashed container.
 
   ``weights``: ``[(name, array), ...]`` stored after the program, each with its
   dtype, shape, offset and SHA-256 in the header (format 2); a typed PRNG key
-  array is stored as its ``key_data`` with the implementation's name."""
+  array is stored as its ``key_data`` with the implementation's name.
+  ``flat_params``: the program takes the parameters as the flat list of their
+  leaves (a ``params_as_argument`` artifact then flattens the caller's pytree)."""
   header = {
       "format": "jaxfold-export", "format_version": 1 if weights is None else ARTIFACT_VERSION,
-      "params_as_argument": bool(params_as_argument),
+      "params_as_argument": bool(params_as_argument), "flat_params": bool(flat_params),
       "payload_bytes": len(program), "payload_sha256": hashlib.sha256(program).hexdigest(),
       "written_by": versions(), "meta": dict(meta or {}),
   }
