@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Union
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from jaxfold._src import layout
@@ -80,6 +81,10 @@ def centered_weights(reparam: Any) -> Callable[[Any], Any]:
   return center
 
 
+def _decays(x: Any) -> bool:
+  return bool(jnp.issubdtype(jnp.result_type(x), jnp.inexact))
+
+
 def decay_centered_weights(
     weight_decay: Union[float, jax.Array, Callable[[Any], Any]],
     reparam: Any,
@@ -92,7 +97,8 @@ def decay_centered_weights(
   pass, it adds ``weight_decay * center(W)``; for every other leaf it adds
   ``weight_decay * W`` exactly like ``optax.add_decayed_weights``. ``mask``
   (a pytree of bools with the structure of the params, or a callable that
-  returns one) selects which leaves are decayed at all; ``None`` decays all.
+  returns one) selects which leaves are decayed at all; ``None`` decays all
+  float leaves (PRNG keys, integer counters and flags are never decayed).
 
   **Decay on V versus decay on W.** With CBWC the function depends on W only
   through V = P·W, i.e. not on W's component along the all-ones direction
@@ -157,8 +163,12 @@ def decay_centered_weights(
     if jax.tree_util.tree_structure(updates) != jax.tree_util.tree_structure(params):
       raise ValueError(f"updates structure {jax.tree_util.tree_structure(updates)} differs "
                        f"from params structure {jax.tree_util.tree_structure(params)}")
-    decay, state = rate.update(center(params), state)
-    return jax.tree_util.tree_map(lambda u, d: (u + d).astype(u.dtype), updates, decay), state
+    # Leaves that are not float weights (PRNG keys, counters, flags) are never decayed.
+    floats = jax.tree_util.tree_map(_decays, params)
+    v = jax.tree_util.tree_map(lambda x, f: x if f else jnp.zeros((), jnp.float32), center(params), floats)
+    decay, state = rate.update(v, state)
+    return jax.tree_util.tree_map(lambda u, d, f: (u + d).astype(u.dtype) if f else u,
+                                  updates, decay, floats), state
 
   t = optax.GradientTransformation(rate.init, update_fn)
   return optax.masked(t, mask) if mask is not None else t

@@ -59,6 +59,45 @@ def is_prng_key(dtype: Any) -> bool:
     return False
 
 
+def key_impl_name(x: Any) -> str:
+  """The PRNG implementation name (``"threefry2x32"``, ``"rbg"``, ...) of a typed
+  key array, ``ShapeDtypeStruct`` or key dtype."""
+  if isinstance(x, jax.Array):
+    return str(jax.random.key_impl(x))   # a str on 0.10, a PRNGSpec (str() = name) before
+  dtype = getattr(x, "dtype", x)
+  impl = getattr(dtype, "_impl", None)   # abstract keys: no public accessor on 0.10/0.11
+  name = getattr(impl, "name", None)
+  if name is not None:
+    return str(name)
+  for name in ("threefry2x32", "rbg", "unsafe_rbg"):
+    if key_dtype(name) == dtype:
+      return name
+  raise TypeError(f"cannot name the PRNG implementation of {dtype}")
+
+
+@functools.lru_cache(maxsize=None)
+def key_dtype(impl: str) -> Any:
+  """The typed key dtype of the PRNG implementation named ``impl``."""
+  return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
+
+
+_KEY_PREFIX = "prng_key:"
+
+
+def dtype_name(dtype: Any) -> str:
+  """A JSON-able name of ``dtype``; typed PRNG keys (no numpy name) as ``prng_key:IMPL``."""
+  if is_prng_key(dtype):
+    return _KEY_PREFIX + key_impl_name(dtype)
+  return jnp.dtype(dtype).name
+
+
+def dtype_from_name(name: str) -> Any:
+  """Inverse of :func:`dtype_name`."""
+  if name.startswith(_KEY_PREFIX):
+    return key_dtype(name[len(_KEY_PREFIX):])
+  return jnp.dtype(name)
+
+
 def aval(a: Any) -> Any:
   return a.aval
 

@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import export as jax_export
 
+from jaxfold._src import compat
 from jaxfold._src.fold import FoldedParams
 from jaxfold._src.integrity import IntegrityError, IsADirectory, NotFoundError, versions
 
@@ -70,6 +71,13 @@ MAGIC = b"JAXFOLDX"
 ARTIFACT_VERSION = 2
 _LEN = struct.Struct("<Q")
 _MAX_HEADER = 16 * 2**20
+
+
+def _host_tensor(x: Any) -> Any:
+  """A parameter on the host; typed PRNG keys stay key arrays (numpy has no key
+  dtype: ``wrap_artifact`` stores their ``key_data``)."""
+  x = jax.device_get(x)
+  return x if compat.is_prng_key(getattr(x, "dtype", None)) else np.asarray(x)
 
 
 class ExportWarning(UserWarning):
@@ -159,14 +167,17 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
   apply_fn, params = folded.apply_fn, folded.params
 
   bundled = bundle_params and not params_as_argument
+  # The program takes the parameters as a flat list: jax.export serializes only the
+  # pytree nodes it knows, not e.g. nnx.State and its Param/RngKey/RngCount variables.
+  p_leaves, p_tree = jax.tree_util.tree_flatten(params)
   if params_as_argument or bundled:
-    fn = jax.jit(lambda p, *a: apply_fn(p, *a))
+    fn = jax.jit(lambda p, *a: apply_fn(jax.tree_util.tree_unflatten(p_tree, p), *a))
   else:
     fn = jax.jit(lambda *a: apply_fn(params, *a))
   kwargs = {"platforms": tuple(platforms)} if platforms else {}
   exporter = jax_export.export(fn, **kwargs)
-  p_spec = (jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)),
-                                   params),) if (params_as_argument or bundled) else ()
+  p_spec = ([jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in p_leaves],) \
+      if (params_as_argument or bundled) else ()
 
   attempts = [names]
   if len(names) > 1:
@@ -193,14 +204,14 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
 
   weights = None
   if bundled:
-    weights = [(jax.tree_util.keystr(path), np.asarray(jax.device_get(x)))
+    weights = [(jax.tree_util.keystr(path), _host_tensor(x))
                for path, x in jax.tree_util.tree_flatten_with_path(params)[0]]
   blob = wrap_artifact(bytes(exported.serialize()), meta, params_as_argument=params_as_argument,
-                       weights=weights)
+                       weights=weights, flat_params=params_as_argument or bundled)
   if check and all(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree_util.tree_leaves(example_args)):
     fn_loaded = load_exported(blob)
     got = fn_loaded(params, *example_args) if params_as_argument else fn_loaded(*example_args)
-    want = fn(params, *example_args) if (params_as_argument or bundled) else fn(*example_args)
+    want = fn(p_leaves, *example_args) if (params_as_argument or bundled) else fn(*example_args)
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
       g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
       scale = max(float(np.max(np.abs(w))) if w.size else 0.0, 1e-30)
@@ -230,7 +241,7 @@ class _Loaded:
         raise IntegrityError(f"{source}: the program takes {params_def.num_leaves} parameter "
                              f"tensors, the artifact holds {len(weights)}: {_REEXPORT}")
       for w, a in zip(weights, exported.in_avals):
-        if tuple(w.shape) != tuple(a.shape) or np.dtype(w.dtype) != np.dtype(a.dtype):
+        if tuple(w.shape) != tuple(a.shape) or w.dtype != a.dtype:   # key dtypes have no np.dtype
           raise IntegrityError(f"{source}: a stored tensor {w.dtype}{list(w.shape)} does not fit "
                                f"the program's parameter {a.str_short()}: {_REEXPORT}")
       self.params = jax.tree_util.tree_unflatten(params_def, [jnp.asarray(w) for w in weights])
@@ -248,6 +259,8 @@ class _Loaded:
     return self.exported.out_avals
 
   def __call__(self, *args):
+    if args and self.header.get("params_as_argument") and self.header.get("flat_params"):
+      args = (jax.tree_util.tree_leaves(args[0]), *args[1:])
     if self.params is not None:
       return self._call(self.params, *args)
     return self._call(*args)
@@ -258,14 +271,18 @@ class _Loaded:
 
 
 def wrap_artifact(program: bytes, meta: Optional[dict] = None, *,
-                  params_as_argument: bool = False, weights: Optional[list] = None) -> bytes:
+                  params_as_argument: bool = False, weights: Optional[list] = None,
+                  flat_params: bool = False) -> bytes:
   """Puts a ``jax.export`` serialization in jaxfold's hashed container.
 
   ``weights``: ``[(name, array), ...]`` stored after the program, each with its
-  dtype, shape, offset and SHA-256 in the header (format 2)."""
+  dtype, shape, offset and SHA-256 in the header (format 2); a typed PRNG key
+  array is stored as its ``key_data`` with the implementation's name.
+  ``flat_params``: the program takes the parameters as the flat list of their
+  leaves (a ``params_as_argument`` artifact then flattens the caller's pytree)."""
   header = {
       "format": "jaxfold-export", "format_version": 1 if weights is None else ARTIFACT_VERSION,
-      "params_as_argument": bool(params_as_argument),
+      "params_as_argument": bool(params_as_argument), "flat_params": bool(flat_params),
       "payload_bytes": len(program), "payload_sha256": hashlib.sha256(program).hexdigest(),
       "written_by": versions(), "meta": dict(meta or {}),
   }
@@ -273,11 +290,15 @@ def wrap_artifact(program: bytes, meta: Optional[dict] = None, *,
   if weights is not None:
     table, offset = [], 0
     for name, w in weights:
-      w = np.ascontiguousarray(w)
-      data = w.tobytes()
+      key = {}
+      if compat.is_prng_key(getattr(w, "dtype", None)):
+        key = {"key_impl": compat.key_impl_name(w)}
+        w = jax.random.key_data(w)
+      w = np.asarray(w)   # not ascontiguousarray: it makes a scalar 1-d
+      data = w.tobytes()  # C order whatever w's layout
       table.append({"name": name, "dtype": jnp.dtype(w.dtype).name, "shape": list(w.shape),
                     "offset": offset, "bytes": len(data),
-                    "sha256": hashlib.sha256(data).hexdigest()})
+                    "sha256": hashlib.sha256(data).hexdigest(), **key})
       chunks.append(data)
       offset += len(data)
     header["weights"] = {"bytes": offset, "tensors": table}
@@ -359,8 +380,9 @@ def read_weights(data: bytes, header: dict, source: str = "<bytes>") -> Optional
                            f"{t['dtype']}{t['shape']}) does not match its SHA-256 (corrupted, e.g. "
                            f"flipped bits): {_REEXPORT}")
     try:
-      out.append(np.frombuffer(chunk, dtype=jnp.dtype(t["dtype"])).reshape(t["shape"]))
-    except (TypeError, ValueError) as e:
+      w = np.frombuffer(chunk, dtype=jnp.dtype(t["dtype"])).reshape(t["shape"])
+      out.append(jax.random.wrap_key_data(w, impl=t["key_impl"]) if "key_impl" in t else w)
+    except (TypeError, ValueError, KeyError) as e:
       raise IntegrityError(f"{source}: parameter tensor {k} ({t.get('name', '?')}) cannot be "
                            f"read ({e}): {_REEXPORT}") from None
   return out

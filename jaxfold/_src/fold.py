@@ -220,10 +220,15 @@ def _plan(planner: Planner, opts: FoldOptions) -> tuple:
 
 def _signature(args: tuple) -> tuple:
   leaves, tree = jax.tree_util.tree_flatten(args)
-  return (tree, tuple((tuple(np.shape(x)), str(_dtype(x))) for x in leaves))
+  return (tree, _leaves_sig(leaves))
+
+
+def _leaves_sig(leaves: list) -> tuple:
+  return tuple((tuple(np.shape(x)), str(_dtype(x))) for x in leaves)
 
 
 def _dtype(x):
+  # Never jnp.dtype(x.dtype): typed PRNG keys (key<fry>) have no numpy dtype.
   return x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
 
 
@@ -291,8 +296,7 @@ class FoldedApply:
     self._opts = opts
     self._base = base
     self._cache = {(call.key, None): base}
-    self._param_sig = tuple((tuple(x.shape), str(jnp.dtype(x.dtype)))
-                            for x in jax.tree_util.tree_leaves(params_abstract))
+    self._param_sig = _leaves_sig(jax.tree_util.tree_leaves(params_abstract))
     self._center = center_in_forward
     self._example = jax.tree_util.tree_map(lambda v: _abstract(v) if _is_array(v) else v,
                                            (tuple(example_args), dict(example_kwargs or {})))
@@ -329,7 +333,7 @@ class FoldedApply:
   def _analysis(self, call: _Call, leaves: Optional[list], kwargs: Optional[dict]) -> Analysis:
     psig = None
     if leaves is not None:
-      psig = tuple((tuple(np.shape(x)), str(jnp.result_type(x))) for x in leaves)
+      psig = _leaves_sig(leaves)
       if psig == self._param_sig:
         psig = None
     key = (call.key, psig)

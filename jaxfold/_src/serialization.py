@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxfold._src import compat
 from jaxfold._src.integrity import (
   MANIFEST,
   IntegrityError,
@@ -86,7 +87,7 @@ def _encode_args(args: Any) -> Any:
     return {"value": args}
   if hasattr(args, "shape") and hasattr(args, "dtype"):
     return {"array": {"shape": [int(d) for d in np.shape(args)],
-                      "dtype": jnp.dtype(args.dtype).name}}
+                      "dtype": compat.dtype_name(args.dtype)}}
   raise TypeError(f"cannot record an example argument of type {type(args).__name__}: "
                   "example arguments must be arrays or dicts/lists/tuples of arrays")
 
@@ -103,7 +104,7 @@ def _decode_args(obj: Any) -> Any:
     return None
   if kind == "value":
     return val
-  return jax.ShapeDtypeStruct(tuple(val["shape"]), jnp.dtype(val["dtype"]))
+  return jax.ShapeDtypeStruct(tuple(val["shape"]), compat.dtype_from_name(val["dtype"]))
 
 
 def report_from_dict(d: dict) -> Report:
