@@ -191,6 +191,7 @@ class Factor:
 
 _FACTORS: list[Factor] = []
 _INTERN: dict = {}
+_DERIVED: dict = {}
 _DEPTH = [0]
 
 
@@ -206,6 +207,7 @@ class scope:
     if not _DEPTH[0]:
       _FACTORS.clear()
       _INTERN.clear()
+      _DERIVED.clear()
 
 
 def _factor(kind: str, key: Any, shape: Shape, args: tuple = (), elementwise: bool = False) -> int:
@@ -665,6 +667,38 @@ def pure(dims: tuple) -> Poly:
   """A fresh arbitrary shift ``v + c`` varying as ``dims`` say (labels fresh)."""
   return Poly(next(_syms), tuple(None if e is None else (fresh_label(), e[1]) for e in dims),
               (ONE,))
+
+
+def derived(p: Poly, factor: Expr, const_dims: frozenset, out_shape: Shape) -> Poly:
+  """``k*c*y`` for a pure ``p = k*c`` and a shift-free canonical factor ``y``.
+
+  The product is again an arbitrary shift, varying where ``c`` or ``y`` does,
+  but not an independent one: its symbol stands for ``c0 * F``, the root
+  shift ``c0`` times the canonical product ``F`` of every factor applied since,
+  so the same product reached along two paths, in any association or order,
+  carries one symbol and cancels exactly (``h*inv - mean*inv`` under
+  ``h -> h + c``: Keras's LayerNorm).
+  """
+  info = _DERIVED.get(("info", p.sym))
+  base, base_dims, f = (p.sym, p.dims, None) if info is None else info
+  try:
+    f = _lift_mul(f, factor, out_shape)
+  except Unrepresentable:
+    return pure(tuple(e if d in const_dims else (None, 1) for d, e in enumerate(p.dims)))
+  shape = tuple(None if (e is None and d in const_dims) else (e[1] if e is not None and d in const_dims else 1)
+                for d, e in enumerate(p.dims))
+  key = (base, base_dims, f, shape, tuple(out_shape))
+  sym = _DERIVED.get(key)
+  if sym is None:
+    sym = _DERIVED[key] = next(_syms)
+    _DERIVED[("info", sym)] = (base, base_dims, f)
+  dims = tuple(None if b is None else (("derived", sym, d), b) for d, b in enumerate(shape))
+  return Poly(sym, dims, p.coeffs)
+
+
+def _lift_mul(f: Optional[Expr], factor: Expr, shape: Shape) -> Expr:
+  factor = lift(factor, shape)
+  return factor if f is None else mul(lift(f, shape), factor)
 
 
 def poly_add(p: Poly, q: Poly, kq=1) -> Optional[Poly]:

@@ -735,21 +735,67 @@ _PASS = ("identity", "layout")
 
 
 def find_sites(level: Level) -> list:
-  """Mean reductions whose result is subtracted from the averaged value."""
+  """Mean reductions: sums (``reduce_sum``, a contraction with ones) whose
+  result removes a shift of the summed value, i.e. is subtracted from it in
+  whatever spelling the program uses."""
   sites: dict = {}
   prog = level.program
   for node in prog.nodes:
-    if rule_for(node.prim).name != "reduce_sum" or not isinstance(node.ins[0], Val):
+    summed = rule_for(node.prim).sums(node, level)
+    if summed is None or not isinstance(node.ins[summed[0]], Val):
       continue
-    u = node.ins[0]
-    if not _is_subtracted(level, node.outs[0], _strip(u, _PASS)):
+    k, axes = summed
+    u = node.ins[k]
+    if not (_is_subtracted(level, node.outs[0], _strip(u, _PASS)) or _shift_cancels(level, node, u, axes)):
       continue
-    key = (u, tuple(node.params["axes"]))
+    key = (u, tuple(axes))
     if key in sites:
       sites[key] = dataclasses.replace(sites[key], reduces=sites[key].reduces + (node,))
     else:
-      sites[key] = Site((node,), u, tuple(node.params["axes"]), level)
+      sites[key] = Site((node,), u, tuple(axes), level)
   return list(sites.values())
+
+
+_CANCEL_STEPS = 64
+
+
+def _shift_cancels(level: Level, reduce: Node, u: Val, axes: tuple) -> bool:
+  """Whether a shift of ``u`` constant along ``axes``, carried through this
+  sum, cancels against the shift ``u`` carries directly within a few steps.
+
+  That is what makes a sum a norm's mean whatever the spelling: ``h - m``,
+  ``E[h²] - m²``, ``h*inv - m*inv`` (Keras) all cancel; a mean pooling or an
+  RMS statistic does not. Detection only: soundness is proved per site.
+  """
+  root = _strip(u, ("identity",))
+  seed = root if isinstance(root, Val) and root.shape == u.shape else u
+  polys = {seed: A.pure(tuple(None if d in axes else (None, 1) for d in range(len(u.shape))))}
+  cone = {reduce.outs[0]}
+  consumers = level.program.consumers
+  start = min((n.index for n, _ in consumers.get(seed, ())), default=None)
+  if start is None:
+    return False
+  steps = 0
+  for node in level.program.nodes[start:]:
+    ins = [polys.get(a) if isinstance(a, Val) else None for a in node.ins]
+    if all(p is None for p in ins):
+      continue
+    steps += 1
+    if steps > _CANCEL_STEPS:
+      return False
+    try:
+      outs = level._transfer(node, ins)
+    except Exception:  # noqa: BLE001 - a step the rules cannot follow ends that path
+      continue
+    from_mean = any(p is not None and a in cone for a, p in zip(node.ins, ins))
+    if from_mean:
+      if sum(p is not None for p in ins) > 1 and all(p is None for p in outs):
+        return True
+      cone.update(node.outs)
+    for v, p in zip(node.outs, outs):
+      if p is not None:
+        polys[v] = p
+  return False
 
 
 def _strip(v: Any, kinds: tuple) -> Any:

@@ -82,6 +82,10 @@ def _no_simplify(node: Node, zeros: list) -> Optional[Callable]:
   return None
 
 
+def _no_sums(node: Node, ctx) -> Optional[tuple]:
+  return None
+
+
 def _no_rotate(node: Node, ins: list, ctx) -> list:
   raise Block(f"the rotated stream reaches `{node.prim.name}`, which has no rotation rule")
 
@@ -111,6 +115,10 @@ class Rule:
   # (carries the normalized value: neg, powers, (r)sqrt), "bias" (an add that
   # may join β) or "". Never used for soundness.
   epilogue: str = ""
+  # ``(node, ctx) -> (operand, axes) | None``: the output is a constant times
+  # the sum of that operand over those of its axes (a mean's numerator:
+  # ``reduce_sum``, a contraction with ones). Site detection only.
+  sums: Callable = _no_sums
   # Parameter variants the fuzzer must generate, e.g. ("int target", "float narrowing").
   variants: tuple = ()
 

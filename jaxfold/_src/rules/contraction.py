@@ -8,6 +8,8 @@ only along the perturbed operand's free dims where it was.
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from jax import lax
 
 from jaxfold._src import algebra as A
@@ -61,6 +63,30 @@ def _dot_facts(node, ins, ctx):
   return [Facts(frozenset(const), None, ins[0].random or ins[1].random)]
 
 
+def sum_against_constant(node, ctx):
+  """``(side, k)`` when the contraction is ``k * Σ`` of operand ``side`` over its
+  contracting dims: the other operand is one known scalar ``k`` everywhere (a
+  mean written as ``h @ ones / n`` or ``einsum('...d,d', h, ones / n)``) and
+  there are no batch dims; else None."""
+  dd = _dot_dims(node)
+  if dd.batch:
+    return None
+  for side in (0, 1):
+    f = ctx.facts(node.ins[1 - side])
+    if isinstance(f.value, Fraction) and f.value != 0:
+      return side, A.snap(f.value, node.ins[1 - side].dtype)
+  return None
+
+
+def _sum_layout(e: A.Expr, node, side: int, dd: D.DotDims) -> A.Expr:
+  """A sum over ``side``'s contracting dims, placed at the contraction's output dims."""
+  out_shape = node.outs[0].shape
+  dims = tuple(o for o, (s, _) in sorted(dd.owner.items()) if s == side)
+  if len(dims) == len(out_shape):
+    return e
+  return A.view_op(e, out_shape, lambda v: v.broadcast(out_shape, dims), ("broadcast", dims))
+
+
 def _dot_shift(node, ins, ctx):
   if ins[0] is not None and ins[1] is not None:
     raise Block("the shift reaches both operands of a contraction")
@@ -68,6 +94,20 @@ def _dot_shift(node, ins, ctx):
   p = ins[side]
   other = node.ins[1 - side]
   dd = _dot_dims(node)
+  summed = sum_against_constant(node, ctx)
+  if summed is not None and summed[0] == side and all(p.dims[d] is None for d in dd.contracting(side)):
+    # k * Σ_K c = k * |K| * c: c is constant along the contracted dims (a mean
+    # as a contraction with ones keeps the shift's identity, so h - mean cancels).
+    in_shape = node.ins[side].shape
+    keep = tuple(e for d, e in enumerate(p.dims) if d in dd.free[side])
+    poly = A.poly_map(p, lambda c: A.scale(A.reduce_sum(c, dd.contracting(side), in_shape), summed[1]), keep)
+    if poly is None:
+      return [None]
+    dims = [None] * dd.rank
+    for o, (s, d) in dd.owner.items():
+      if s == side:
+        dims[o] = p.dims[d]
+    return [A.poly_map(poly, lambda c: _sum_layout(c, node, side, dd), tuple(dims))]
   const_p = _effective(p, ctx, len(node.ins[side].shape))
   other_const = ctx.constant_dims(other, other.shape)
   dims = []
@@ -96,6 +136,12 @@ def _dot_zero_sum(node, k, spec, ctx):
 
 
 def _dot_canon(node, ins, ctx):
+  summed = sum_against_constant(node, ctx)
+  if summed is not None:
+    side, k = summed
+    dd = _dot_dims(node)
+    total = A.reduce_sum(ins[side], dd.contracting(side), node.ins[side].shape)
+    return [A.scale(_sum_layout(total, node, side, dd), k)]
   # Distributing over sums is exact but rarely needed (nothing cancels
   # across a contraction's operands); past single terms the value stands
   # for itself, which keeps canonical forms of deep models small.
@@ -104,7 +150,14 @@ def _dot_canon(node, ins, ctx):
   return [A.bilinear(_tag(node), ins[0], ins[1], node.outs[0].shape)]
 
 
-register(Rule("dot_general", (lax.dot_general_p,), facts=_dot_facts, canon=_dot_canon,
+def _dot_sums(node, ctx):
+  summed = sum_against_constant(node, ctx)
+  if summed is None:
+    return None
+  return summed[0], _dot_dims(node).contracting(summed[0])
+
+
+register(Rule("dot_general", (lax.dot_general_p,), facts=_dot_facts, canon=_dot_canon, sums=_dot_sums,
               shift=_dot_shift, zero_sum=_dot_zero_sum, simplify=_zero_simplify,
               variants=("weight side", "activation side", "batched", "transposed kernel")))
 

@@ -103,18 +103,6 @@ def _union_pure(p, q, out_shape) -> A.Poly:
   return A.pure(tuple(dims))
 
 
-def _remint_scaled(p: A.Poly, other: Any, ctx, out_shape) -> A.Poly:
-  """``k*c*y``: a fresh pure shift varying where ``c`` or ``y`` does."""
-  const = ctx.constant_dims(other, out_shape)
-  dims = []
-  for d, e in enumerate(p.dims):
-    if d in const:
-      dims.append(e)
-    else:
-      dims.append((None, 1))
-  return A.pure(tuple(dims))
-
-
 # ----------------------------------------------------------------------------
 # add, sub, add_any.
 
@@ -226,9 +214,9 @@ def _scale_shift(p: A.Poly, x: Any, other: Any, factor: A.Expr, ctx, out_shape) 
   if factor.is_const:
     k = factor.const_value
     return A.poly_map(p, lambda c: A.scale(c, k), p.dims)
-  if p.is_pure:
-    return _remint_scaled(p, other, ctx, out_shape)
   factor = A.lift(factor, out_shape)
+  if p.is_pure:
+    return A.derived(p, factor, ctx.constant_dims(other, out_shape), out_shape)
   return A.poly_map(p, lambda c: A.mul(c, factor), p.dims)
 
 
