@@ -1,24 +1,24 @@
 """keras-hub backbones at tiny configs, with the number of LayerNorm sites a sound fold
 can remove (worked out from each architecture, not from a fold):
 
-* pre-LN (GPT-2, OPT, GPT-NeoX, Falcon, ViT, DeiT, Whisper): every LN; the residual
+* pre-LN (GPT-2, OPT, GPT-NeoX, Falcon, ESM-2, ViT, DeiT): every LN; the residual
   stream is a sum of linear outputs, so centering its producers makes each LN input
-  zero-mean.
+  zero-mean. GPT-NeoX's parallel residual has a block's two LNs read the same tensor:
+  jaxfold counts them as one site (both lose their mean reductions).
 * post-LN (BERT, RoBERTa, DistilBERT, ELECTRA, ALBERT): only the embedding LN; every
   later LN reads the previous LN's output, γ ⊙ n + β, not zero-mean for a non-uniform γ.
   BART: its encoder's and decoder's embedding LNs (one shared token table).
-* a stream that starts at an LN output (Bloom's embedding LN, CLIP-vision's pre-LN):
-  every LN, with one auxiliary centering of that output per such stream.
+* a stream that starts at an LN output (Bloom's and ESM's embedding LN, CLIP-vision's
+  pre-LN) or at a nonlinearity (Whisper's GELU conv stem): every LN, with one auxiliary
+  centering of that output.
 
 ``build(name, dtype)`` returns ``(model, inputs(batch, seq))``; keras must be imported
 with the JAX backend first (the test module does that).
 """
 
-import contextlib
-
-import jax.numpy as jnp
 import keras_hub
 import numpy as np
+from keras_util import random_init
 
 L, H, D, F, V, S = 2, 2, 8, 16, 37, 16   # layers, heads, width, MLP width, vocabulary, max length
 IMG, PATCH = 8, 4
@@ -32,6 +32,10 @@ def _text(batch, seq, segments=False, seed=0):
   if segments:
     x["segment_ids"] = r.integers(0, 2, (batch, seq)).astype("int32")
   return x
+
+
+def _ids(batch, seq, seed=0):
+  return {"token_ids": _text(batch, seq, seed=seed)["token_ids"]}
 
 
 def _image(batch, seed=0):
@@ -75,8 +79,12 @@ BACKBONES = {
            2 * L + 1, 2 * L + 1, 0, "pre-LN"),
   "opt": (lambda dt: keras_hub.models.OPTBackbone(**_lm, max_sequence_length=S, dtype=dt), _text,
           2 * L + 1, 2 * L + 1, 0, "pre-LN"),
-  "gpt_neox": (lambda dt: keras_hub.models.GPTNeoXBackbone(**_lm, max_sequence_length=S, dtype=dt), _text,
-               2 * L + 1, 2 * L + 1, 0, "pre-LN"),
+  "gpt_neox": (lambda dt: keras_hub.models.GPTNeoXBackbone(**_lm, rotary_percentage=0.5,
+                                                                            max_sequence_length=S, dtype=dt), _text,
+               L + 1, L + 1, 0, "pre-LN, parallel residual: a block's two LNs normalize the same tensor (one site)"),
+  "falcon": (lambda dt: keras_hub.models.FalconBackbone(vocabulary_size=V, num_layers=L, num_attention_heads=H,
+                                                       hidden_dim=D, intermediate_dim=F, dtype=dt), _text,
+             2 * L + 1, 2 * L + 1, 0, "pre-LN"),
   "bloom": (lambda dt: keras_hub.models.BloomBackbone(**_lm, dtype=dt), _text,
             2 * L + 2, 2 * L + 2, 1, "stream starts at the embedding LN's output"),
   "bert": (lambda dt: keras_hub.models.BertBackbone(**_lm, max_sequence_length=S, dtype=dt),
@@ -85,6 +93,19 @@ BACKBONES = {
               2 * L + 1, 1, 0, "post-LN"),
   "distil_bert": (lambda dt: keras_hub.models.DistilBertBackbone(**_lm, max_sequence_length=S, dtype=dt),
                   _text, 2 * L + 1, 1, 0, "post-LN"),
+  "electra": (lambda dt: keras_hub.models.ElectraBackbone(vocab_size=V, num_layers=L, num_heads=H, hidden_dim=D,
+                                                         embedding_dim=D // 2, intermediate_dim=F,
+                                                         max_sequence_length=S, dtype=dt),
+              lambda b, s: _text(b, s, segments=True), 2 * L + 1, 1, 0, "post-LN"),
+  "albert": (lambda dt: keras_hub.models.AlbertBackbone(vocabulary_size=V, num_layers=L, num_heads=H,
+                                                       embedding_dim=D // 2, hidden_dim=D, intermediate_dim=F,
+                                                       max_sequence_length=S, dtype=dt),
+             lambda b, s: _text(b, s, segments=True), 2 * L + 1, 1, 0, "post-LN"),
+  "esm": (lambda dt: keras_hub.models.ESMBackbone(**_lm, max_sequence_length=S, dtype=dt), _ids,
+          2 * L + 1, 2 * L + 1, 0, "pre-LN blocks (ESM-2)"),
+  "esm_emb_ln": (lambda dt: keras_hub.models.ESMBackbone(**_lm, max_sequence_length=S, use_pre_layer_norm=True,
+                                                         dtype=dt), _ids,
+                 2 * L + 2, 2 * L + 2, 1, "pre-LN; the stream starts at the embedding LN's output"),
   "bart": (lambda dt: keras_hub.models.BartBackbone(**_lm, max_sequence_length=S, dtype=dt), _seq2seq,
            2 + 2 * L + 3 * L, 2, 0, "post-LN encoder and decoder: their embedding LNs"),
   "vit": (lambda dt: keras_hub.models.ViTBackbone(**_vit, mlp_dim=F, dtype=dt), lambda b, s: _image(b),
@@ -93,7 +114,8 @@ BACKBONES = {
            lambda b, s: _image(b), 2 * L + 1, 2 * L + 1, 0, "pre-LN"),
   "whisper": (lambda dt: keras_hub.models.WhisperBackbone(**_lm, num_mels=4, max_encoder_sequence_length=2 * S,
                                                           max_decoder_sequence_length=S, dtype=dt), _audio,
-              (2 * L + 1) + (3 * L + 1), (2 * L + 1) + (3 * L + 1), 0, "pre-LN encoder and decoder"),
+              (2 * L + 1) + (3 * L + 1), (2 * L + 1) + (3 * L + 1), 1,
+              "pre-LN; the encoder stream starts at a GELU output (conv stem)"),
   "clip": (_clip, _clip_inputs, (2 * L + 2) + (2 * L + 1), (2 * L + 2) + (2 * L + 1), 1,
            "pre-LN; the vision stream starts at its pre-LN's output"),
 }
@@ -105,30 +127,3 @@ def build(name, dtype="float32", seed=0):
   with random_init(seed):
     return make(dtype), inputs
 
-
-@contextlib.contextmanager
-def random_init(seed=0, scale=0.5):
-  """Every float variable created inside starts at N(0, scale²) + (1 for a 1-D one), drawn
-  in NumPy: Keras' own initializers compile one XLA program per shape (~1 s each on a busy
-  CPU), and γ=1, β=0, zero biases would hide wrong folds anyway. Other dtypes (RNG seed
-  states) keep their initializer. Falls back to Keras' initializers if its internals moved."""
-  try:
-    from keras.src.backend.jax.core import JaxVariable
-    original = JaxVariable._initialize_with_initializer
-  except (ImportError, AttributeError):  # pragma: no cover - another keras layout
-    yield False
-    return
-  rng = np.random.default_rng(seed)
-
-  def init(self, initializer):
-    dtype = np.dtype(self._dtype) if self._dtype in ("float16", "float32", "float64") else None
-    if dtype is None:
-      return original(self, initializer)
-    value = scale * rng.standard_normal(self._shape) + (1.0 if len(self._shape) == 1 else 0.0)
-    self._initialize(jnp.asarray(value.astype(dtype)))
-
-  JaxVariable._initialize_with_initializer = init
-  try:
-    yield True
-  finally:
-    JaxVariable._initialize_with_initializer = original
