@@ -5,13 +5,14 @@ promotion cap lifted (≤ 1e-9; see keras_checks.keras_float64)."""
 
 import jax
 import pytest
-from keras_checks import assert_same, cast_inputs, keras_float64, require_keras_jax  # noqa: F401
+from keras_checks import assert_same, cast_inputs, require_keras_jax
 
 require_keras_jax()
 pytest.importorskip("keras_hub")
 
-import jaxfold  # noqa: E402
 import keras_models as km  # noqa: E402
+
+import jaxfold  # noqa: E402
 
 
 def _cases(default):
