@@ -696,9 +696,45 @@ def derived(p: Poly, factor: Expr, const_dims: frozenset, out_shape: Shape) -> P
   return Poly(sym, dims, p.coeffs)
 
 
+def exp_of(p: Poly, value: Expr) -> Poly:
+  """``exp(x + k*c) = exp(x) * (1 + d)`` with ``d = exp(k*c) - 1``: a pure
+  shift becomes a *proportional* one (coefficient = the value itself) in a
+  symbol ``d`` derived from ``c``, constant where ``c`` is, and never ``-1``."""
+  key = ("exp", p.sym, p.dims, p.coeffs[0].const_value)
+  sym = _DERIVED.get(key)
+  if sym is None:
+    sym = _DERIVED[key] = next(_syms)
+    _DERIVED[("exp-info", sym)] = (p.sym, p.dims, p.coeffs[0].const_value)
+  dims = tuple(None if e is None else (("exp", sym, d), e[1]) for d, e in enumerate(p.dims))
+  return Poly(sym, dims, (value,))
+
+
+def is_proportional(p: Poly, value: Expr) -> bool:
+  """``v(d) = v * (1 + d)`` with ``d`` from :func:`exp_of` (so ``1 + d > 0``)."""
+  return (("exp-info", p.sym) in _DERIVED and p.is_linear and p.coeffs[0] == value
+          and not value.is_zero)
+
+
+def log_of(p: Poly) -> Poly:
+  """``log(v * (1 + d)) = log(v) + k*c`` for ``d = exp(k*c) - 1``."""
+  sym, dims, k = _DERIVED[("exp-info", p.sym)]
+  return Poly(sym, dims, (const(k),))
+
+
 def _lift_mul(f: Optional[Expr], factor: Expr, shape: Shape) -> Expr:
   factor = lift(factor, shape)
   return factor if f is None else mul(lift(f, shape), factor)
+
+
+def pure_of(key: Any, dims: tuple) -> Poly:
+  """A pure shift that is a *function* of ``key`` (the operation and the
+  shifts and values it combines): the same computation reached twice (a
+  projection written twice) gives the same symbol, so its copies cancel."""
+  k = ("of", key, tuple(None if e is None else e[1] for e in dims))
+  sym = _DERIVED.get(k)
+  if sym is None:
+    sym = _DERIVED[k] = next(_syms)
+  return Poly(sym, tuple(None if e is None else (("of", sym, d), e[1]) for d, e in enumerate(dims)), (ONE,))
 
 
 def poly_add(p: Poly, q: Poly, kq=1) -> Optional[Poly]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import zlib
 from typing import Callable, NamedTuple
 
 import jax
@@ -22,7 +23,8 @@ import jax.numpy as jnp
 MEANS = ("mean", "sum_div", "sum_mul", "dot_ones", "einsum_ones", "mean_nokeep")
 VARS = ("two_pass", "fast", "jnp_var", "clamped_fast", "sq_mean_minus", "halves", "centered_dot")
 INVS = ("rsqrt", "one_over_sqrt", "pow", "div_sqrt", "rsqrt_times_gamma")
-OUTS = ("centered", "keras", "distributed", "gamma_first", "sub_scaled", "standardize_like")
+OUTS = ("centered", "keras", "distributed", "gamma_first", "sub_scaled", "standardize_like",
+        "chain0", "chain1", "chain2", "chain3")
 
 
 class Spelling(NamedTuple):
@@ -124,7 +126,35 @@ def layer_norm(s: Spelling, h, g, b, eps=1e-5, axes=(-1,)):
   if s.out == "standardize_like":
     z = scale(h - m)
     return gg(z) + b
+  if s.out.startswith("chain"):
+    return _chain(random.Random(zlib.crc32(s.name.encode())), h, m, r, g, b, div, has_g)
   raise ValueError(s.out)
+
+
+def _chain(rng: random.Random, h, m, r, g, b, div: bool, has_g: bool):
+  """``γ(h − m)/σ + β`` assembled by a random chain of ring identities:
+  distribute or not, commute factors, associate products either way, write
+  a difference as a sum with a negation or as a negated reversed difference,
+  put β first or last."""
+  factors = [(lambda x: x / r) if div else (lambda x: x * r)]
+  if not has_g:
+    factors.append(lambda x: x * g if rng.random() < 0.5 else g * x)
+  rng.shuffle(factors)
+
+  def apply(x):
+    for f in factors:
+      x = f(x)
+    return x
+
+  def diff(a, c):
+    k = rng.randrange(3)
+    return a - c if k == 0 else a + (-c) if k == 1 else -(c - a)
+
+  if rng.random() < 0.5:
+    core = apply(diff(h, m))
+  else:
+    core = diff(apply(h), apply(m))
+  return core + b if rng.random() < 0.5 else b + core
 
 
 def rms_norm(s: Spelling, h, g, eps=1e-6, axes=(-1,)):
@@ -161,3 +191,55 @@ def sample(n: int, seed: int = 0) -> list:
 
 def spellings_of(kind: str) -> Callable:
   return {"layer": layer_norm, "rms": rms_norm, "group": group_norm}[kind]
+
+
+# ----------------------------------------------------------------------------
+# The forms of well-known libraries, written out (the packages are not needed).
+
+
+def haiku_style(h, g, b, eps=1e-5):
+  """Haiku's ``LayerNorm``: ``inv = scale * rsqrt(var + eps); inv * (x - mean) + offset``."""
+  mean = jnp.mean(h, axis=-1, keepdims=True)
+  var = jnp.var(h, axis=-1, keepdims=True)
+  inv = g * jax.lax.rsqrt(var + eps)
+  return inv * (h - mean) + b
+
+
+def equinox_style(h, g, b, eps=1e-5):
+  """Equinox's ``LayerNorm``: a clamped variance, then ``weight * out + bias``."""
+  mean = jnp.mean(h, axis=-1, keepdims=True)
+  var = jnp.maximum(0.0, jnp.var(h, axis=-1, keepdims=True))
+  out = (h - mean) * jax.lax.rsqrt(var + eps)
+  return g * out + b
+
+
+def torch_style(h, g, b, eps=1e-5):
+  """``F.layer_norm`` spelled out: biased variance, ``/ sqrt(var + eps)``."""
+  mean = h.mean(-1, keepdims=True)
+  var = ((h - mean) ** 2).mean(-1, keepdims=True)
+  return (h - mean) / jnp.sqrt(var + eps) * g + b
+
+
+def penzai_style(h, g, b, eps=1e-5):
+  """penzai's ``LayerNorm``: a standardization layer, then scale and shift layers."""
+  mean = jnp.mean(h, axis=-1, keepdims=True)
+  centered = h - mean
+  var = jnp.mean(jnp.square(centered), axis=-1, keepdims=True)
+  return centered * jax.lax.rsqrt(var + eps) * g + b
+
+
+def keras_style(h, g, b, eps=1e-5):
+  """Keras 3's ``LayerNormalization``: ``ops.moments``, then γ folded into the
+  inverse and the mean distributed: ``h * inv + (-mean * inv + beta)``."""
+  mean = jnp.mean(h, axis=-1, keepdims=True)
+  var = jnp.maximum(jnp.mean(jnp.square(h), axis=-1, keepdims=True) - jnp.square(mean), 0.0)
+  inv = jax.lax.rsqrt(var + eps) * g
+  return h * inv + (-mean * inv + b)
+
+
+def standardize_style(h, g, b, eps=1e-5):
+  return jax.nn.standardize(h, axis=-1, epsilon=eps) * g + b
+
+
+LIBRARY_FORMS = {"haiku": haiku_style, "equinox": equinox_style, "torch": torch_style,
+                 "penzai": penzai_style, "keras": keras_style, "standardize": standardize_style}

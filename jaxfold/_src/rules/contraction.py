@@ -121,6 +121,8 @@ def _dot_shift(node, ins, ctx):
         dims.append(_block(p, d, const_p[d]))
       else:
         dims.append(None if d in other_const else (None, 1))
+  if p.is_pure:  # a function of (c, k, the other operand): recomputations share it
+    return [A.pure_of(("dot", _tag(node), side, p.sym, p.dims, p.coeffs, ctx.canon(other)), tuple(dims))]
   return [A.pure(tuple(dims))]
 
 

@@ -259,6 +259,10 @@ register(Rule("mul", (lax.mul_p,), facts=_arith_facts(lambda a, b: a * b),
               variants=("constant factor", "per-token factor", "varying factor", "same shift")), kind="scale")
 
 
+def _float_node(node) -> bool:
+  return _is_float(node.outs[0].dtype)
+
+
 def _is_float(dtype) -> bool:
   return bool(jnp.issubdtype(dtype, jnp.inexact))
 
@@ -282,6 +286,13 @@ def _div_canon(node, ins, ctx):
 
 def _div_shift(node, ins, ctx):
   if ins[1] is not None:
+    out_shape = node.outs[0].shape
+    if ins[0] is not None and _float_node(node):
+      # exp(x + c) / Σ exp(x + c): the factor exp(c) cancels in the ratio (softmax).
+      pa, pb = lift_poly(ins[0], node.ins[0], out_shape), lift_poly(ins[1], node.ins[1], out_shape)
+      if (pa.same_symbol(pb) and A.is_proportional(pa, A.lift(ctx.canon(node.ins[0]), out_shape))
+              and A.is_proportional(pb, A.lift(ctx.canon(node.ins[1]), out_shape))):
+        return [None]
     raise Block("the shift reaches a divisor")
   if not _is_float(node.outs[0].dtype):
     raise Block("integer division truncates the shift")
@@ -377,11 +388,23 @@ def _max_canon(node, ins, ctx):
   return [A.app(("max",), ins, node.outs[0].shape, commutative=True)]
 
 
+def _bound_shift(identity: float):
+  """``max(x, -inf) = x`` (``min(x, inf) = x``): jax.nn.softmax guards its row
+  maximum this way; any other bound stops the shift."""
+  def shift(node, ins, ctx):
+    for i in (0, 1):
+      other = node.ins[1 - i]
+      if ins[i] is not None and ins[1 - i] is None and ctx.facts(other).value == identity:
+        return [lift_poly(ins[i], node.ins[i], node.outs[0].shape)]
+    return _block_nonlinear(node, ins, ctx)
+  return shift
+
+
 register(Rule("max", (lax.max_p,), facts=_arith_facts(max), canon=_max_canon,
-              shift=_block_nonlinear, zero_sum=_block_zero_sum))
+              shift=_bound_shift(-math.inf), zero_sum=_block_zero_sum))
 register(Rule("min", (lax.min_p,), facts=_arith_facts(min),
               canon=lambda node, ins, ctx: [A.app(("min",), ins, node.outs[0].shape, commutative=True)],
-              shift=_block_nonlinear, zero_sum=_block_zero_sum))
+              shift=_bound_shift(math.inf), zero_sum=_block_zero_sum))
 register(Rule("clamp", (lax.clamp_p,), facts=_arith_facts(lambda lo, x, hi: min(max(x, lo), hi)),
               canon=_opaque_canon, shift=_block_nonlinear, zero_sum=_block_zero_sum))
 for _name, _fn in (("eq_p", lambda a, b: a == b), ("ne_p", lambda a, b: a != b),
@@ -543,7 +566,13 @@ def _convert_shift(node, ins, ctx):
 
 def _convert_zero_sum(node, k, spec, ctx):
   if _convert_kind(node.ins[0].dtype, node.outs[0].dtype, ctx) == "quantize":
-    raise Block(f"a cast to {np.dtype(node.outs[0].dtype).name} does not keep a zero sum")
+    src, dst = np.dtype(node.ins[0].dtype).name, np.dtype(node.outs[0].dtype).name
+    hint = ""
+    if _is_float(node.ins[0].dtype) and _is_float(node.outs[0].dtype):
+      # e.g. Keras's JAX backend computes in its floatx (float32) and casts float64 inputs down.
+      hint = (f": the program computes this norm in {dst} on {src} values; compute in {src} "
+              f"throughout (Keras: keras.config.set_floatx('{src}')) or fold the {dst} model")
+    raise Block(f"a cast to {dst} does not keep a zero sum{hint}")
   return [Need(0, spec, transparent=True)]
 
 
@@ -651,14 +680,49 @@ _NONLINEAR = ("exp_p", "exp2_p", "log_p", "log1p_p", "expm1_p", "tanh_p", "logis
               "population_count_p", "clz_p", "shift_left_p", "shift_right_arithmetic_p",
               "shift_right_logical_p", "polygamma_p", "zeta_p", "mulhi_p")
 
+def _exp_shift(node, ins, ctx):
+  p = ins[0]
+  if not p.is_pure or not _float_node(node):
+    return _block_nonlinear(node, ins, ctx)
+  return [A.exp_of(p, ctx.canon(node.outs[0]))]
+
+
+def _log_shift(node, ins, ctx):
+  p = ins[0]
+  if _float_node(node) and A.is_proportional(p, ctx.canon(node.ins[0])):
+    return [A.log_of(p)]
+  return _block_nonlinear(node, ins, ctx)
+
+
+def _pow_canon(node, ins, ctx):
+  """``x ** ±½`` and ``x ** -1`` are the (r)sqrt and reciprocal they equal."""
+  y = ins[1]
+  if y.is_const and _float_node(node):
+    k = y.const_value
+    shape = node.outs[0].shape
+    if k == Fraction(-1, 2):
+      return [A.app(("rsqrt",), (ins[0],), shape)]
+    if k == Fraction(1, 2):
+      return [A.app(("sqrt",), (ins[0],), shape)]
+    if k == -1:
+      return [A.lift(A.inv(ins[0], node.ins[0].shape), shape)]
+  return _opaque_canon(node, ins, ctx)
+
+
+_SHIFTS = {"exp_p": _exp_shift, "log_p": _log_shift}
+
 for _name in tuple(_EXACT_UNARY) + _NONLINEAR:
   _p = getattr(lax, _name, None)
   if _p is None:
+    continue
+  if _name == "pow_p":
+    register(Rule("pow", (_p,), facts=elementwise_facts, canon=_pow_canon, shift=_block_nonlinear,
+                  zero_sum=_block_zero_sum, epilogue="step"))
     continue
   _fn = _EXACT_UNARY.get(_name)
   _tag = _name[:-2]
   register(Rule(_tag, (_p,), facts=_arith_facts(_fn) if _fn else elementwise_facts,
                 canon=(lambda tag: (lambda node, ins, ctx: [A.app((tag,), ins, node.outs[0].shape)]))(_tag)
                 if _tag in ("sqrt", "rsqrt") else _opaque_canon,
-                shift=_block_nonlinear, zero_sum=_block_zero_sum,
+                shift=_SHIFTS.get(_name, _block_nonlinear), zero_sum=_block_zero_sum,
                 epilogue="step" if _tag in ("sqrt", "rsqrt") else ""))
