@@ -1,9 +1,15 @@
 """Fixtures; the shared helpers live in ``helpers.py`` (re-exported here for
 modules that import them from conftest)."""
 
-import jax
-import pytest
-from helpers import randomize, rel_err, x64_context  # noqa: F401
+import os
+
+# Keras picks its backend at first import (TensorFlow by default): ours is JAX. A keras
+# already imported with another backend makes the Keras tests skip with that reason.
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from helpers import randomize, rel_err, x64_context  # noqa: F401, E402
 
 
 @pytest.fixture

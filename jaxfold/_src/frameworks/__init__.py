@@ -1,0 +1,1 @@
+"""Adapters that present other frameworks' models as ``(params, apply_fn)``."""
