@@ -19,3 +19,16 @@ def x64():
   jax.config.update("jax_enable_x64", True)
   yield
   jax.config.update("jax_enable_x64", prev)
+
+
+@pytest.fixture
+def keras_float64(monkeypatch, x64):
+  """Float64 end to end. Keras' JAX backend caps type promotion at 32 bits
+  (``result_type(float64, float32)`` is float32: ``BIT64_TO_BIT32_DTYPE``), so its
+  LayerNorm computes in float32 even for a float64 model, and jaxfold rightly refuses
+  to remove a mean whose zero sum a cast to float32 breaks. The tests lift that cap to
+  check the folds at float64 exactness; test_keras.py checks the refusal without it."""
+  dtypes = pytest.importorskip("keras.src.backend.common.dtypes")
+  if not isinstance(getattr(dtypes, "BIT64_TO_BIT32_DTYPE", None), dict):
+    pytest.skip("this keras has no BIT64_TO_BIT32_DTYPE table to lift its 32-bit cap")
+  monkeypatch.setitem(dtypes.BIT64_TO_BIT32_DTYPE, "float64", "float64")
