@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfold._src import algebra as A
-from jaxfold._src import compat
+from jaxfold._src import compat, display
 from jaxfold._src.analysis import Analyzer, Level
 from jaxfold._src.program import Program, Val
 from jaxfold._src.rewrite import Plan, evaluate
@@ -84,6 +84,7 @@ class FusedParams(NamedTuple):
   (``None``) and scaled weights, plus ``extras`` (untied copies, new biases)."""
   base: Any
   extras: dict
+  __repr__ = display.fused_params_repr
 
 
 class Fused(NamedTuple):
@@ -91,6 +92,7 @@ class Fused(NamedTuple):
   params: FusedParams
   apply_fn: Callable
   report: FuseReport
+  __repr__ = display.result_repr
 
 
 # ----------------------------------------------------------------------------

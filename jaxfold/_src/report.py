@@ -8,6 +8,7 @@ without any JAX work, so everything here works from the fields alone.
 from __future__ import annotations
 
 import dataclasses
+import html
 import json
 import re
 from typing import Optional
@@ -19,6 +20,8 @@ LEGEND = (
     "centerings;\n"
     "        own centerings: what this site needed first (it also relies on earlier sites'); "
     "axes: normalized axes")
+
+_HEAD = ("#", "folded", "site", "shape", "axes", "own centerings (folded) / reason (not folded)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +102,8 @@ class Changes:
   params_centered: int = 0      # leaves centered in place (same shapes, new values)
   params_centered_bytes: int = 0
   norm_impl: str = "auto"
+  kernel_proof: Optional[bool] = None  # whether the kernel's proof ran (None: a report from before this field)
+  platform: str = ""                   # jax.default_backend() where the fold was made
 
   @property
   def reductions_after(self) -> int:
@@ -179,6 +184,14 @@ class Report:
       changes = Changes(**{k: v for k, v in ch.items() if k != "reductions_after"})
     return cls(tuple(sites), tuple(aux), int(d.get("untied_bytes", 0)), changes)
 
+  def on_platform(self, platform: str, kernel_proof: bool) -> "Report":
+    """This report, recording where the fold was made and whether the kernel's
+    proof ran (:meth:`diff` says what runs there)."""
+    if self.changes is None:
+      return self
+    return dataclasses.replace(self, changes=dataclasses.replace(
+        self.changes, platform=platform, kernel_proof=kernel_proof))
+
   # -- text ------------------------------------------------------------------
 
   def summary(self) -> str:
@@ -191,6 +204,9 @@ class Report:
   def table(self, group: bool = True) -> str:
     """The per-site table; ``group=True`` merges sites that differ only in a
     layer number (``h_0…h_11/ln_1  (12)``)."""
+    return _render([_HEAD] + self._rows(group))
+
+  def _rows(self, group: bool) -> list:
     rows = []
     for members in (_groups(self.sites) if group else [[s] for s in self.sites]):
       s = members[0]
@@ -210,9 +226,23 @@ class Report:
       idx = _indices([m.index for m in members])
       rows.append((idx, "yes" if s.folded else "no", label, "x".join(map(str, s.shape)),
                    ",".join(map(str, s.axes)), what))
-    head = ("#", "folded", "site",
-            "shape", "axes", "own centerings (folded) / reason (not folded)")
-    return _render([head] + rows)
+    return rows
+
+  def __repr__(self) -> str:
+    return f"<jaxfold.Report: {self.summary()}>"
+
+  def _repr_html_(self) -> str:
+    """The grouped table as HTML, for notebooks (every text escaped)."""
+    e = html.escape
+    cells = "".join(f"<th style='text-align:left'>{e(h)}</th>" for h in _HEAD)
+    rows = [f"<tr>{cells}</tr>"]
+    for r in self._rows(group=True):
+      color = "" if r[1] == "yes" else " style='color:#a33'"
+      rows.append(f"<tr{color}>" + "".join(f"<td style='text-align:left'>{e(c)}</td>" for c in r)
+                  + "</tr>")
+    notes = [self.summary()] + ["auxiliary centering " + a.describe() for a in self.auxiliary]
+    foot = "".join(f"<div>{e(n)}</div>" for n in notes)
+    return f"<div><table>{''.join(rows)}</table>{foot}<pre>{e(LEGEND)}</pre></div>"
 
   def __str__(self) -> str:
     lines = [self.table(group=True), self.summary()]
@@ -239,18 +269,7 @@ class Report:
       lines.append(f"    {label}: -{n} reduction(s){each}, LayerNorm -> RMSNorm")
     for a in self.auxiliary:
       lines.append(f"  + auxiliary centering {a.describe()}")
-    kern = sum(s.kernel for s in folded)
-    impl = ch.norm_impl
-    if impl == "xla" or not kern:
-      lines.append(f"  kernels substituted: none (norm_impl={impl!r}; {kern} site(s) proved "
-                   "equal to the Pallas RMSNorm formula)")
-    elif impl == "auto":
-      lines.append(f"  kernels substituted: {kern} site(s) proved equal to the Pallas RMSNorm "
-                   "formula; norm_impl='auto' runs the kernel on a GPU where "
-                   "pallas_kernels.choose expects it to win, XLA elsewhere")
-    else:
-      lines.append(f"  kernels substituted: {kern} site(s) run the Pallas RMSNorm kernel "
-                   f"(norm_impl={impl!r})")
+    lines.append("  kernels substituted: " + _kernels_text(ch, sum(s.kernel for s in folded)))
     if self.changes is not None:
       lines.append(f"  parameters centered in place: {ch.params_centered} leaves "
                    f"({_bytes(ch.params_centered_bytes)}; same shapes and dtypes, new values)")
@@ -270,6 +289,30 @@ class Report:
 
 # ----------------------------------------------------------------------------
 # Formatting helpers.
+
+
+def _kernels_text(ch: Changes, kern: int) -> str:
+  """What runs at the folded sites, on the platform the fold was made on."""
+  impl, where = ch.norm_impl, ch.platform or "this platform"
+  if impl == "xla":
+    return "none (norm_impl='xla': XLA's RMSNorm expression everywhere; no kernel proof attempted)"
+  if ch.kernel_proof is False:
+    return (f"none: no kernel proof attempted (norm_impl={impl!r} considers the Pallas kernel only "
+            f"on a GPU; this fold was made on {where}, where XLA's RMSNorm expression runs)")
+  if not kern:
+    return (f"none (norm_impl={impl!r}: no folded site proved equal to the Pallas RMSNorm formula; "
+            "XLA's RMSNorm expression runs)")
+  proved = f"{kern} site(s) proved equal to the Pallas RMSNorm formula"
+  if impl == "interpret":
+    return f"{proved}; they run the kernel in Pallas interpret mode (an emulation, for tests)"
+  if impl == "auto":
+    return (f"{proved}; norm_impl='auto' runs the kernel where pallas_kernels.choose expects it "
+            f"to win on this GPU ({where}), XLA's expression elsewhere")
+  if ch.platform in ("", "gpu", "cuda"):
+    return f"{proved}; they run the Pallas RMSNorm kernel (norm_impl={impl!r}) when compiled for CUDA"
+  return (f"{proved}; norm_impl={impl!r} runs the kernel only when compiled for CUDA: on {where} "
+          "(where this fold was made) XLA's RMSNorm expression runs; an export or AOT compile for "
+          "a GPU carries the kernel")
 
 
 _KEY = re.compile(r"\['([^']*)'\]|\[(\d+)\]|\.([A-Za-z_]\w*)")

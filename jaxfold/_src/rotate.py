@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfold._src import algebra as A
+from jaxfold._src import display
 from jaxfold._src.affine import FuseError, _abstract, _factor_leaf, _leaf_of, _signature
 from jaxfold._src.analysis import Analyzer, LeafNeed, Level
 from jaxfold._src.program import Program, Val
@@ -49,6 +50,7 @@ class Rotated(NamedTuple):
   params: Any
   apply_fn: Callable
   report: RotateReport
+  __repr__ = display.result_repr
 
   @property
   def stream_axes(self) -> dict:
