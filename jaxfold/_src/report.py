@@ -35,9 +35,8 @@ class Centering:
 
   def label(self) -> str:
     """Compact form, e.g. ``h_0.attn.c_proj.kernel[1]`` (see :data:`LEGEND`)."""
-    dims = self.axes.strip("()").replace("(groups of ", "/").replace(")", "")
     tag = {"in place": "", "untied copy": " (copy)", "constant": " (constant)"}.get(self.mode, "")
-    return f"{param_label(self.param)}[{dims}]{tag}"
+    return f"{param_label(self.param)}[{_dims(self.axes)}]{tag}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +55,7 @@ class Auxiliary:
     return f"A{self.index}"
 
   def describe(self) -> str:
-    dims = self.axes.strip("()").replace("(groups of ", "/").replace(")", "")
+    dims = _dims(self.axes)
     if not self.shape:        # a report written before auxiliary centerings were structured
       return f"{self.name}: {self.value}"
     if self.where:
@@ -278,7 +277,7 @@ class Report:
     if copies:
       lines.append(f"  untied centered copies: {len(copies)} ({_bytes(self.untied_bytes)} extra)")
       for (p, ax), b in copies.items():
-        lines.append(f"    {param_label(p)}{ax}: {_bytes(b)}")
+        lines.append(f"    {Centering(p, ax, 'untied copy').label()}: {_bytes(b)}")
     else:
       lines.append("  untied centered copies: none (0 B extra)")
     not_folded = self.num_sites - len(folded)
@@ -316,10 +315,37 @@ def _kernels_text(ch: Changes, kern: int) -> str:
 
 
 _KEY = re.compile(r"\['([^']*)'\]|\[(\d+)\]|\.([A-Za-z_]\w*)")
+# Leaves of jaxfold's own parameter types (FoldedParams, FusedParams) are named
+# through their fields; labels drop those so fold, fuse and rotate name a
+# parameter alike.
+_FIELD = re.compile(r"^\.(?:params|base)(?=[.\[])")
+_MADE = re.compile(r"""^\.(?:untied|extras)\[(?:"(.*)"|'(.*)')\]$""")
+
+
+def _dims(axes: str) -> str:
+  """``"(1)"`` -> ``"1"``, ``"(3(groups of 4))"`` -> ``"3/4"``."""
+  return axes.strip("()").replace("(groups of ", "/").replace(")", "")
 
 
 def param_label(path: str) -> str:
-  """``"['params']['h_0']['attn']['kernel']"`` -> ``"h_0.attn.kernel"``."""
+  """``"['params']['h_0']['attn']['kernel']"`` -> ``"h_0.attn.kernel"``.
+
+  Paths into a fold's or a fuse's parameters name the same leaf the same way;
+  leaves jaxfold made are named by the parameter they come from.
+
+  Example:
+    >>> param_label(".base.params['params']['h_0']['attn']['kernel']")
+    'h_0.attn.kernel'
+    >>> param_label(".base.untied[\"['wte']['embedding']@centered(1)\"]")
+    'wte.embedding[1] (copy)'
+  """
+  while (m := _FIELD.match(path)) is not None:
+    path = path[m.end():]
+  made = _MADE.match(path)
+  if made is not None:
+    return _made_label(made.group(1) if made.group(1) is not None else made.group(2))
+  if "@" in path:
+    return _made_label(path)
   parts = [a or b or c for a, b, c in _KEY.findall(path)]
   if not parts:
     return path
@@ -328,6 +354,19 @@ def param_label(path: str) -> str:
   if parts[-1] == "value" and len(parts) > 1:   # nnx.Variable leaves
     parts = parts[:-1]
   return ".".join(parts)
+
+
+def _made_label(name: str) -> str:
+  """Names jaxfold gives the leaves it adds: ``P@centered(d)`` (fold's untied
+  copy), ``W@fusedγ`` (fuse's γ-scaled copy), ``W@biasβ`` (fuse's new bias)."""
+  head, _, tail = name.partition("@")
+  if tail.startswith("centered"):
+    return f"{param_label(head)}[{_dims(tail[len('centered'):])}] (copy)"
+  if tail.startswith("fused"):
+    return f"{param_label(head)} (copy scaled by {param_label(tail[len('fused'):])})"
+  if tail.startswith("bias"):
+    return f"{param_label(head)} (new bias from {param_label(tail[len('bias'):])})"
+  return param_label(head) + (f"@{tail}" if tail else "")
 
 
 def _bytes(n: int) -> str:
