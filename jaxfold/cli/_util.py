@@ -202,8 +202,8 @@ def print_timing(s: dict, out=None) -> None:
   lo, hi = s["ratio_ci"]["folded"]
   aa_lo, aa_hi = s["ratio_ci"]["original A/A"]
   print(f"forward time (jit, interleaved, median of {s['rounds']} rounds x {s['number']} calls): "
-        f"original {med['original']:.3f} ms, folded {med['folded']:.3f} ms", file=out)
-  print(f"folded/original = {med['folded']:.3f} / {med['original']:.3f} = {r:.3f} "
+        f"original {med['original']:.4g} ms, folded {med['folded']:.4g} ms", file=out)
+  print(f"folded/original = {med['folded']:.4g} / {med['original']:.4g} = {r:.3f} "
         f"(95% bootstrap CI {lo:.3f}-{hi:.3f}); A/A (original vs itself): "
         f"{s['ratio']['original A/A']:.3f} (CI {aa_lo:.3f}-{aa_hi:.3f})", file=out)
   v = s["verdict"]["folded"]

@@ -79,6 +79,7 @@ def _save_safetensors(folded, spec, out) -> list:
   if folded.params.untied:
     import numpy as np
     from safetensors.numpy import save_file
+
     from jaxfold._src.integrity import default_file_mode
     untied = os.path.join(out, "untied.safetensors")
     save_file({k: np.asarray(v) for k, v in folded.params.untied.items()}, untied,
