@@ -3,7 +3,7 @@
 Each (model, size) is folded once (random weights with randomized γ/β), then the
 jitted original, the jitted folded program and the original again (A/A) are timed
 interleaved with rotated order (see `_common.py`).  The table gives medians, the
-folded/original ratio (median of per-round ratios, with its IQR) and the A/A ratio:
+folded/original ratio (of the median times; IQR of the per-round ratios) and the A/A ratio:
 a folded/original ratio inside the A/A band is not a measured difference.
 
 CPU defaults are modest.  The paper's grid (batch 2-128 x seq 64-16384) is

@@ -9,8 +9,8 @@ Example:
     >>> t = benchmarking.time_variants({"a": lambda: jnp.ones(8), "b": lambda: jnp.zeros(8)},
     ...                                rounds=3)
     >>> s = benchmarking.summarize_timings(t, "a", ["b"])
-    >>> sorted(s["ratio"])
-    ['b']
+    >>> sorted(s["ratio"]), s["verdict"]["b"] in ("faster", "slower", "not resolved")
+    (['b'], True)
     >>> benchmarking.max_rel_err(jnp.ones(3), jnp.ones(3))
     0.0
 """
@@ -18,13 +18,16 @@ Example:
 from jaxfold._src.paper_choice import paper_choice
 from jaxfold._src.timing import (
                                  NonFiniteError,
+                                 bootstrap_ratio_ci,
                                  check_finite,
                                  compare_forward,
                                  device_string,
                                  max_rel_err,
+                                 ratio_of_medians,
                                  summarize_timings,
                                  time_variants,
+                                 verdict,
 )
 
-__all__ = ["NonFiniteError", "device_string", "time_variants", "summarize_timings",
-           "compare_forward", "check_finite", "max_rel_err", "paper_choice"]
+__all__ = ["NonFiniteError", "device_string", "time_variants", "summarize_timings", "ratio_of_medians",
+           "bootstrap_ratio_ci", "verdict", "compare_forward", "check_finite", "max_rel_err", "paper_choice"]

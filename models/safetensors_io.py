@@ -263,7 +263,15 @@ def save_safetensors(params: PyTree, path: str | os.PathLike, family: str,
   """Write a Flax params pytree in HF naming (inverse of `load_safetensors`).
 
   Example:
-      >>> save_safetensors(folded.params, "folded.safetensors", "gpt2")
+      >>> save_safetensors(folded.params.params, "folded.safetensors", "gpt2")
   """
   tensors = {k: jnp.asarray(v) for k, v in to_hf_tensors(params, family).items()}
   save_file(tensors, os.fspath(path), metadata={"format": "pt", **(metadata or {})})
+  os.chmod(path, default_file_mode())   # safetensors creates files 0600
+
+
+def default_file_mode() -> int:
+  """``0o666`` less the process umask: what ``open(path, "w")`` gives a new file."""
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return 0o666 & ~mask

@@ -207,3 +207,16 @@ def test_two_processes_end_with_one_complete_fold(tmp_path, folds):
   assert _which(str(tmp_path / "overwrite"), folds) in (1, 2)
   for name in ("fresh", "overwrite"):
     assert _leftovers(tmp_path, name) == []
+
+
+def test_files_get_the_umask_mode_not_mkstemp_0600(tmp_path):
+  old = os.umask(0o022)
+  try:
+    integrity.atomic_write_bytes(str(tmp_path / "a.bin"), b"x")
+    from models.safetensors_io import save_safetensors
+    spec_params = {"wte": {"embedding": np.zeros((4, 2), np.float32)}}
+    save_safetensors(spec_params, tmp_path / "model.safetensors", "gpt2")
+  finally:
+    os.umask(old)
+  for name in ("a.bin", "model.safetensors"):
+    assert (tmp_path / name).stat().st_mode & 0o777 == 0o644, name

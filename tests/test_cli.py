@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -106,10 +107,17 @@ def test_fold_report_export_roundtrip(capsys, tmp_path):
 
 
 def test_bench_and_demo(capsys):
-  code, out, err = run(capsys, "bench", "--model", "gpt2-tiny", "--batch", "1", "--seq", "8",
+  # no --seq: bench's default (64) is longer than gpt2-tiny's 32 positions and is capped
+  code, out, err = run(capsys, "bench", "--model", "gpt2-tiny", "--batch", "1",
                        "--rounds", "3", "--warmup", "1")
   assert code == 0, err
-  assert "folded/original time ratio" in out and "A/A noise" in out
+  assert "gpt2-tiny has 32 positions, using --seq 32" in err and "batch 1 x seq 32" in out
+  # the ratio printed is the ratio of the medians printed beside it, with its interval
+  m = re.search(r"folded/original = ([\d.]+) / ([\d.]+) = ([\d.]+) \(95% bootstrap CI ([\d.]+)-([\d.]+)\)", out)
+  assert m, out
+  folded, original, ratio, lo, hi = map(float, m.groups())
+  assert abs(ratio / (folded / original) - 1) < 3e-3 and lo <= ratio <= hi   # 4 significant digits
+  assert ("not resolved" in out) == (lo <= 1 <= hi)
   code, out, err = run(capsys, "demo", "--tiny", "--batch", "2", "--seq", "8", "--rounds", "3")
   assert code == 0, err
   assert "5/5 normalization sites folded" in out
@@ -172,3 +180,12 @@ def test_serve_refuses_damaged_or_missing_sources(capsys, tmp_path):
   (tmp_path / "d").mkdir()
   code, out, err = run(capsys, "serve", str(tmp_path / "d"), "--port", "0")
   assert code == 2 and "not a saved fold" in err
+
+
+def test_help_shows_defaults(capsys):
+  for argv, want in ((["serve", "--help"], ["(default: 8000)", "(default: 127.0.0.1)", "(default: 16)"]),
+                     (["bench", "--help"], ["(default: 9)", "(default: 64, or the model's position count"])):
+    with pytest.raises(SystemExit) as e:
+      main(argv)
+    out = " ".join(capsys.readouterr().out.split())   # argparse wraps lines
+    assert e.value.code == 0 and all(w in out for w in want), out

@@ -31,9 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfold._src import algebra as A
-from jaxfold._src import compat
+from jaxfold._src import compat, display
 from jaxfold._src.analysis import Analyzer, Level
 from jaxfold._src.program import Program, Val
+from jaxfold._src.report import param_label
 from jaxfold._src.rewrite import Plan, evaluate
 from jaxfold._src.rules import Block, rule_for
 from jaxfold._src.rules import dims as D
@@ -73,7 +74,8 @@ class FuseReport:
     lines = []
     for i, s in enumerate(self.sites):
       status = "fused" if s.fused else "kept"
-      lines.append(f"{i}  {status:5}  {s.where}  γ={s.gamma} β={s.beta}: {s.reason}")
+      beta = param_label(s.beta) if s.beta else None
+      lines.append(f"{i}  {status:5}  {s.where}  γ={param_label(s.gamma)} β={beta}: {s.reason}")
     lines.append(f"{self.num_fused}/{len(self.sites)} affine sites fused into their readers"
                  + (f"; {self.extra_bytes} extra bytes" if self.extra_bytes else ""))
     return "\n".join(lines)
@@ -84,6 +86,7 @@ class FusedParams(NamedTuple):
   (``None``) and scaled weights, plus ``extras`` (untied copies, new biases)."""
   base: Any
   extras: dict
+  __repr__ = display.fused_params_repr
 
 
 class Fused(NamedTuple):
@@ -91,6 +94,7 @@ class Fused(NamedTuple):
   params: FusedParams
   apply_fn: Callable
   report: FuseReport
+  __repr__ = display.result_repr
 
 
 # ----------------------------------------------------------------------------
@@ -410,7 +414,7 @@ def analyse(fn: Callable, params: Any, args: tuple) -> FuseAnalysis:
         readers = _readers(level, aff)
         for r in readers:
           if r.leaf in claimed or (r.in_place and r.leaf in removed):
-            raise Block(f"{names[r.leaf]} is read after another fusion")
+            raise Block(f"{param_label(names[r.leaf])} is read after another fusion")
       except Block as err:
         sites.append(AffineSite(where, gname, bname, (), False, f"not fused: {err}"))
         continue
@@ -438,7 +442,7 @@ def analyse(fn: Callable, params: Any, args: tuple) -> FuseAnalysis:
           plan_biases.append((z.key, bias))
           extra += int(np.prod(wv.shape)) // wv.shape[r.dim] * np.dtype(z.dtype).itemsize
       reason = "γ into " + ", ".join(
-          (names[r.leaf] if r.in_place else names[r.leaf] + " (untied copy)") for r in readers)
+          param_label(names[r.leaf]) + ("" if r.in_place else " (untied copy)") for r in readers)
       if aff.beta is not None:
         reason += "; β·W into new biases"
       sites.append(AffineSite(where, gname, bname, tuple(names[r.leaf] for r in readers), True,

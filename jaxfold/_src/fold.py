@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfold._src import algebra, compat, kernels, layout
+from jaxfold._src import algebra, compat, display, kernels, layout
 from jaxfold._src.analysis import Analyzer
 from jaxfold._src.planner import Planner
 from jaxfold._src.program import Program
@@ -140,7 +140,7 @@ def analyse(apply_fn: Callable, params: Any, args: tuple, opts: FoldOptions,
     an.num_leaves = len(names)
     planner = Planner(an, names, opts).run()
     plan, kernel_sites = _plan(planner, opts)
-    report = planner.report(kernel_sites)
+    report = planner.report(kernel_sites).on_platform(jax.default_backend(), kernels.may_use_kernel(opts.norm_impl))
   result = Analysis(jaxpr, consts, jax.tree_util.tree_structure(out_shape), plan,
                     planner.leaf_specs(), planner.untied_specs(), report)
   _ANALYSES.put(closed, key, result)
@@ -387,10 +387,14 @@ class FoldedParams(NamedTuple):
   """The parameters of a fold: the centered pytree and untied centered copies.
 
   A distinct type, so that passing the original parameters to a folded
-  ``apply_fn`` is caught instead of silently computing something else.
+  ``apply_fn`` is caught instead of silently computing something else. It is
+  not a flax variable dict: the original model takes ``.params`` (the same
+  function there, each in-place centering being invisible, without the speedup).
   """
   params: Any
   untied: dict
+  __repr__ = display.folded_params_repr
+  __getattr__ = display.not_a_variable_dict
 
 
 class Folded(NamedTuple):
@@ -398,6 +402,7 @@ class Folded(NamedTuple):
   params: FoldedParams
   apply_fn: Callable
   report: Report
+  __repr__ = display.result_repr
 
 
 class Reparameterized(NamedTuple):

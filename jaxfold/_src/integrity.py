@@ -307,12 +307,20 @@ def commit_directory(tmp: str, target: str, *, overwrite: bool, may_replace=None
   raise FileExistsError(f"{target} kept being replaced by other writers; try again")
 
 
+def default_file_mode() -> int:
+  """``0o666`` less the process umask: what ``open(path, "w")`` gives a new file."""
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return 0o666 & ~mask
+
+
 def atomic_write_bytes(path: str, data: bytes) -> None:
   """Writes ``path`` through a temporary sibling and ``os.replace``: readers see
   the old file or the new one, never a prefix."""
   path = os.path.abspath(path)
   fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=os.path.dirname(path))
   try:
+    os.fchmod(fd, default_file_mode())   # mkstemp's 0600 would become the file's mode
     with os.fdopen(fd, "wb") as f:
       f.write(data)
       f.flush()

@@ -8,6 +8,7 @@ without any JAX work, so everything here works from the fields alone.
 from __future__ import annotations
 
 import dataclasses
+import html
 import json
 import re
 from typing import Optional
@@ -19,6 +20,8 @@ LEGEND = (
     "centerings;\n"
     "        own centerings: what this site needed first (it also relies on earlier sites'); "
     "axes: normalized axes")
+
+_HEAD = ("#", "folded", "site", "shape", "axes", "own centerings (folded) / reason (not folded)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +35,8 @@ class Centering:
 
   def label(self) -> str:
     """Compact form, e.g. ``h_0.attn.c_proj.kernel[1]`` (see :data:`LEGEND`)."""
-    dims = self.axes.strip("()").replace("(groups of ", "/").replace(")", "")
     tag = {"in place": "", "untied copy": " (copy)", "constant": " (constant)"}.get(self.mode, "")
-    return f"{param_label(self.param)}[{dims}]{tag}"
+    return f"{param_label(self.param)}[{_dims(self.axes)}]{tag}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +55,7 @@ class Auxiliary:
     return f"A{self.index}"
 
   def describe(self) -> str:
-    dims = self.axes.strip("()").replace("(groups of ", "/").replace(")", "")
+    dims = _dims(self.axes)
     if not self.shape:        # a report written before auxiliary centerings were structured
       return f"{self.name}: {self.value}"
     if self.where:
@@ -99,6 +101,8 @@ class Changes:
   params_centered: int = 0      # leaves centered in place (same shapes, new values)
   params_centered_bytes: int = 0
   norm_impl: str = "auto"
+  kernel_proof: Optional[bool] = None  # whether the kernel's proof ran (None: a report from before this field)
+  platform: str = ""                   # jax.default_backend() where the fold was made
 
   @property
   def reductions_after(self) -> int:
@@ -179,6 +183,14 @@ class Report:
       changes = Changes(**{k: v for k, v in ch.items() if k != "reductions_after"})
     return cls(tuple(sites), tuple(aux), int(d.get("untied_bytes", 0)), changes)
 
+  def on_platform(self, platform: str, kernel_proof: bool) -> "Report":
+    """This report, recording where the fold was made and whether the kernel's
+    proof ran (:meth:`diff` says what runs there)."""
+    if self.changes is None:
+      return self
+    return dataclasses.replace(self, changes=dataclasses.replace(
+        self.changes, platform=platform, kernel_proof=kernel_proof))
+
   # -- text ------------------------------------------------------------------
 
   def summary(self) -> str:
@@ -191,6 +203,9 @@ class Report:
   def table(self, group: bool = True) -> str:
     """The per-site table; ``group=True`` merges sites that differ only in a
     layer number (``h_0…h_11/ln_1  (12)``)."""
+    return _render([_HEAD] + self._rows(group))
+
+  def _rows(self, group: bool) -> list:
     rows = []
     for members in (_groups(self.sites) if group else [[s] for s in self.sites]):
       s = members[0]
@@ -210,9 +225,23 @@ class Report:
       idx = _indices([m.index for m in members])
       rows.append((idx, "yes" if s.folded else "no", label, "x".join(map(str, s.shape)),
                    ",".join(map(str, s.axes)), what))
-    head = ("#", "folded", "site",
-            "shape", "axes", "own centerings (folded) / reason (not folded)")
-    return _render([head] + rows)
+    return rows
+
+  def __repr__(self) -> str:
+    return f"<jaxfold.Report: {self.summary()}>"
+
+  def _repr_html_(self) -> str:
+    """The grouped table as HTML, for notebooks (every text escaped)."""
+    e = html.escape
+    cells = "".join(f"<th style='text-align:left'>{e(h)}</th>" for h in _HEAD)
+    rows = [f"<tr>{cells}</tr>"]
+    for r in self._rows(group=True):
+      color = "" if r[1] == "yes" else " style='color:#a33'"
+      rows.append(f"<tr{color}>" + "".join(f"<td style='text-align:left'>{e(c)}</td>" for c in r)
+                  + "</tr>")
+    notes = [self.summary()] + ["auxiliary centering " + a.describe() for a in self.auxiliary]
+    foot = "".join(f"<div>{e(n)}</div>" for n in notes)
+    return f"<div><table>{''.join(rows)}</table>{foot}<pre>{e(LEGEND)}</pre></div>"
 
   def __str__(self) -> str:
     lines = [self.table(group=True), self.summary()]
@@ -239,18 +268,7 @@ class Report:
       lines.append(f"    {label}: -{n} reduction(s){each}, LayerNorm -> RMSNorm")
     for a in self.auxiliary:
       lines.append(f"  + auxiliary centering {a.describe()}")
-    kern = sum(s.kernel for s in folded)
-    impl = ch.norm_impl
-    if impl == "xla" or not kern:
-      lines.append(f"  kernels substituted: none (norm_impl={impl!r}; {kern} site(s) proved "
-                   "equal to the Pallas RMSNorm formula)")
-    elif impl == "auto":
-      lines.append(f"  kernels substituted: {kern} site(s) proved equal to the Pallas RMSNorm "
-                   "formula; norm_impl='auto' runs the kernel on a GPU where "
-                   "pallas_kernels.choose expects it to win, XLA elsewhere")
-    else:
-      lines.append(f"  kernels substituted: {kern} site(s) run the Pallas RMSNorm kernel "
-                   f"(norm_impl={impl!r})")
+    lines.append("  kernels substituted: " + _kernels_text(ch, sum(s.kernel for s in folded)))
     if self.changes is not None:
       lines.append(f"  parameters centered in place: {ch.params_centered} leaves "
                    f"({_bytes(ch.params_centered_bytes)}; same shapes and dtypes, new values)")
@@ -259,7 +277,7 @@ class Report:
     if copies:
       lines.append(f"  untied centered copies: {len(copies)} ({_bytes(self.untied_bytes)} extra)")
       for (p, ax), b in copies.items():
-        lines.append(f"    {param_label(p)}{ax}: {_bytes(b)}")
+        lines.append(f"    {Centering(p, ax, 'untied copy').label()}: {_bytes(b)}")
     else:
       lines.append("  untied centered copies: none (0 B extra)")
     not_folded = self.num_sites - len(folded)
@@ -272,11 +290,62 @@ class Report:
 # Formatting helpers.
 
 
+def _kernels_text(ch: Changes, kern: int) -> str:
+  """What runs at the folded sites, on the platform the fold was made on."""
+  impl, where = ch.norm_impl, ch.platform or "this platform"
+  if impl == "xla":
+    return "none (norm_impl='xla': XLA's RMSNorm expression everywhere; no kernel proof attempted)"
+  if ch.kernel_proof is False:
+    return (f"none: no kernel proof attempted (norm_impl={impl!r} considers the Pallas kernel only "
+            f"on a GPU; this fold was made on {where}, where XLA's RMSNorm expression runs)")
+  if not kern:
+    return (f"none (norm_impl={impl!r}: no folded site proved equal to the Pallas RMSNorm formula; "
+            "XLA's RMSNorm expression runs)")
+  proved = f"{kern} site(s) proved equal to the Pallas RMSNorm formula"
+  if impl == "interpret":
+    return f"{proved}; they run the kernel in Pallas interpret mode (an emulation, for tests)"
+  if impl == "auto":
+    return (f"{proved}; norm_impl='auto' runs the kernel where pallas_kernels.choose expects it "
+            f"to win on this GPU ({where}), XLA's expression elsewhere")
+  if ch.platform in ("", "gpu", "cuda"):
+    return f"{proved}; they run the Pallas RMSNorm kernel (norm_impl={impl!r}) when compiled for CUDA"
+  return (f"{proved}; norm_impl={impl!r} runs the kernel only when compiled for CUDA: on {where} "
+          "(where this fold was made) XLA's RMSNorm expression runs; an export or AOT compile for "
+          "a GPU carries the kernel")
+
+
 _KEY = re.compile(r"\['([^']*)'\]|\[(\d+)\]|\.([A-Za-z_]\w*)")
+# Leaves of jaxfold's own parameter types (FoldedParams, FusedParams) are named
+# through their fields; labels drop those so fold, fuse and rotate name a
+# parameter alike.
+_FIELD = re.compile(r"^\.(?:params|base)(?=[.\[])")
+_MADE = re.compile(r"""^\.(?:untied|extras)\[(?:"(.*)"|'(.*)')\]$""")
+
+
+def _dims(axes: str) -> str:
+  """``"(1)"`` -> ``"1"``, ``"(3(groups of 4))"`` -> ``"3/4"``."""
+  return axes.strip("()").replace("(groups of ", "/").replace(")", "")
 
 
 def param_label(path: str) -> str:
-  """``"['params']['h_0']['attn']['kernel']"`` -> ``"h_0.attn.kernel"``."""
+  """``"['params']['h_0']['attn']['kernel']"`` -> ``"h_0.attn.kernel"``.
+
+  Paths into a fold's or a fuse's parameters name the same leaf the same way;
+  leaves jaxfold made are named by the parameter they come from.
+
+  Example:
+    >>> param_label(".base.params['params']['h_0']['attn']['kernel']")
+    'h_0.attn.kernel'
+    >>> param_label(".base.untied[\"['wte']['embedding']@centered(1)\"]")
+    'wte.embedding[1] (copy)'
+  """
+  while (m := _FIELD.match(path)) is not None:
+    path = path[m.end():]
+  made = _MADE.match(path)
+  if made is not None:
+    return _made_label(made.group(1) if made.group(1) is not None else made.group(2))
+  if "@" in path:
+    return _made_label(path)
   parts = [a or b or c for a, b, c in _KEY.findall(path)]
   if not parts:
     return path
@@ -285,6 +354,19 @@ def param_label(path: str) -> str:
   if parts[-1] == "value" and len(parts) > 1:   # nnx.Variable leaves
     parts = parts[:-1]
   return ".".join(parts)
+
+
+def _made_label(name: str) -> str:
+  """Names jaxfold gives the leaves it adds: ``P@centered(d)`` (fold's untied
+  copy), ``W@fusedγ`` (fuse's γ-scaled copy), ``W@biasβ`` (fuse's new bias)."""
+  head, _, tail = name.partition("@")
+  if tail.startswith("centered"):
+    return f"{param_label(head)}[{_dims(tail[len('centered'):])}] (copy)"
+  if tail.startswith("fused"):
+    return f"{param_label(head)} (copy scaled by {param_label(tail[len('fused'):])})"
+  if tail.startswith("bias"):
+    return f"{param_label(head)} (new bias from {param_label(tail[len('bias'):])})"
+  return param_label(head) + (f"@{tail}" if tail else "")
 
 
 def _bytes(n: int) -> str:

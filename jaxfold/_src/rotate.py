@@ -23,9 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfold._src import algebra as A
+from jaxfold._src import display
 from jaxfold._src.affine import FuseError, _abstract, _factor_leaf, _leaf_of, _signature
 from jaxfold._src.analysis import Analyzer, LeafNeed, Level
 from jaxfold._src.program import Program, Val
+from jaxfold._src.report import param_label
 from jaxfold._src.rules import Block, rule_for
 from jaxfold._src.rules.rotation import Lin, Quad, Want
 
@@ -40,7 +42,7 @@ class RotateReport:
   def __str__(self) -> str:
     lines = [f"rotated the residual stream (d={self.size}) through {self.norms} norm(s); "
              f"{len(self.rotated)} parameters rotated:"]
-    lines += [f"  {name} along dim {', '.join(map(str, dims))}" for name, dims in self.rotated]
+    lines += [f"  {param_label(name)} along dim {', '.join(map(str, dims))}" for name, dims in self.rotated]
     return "\n".join(lines)
 
 
@@ -49,6 +51,7 @@ class Rotated(NamedTuple):
   params: Any
   apply_fn: Callable
   report: RotateReport
+  __repr__ = display.result_repr
 
   @property
   def stream_axes(self) -> dict:
@@ -186,7 +189,7 @@ def _solve(fn: Callable, params: Any, args: tuple, n: int):
                         f"parameter seen through re-indexing [at {node.where()}]")
       i, dims = hit
       if i in seeds and seeds[i] != set(dims):
-        raise FuseError(f"{names[i]} would have to be rotated along dims {sorted(seeds[i])} "
+        raise FuseError(f"{param_label(names[i])} would have to be rotated along dims {sorted(seeds[i])} "
                         f"and {sorted(dims)} [at {node.where()}]")
       seeds[i] = set(dims)
     else:
@@ -195,6 +198,27 @@ def _solve(fn: Callable, params: Any, args: tuple, n: int):
     if not norms:
       raise FuseError("no norm reads the rotated stream")
   return tuple(sorted((i, tuple(sorted(d))) for i, d in seeds.items())), norms, names
+
+
+def _hints(model: Any) -> str:
+  """What to change when a rotation fails: the usual causes are a fold that
+  was not fused (norms still multiply by γ) and auxiliary centerings (a mean
+  over the stream, which a rotation does not commute with)."""
+  from jaxfold._src.fold import FoldedApply, FoldedParams  # noqa: PLC0415 - fold imports affine
+  hints = []
+  if isinstance(model.params, FoldedParams):
+    hints.append("the model is folded but not fused: call jaxfold.fuse_affine(folded) first, so "
+                 "that the norms keep no γ/β")
+  fn = model.apply_fn
+  while fn is not None and not isinstance(fn, FoldedApply):
+    fn = getattr(fn, "__wrapped__", None)
+  if fn is not None:
+    report = fn.analysis_for(fn.example_args, kwargs=fn.example_kwargs).report
+    if report.num_auxiliary:
+      hints.append(f"the fold has {report.num_auxiliary} auxiliary centering(s) (a mean over the "
+                   "stream, e.g. of a tied embedding): fold with tied_weights=\"copy\" (or "
+                   "auxiliary_centering=False) before fuse_affine and rotate")
+  return "".join(f"\n  hint: {h}" for h in hints)
 
 
 def _apply(x, dims: tuple, q: np.ndarray):
@@ -260,7 +284,10 @@ def rotate(model: Any, q: Any, *example_args: Any) -> Rotated:
       raise FuseError("pass example_args: the model's apply_fn does not record them")
   args = tuple(jax.tree_util.tree_map(_abstract, tuple(example_args)))
   abstract = jax.tree_util.tree_map(_abstract, params)
-  key, norms, names = _solve(fn, abstract, args, len(q))
+  try:
+    key, norms, names = _solve(fn, abstract, args, len(q))
+  except FuseError as e:
+    raise FuseError(f"{e}{_hints(model)}") from None
   leaves, tree = jax.tree_util.tree_flatten(params)
   dims = dict(key)
   new = [_apply(x, dims[i], q) if i in dims else x for i, x in enumerate(leaves)]

@@ -3,7 +3,8 @@ benchmark scripts (public as :mod:`jaxfold.benchmarking`).
 
 Variants are timed *interleaved*, their order rotated every round, after
 warm-up (compilation), with enough calls per measurement to last >= 20 ms; the
-result is the median of per-round ratios and an A/A figure (the original
+result is the ratio of the median times (the numbers printed next to it), a
+bootstrap confidence interval over rounds, and an A/A figure (the original
 executable against itself) that shows how much the device's noise alone moves
 a ratio.
 """
@@ -71,18 +72,59 @@ def time_variants(thunks: dict, *, rounds: int = 9, warmup: int = 2,
   return times
 
 
-def summarize_timings(times: dict, base: str, others: Sequence[str]) -> dict:
-  """Median time per variant and the median of per-round ratios ``other/base``.
+def ratio_of_medians(other: Sequence[float], base: Sequence[float]) -> float:
+  """``median(other) / median(base)``: the ratio of the times one prints."""
+  return statistics.median(other) / statistics.median(base)
 
-  Returns ``{"median_ms": {...}, "ratio": {other: r}, "ratio_iqr": {other: (q1, q3)}}``.
+
+def bootstrap_ratio_ci(other: Sequence[float], base: Sequence[float], *, level: float = 0.95,
+                       resamples: int = 2000, seed: int = 0) -> tuple:
+  """Percentile bootstrap interval of :func:`ratio_of_medians`.
+
+  Rounds are resampled in pairs (``other[i]`` with ``base[i]``): interleaved
+  rounds share the machine's state, so pairing keeps that noise common to both.
+  Deterministic for a given ``seed``.
+
+  Example:
+    >>> lo, hi = bootstrap_ratio_ci([2.0, 2.1, 1.9, 2.0], [1.0, 1.0, 1.1, 0.9])
+    >>> 1.5 < lo <= hi < 2.5
+    True
+  """
+  import numpy as np
+  a, b = np.asarray(other, np.float64), np.asarray(base, np.float64)
+  if len(a) != len(b) or len(a) == 0:
+    raise ValueError(f"need paired rounds, got {len(a)} and {len(b)}")
+  idx = np.random.default_rng(seed).integers(0, len(a), size=(resamples, len(a)))
+  ratios = np.median(a[idx], axis=1) / np.median(b[idx], axis=1)
+  tail = 100 * (1 - level) / 2
+  return float(np.percentile(ratios, tail)), float(np.percentile(ratios, 100 - tail))
+
+
+def verdict(ratio: float, ci: tuple) -> str:
+  """``"faster"``/``"slower"`` when the interval excludes 1, else ``"not resolved"``."""
+  lo, hi = ci
+  if lo <= 1.0 <= hi:
+    return "not resolved"
+  return "faster" if ratio < 1 else "slower"
+
+
+def summarize_timings(times: dict, base: str, others: Sequence[str]) -> dict:
+  """Median time per variant, and per other variant the ratio of medians
+  ``other/base`` with a 95% bootstrap interval and its verdict.
+
+  Returns ``{"median_ms": {...}, "ratio": {other: r}, "ratio_ci": {other: (lo, hi)},
+  "verdict": {other: "faster" | "slower" | "not resolved"}, "ratio_iqr": {other: (q1, q3)}}``;
+  ``ratio_iqr`` is the spread of the per-round ratios.
   """
   out = {"median_ms": {n: 1e3 * statistics.median(v) for n, v in times.items()
                        if not n.startswith("_")},
-         "ratio": {}, "ratio_iqr": {}, "rounds": len(times[base]),
+         "ratio": {}, "ratio_ci": {}, "verdict": {}, "ratio_iqr": {}, "rounds": len(times[base]),
          "number": times.get("_number", 1)}
   for o in others:
+    r = ratio_of_medians(times[o], times[base])
+    ci = bootstrap_ratio_ci(times[o], times[base])
+    out["ratio"][o], out["ratio_ci"][o], out["verdict"][o] = r, ci, verdict(r, ci)
     rs = sorted(a / b for a, b in zip(times[o], times[base]))
-    out["ratio"][o] = statistics.median(rs)
     q = statistics.quantiles(rs, n=4) if len(rs) >= 2 else [rs[0], rs[0], rs[0]]
     out["ratio_iqr"][o] = (q[0], q[2])
   return out
@@ -139,5 +181,5 @@ def max_rel_err(a: Any, b: Any, what: str = "outputs") -> float:
   return worst
 
 
-__all__ = ["NonFiniteError", "device_string", "time_variants", "summarize_timings",
-           "compare_forward", "check_finite", "max_rel_err"]
+__all__ = ["NonFiniteError", "device_string", "time_variants", "summarize_timings", "ratio_of_medians",
+           "bootstrap_ratio_ci", "verdict", "compare_forward", "check_finite", "max_rel_err"]

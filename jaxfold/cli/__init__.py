@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 
 from jaxfold.cli import bench, demo, export, fold, report, serve
 from jaxfold.cli import models as models_cmd
-from jaxfold.cli._util import CLIError, Step
+from jaxfold.cli._util import CLIError, DefaultsHelpFormatter, Step
 
 __all__ = ["main", "build_parser", "CLIError"]
 
@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
   sub = p.add_subparsers(dest="command", metavar="COMMAND")
   for cmd in COMMANDS:
     cmd.add_parser(sub)
+  for command_parser in sub.choices.values():
+    command_parser.formatter_class = DefaultsHelpFormatter
   return p
 
 

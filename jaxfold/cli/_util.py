@@ -199,14 +199,18 @@ def print_timing(s: dict, out=None) -> None:
   out = out or sys.stdout
   med = s["median_ms"]
   r = s["ratio"]["folded"]
-  q1, q3 = s["ratio_iqr"]["folded"]
+  lo, hi = s["ratio_ci"]["folded"]
+  aa_lo, aa_hi = s["ratio_ci"]["original A/A"]
   print(f"forward time (jit, interleaved, median of {s['rounds']} rounds x {s['number']} calls): "
-        f"original {med['original']:.3f} ms, folded {med['folded']:.3f} ms", file=out)
-  print(f"folded/original time ratio: {r:.3f} (IQR {q1:.3f}-{q3:.3f}); "
-        f"A/A noise (original vs itself): {s['ratio']['original A/A']:.3f} "
-        f"(±{100 * s['aa_noise']:.1f}%)", file=out)
-  if abs(r - 1) <= max(2 * s["aa_noise"], 0.01):
-    print("  -> the difference is within measurement noise on this device", file=out)
+        f"original {med['original']:.4g} ms, folded {med['folded']:.4g} ms", file=out)
+  print(f"folded/original = {med['folded']:.4g} / {med['original']:.4g} = {r:.3f} "
+        f"(95% bootstrap CI {lo:.3f}-{hi:.3f}); A/A (original vs itself): "
+        f"{s['ratio']['original A/A']:.3f} (CI {aa_lo:.3f}-{aa_hi:.3f})", file=out)
+  v = s["verdict"]["folded"]
+  if v == "not resolved":
+    print("  -> not resolved: the interval contains 1 (no difference measurable on this device)", file=out)
+  else:
+    print(f"  -> folded is {v} (the interval excludes 1)", file=out)
 
 
 def describe(spec) -> str:
@@ -222,6 +226,17 @@ def describe(spec) -> str:
 def jit_pair(apply_fn, folded):
   import jax
   return (jax.jit(lambda p, *a: apply_fn(p, *a)), jax.jit(lambda p, *a: folded.apply_fn(p, *a)))
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+  """Adds ``(default: X)`` to every option's help that does not already say its default."""
+
+  def _get_help_string(self, action) -> str:
+    text = action.help or ""
+    if (not action.option_strings or "default" in text
+        or action.default in (None, False, argparse.SUPPRESS)):
+      return text
+    return f"{text} (default: %(default)s)"
 
 
 def positive(name):
@@ -245,7 +260,23 @@ def fold_options(p):
                       "centering, or auto (default)")
 
 
-def shape_options(p, batch=2, seq=16):
-  p.add_argument("--batch", type=positive("--batch"), default=batch, help=f"batch size (default {batch})")
-  p.add_argument("--seq", type=positive("--seq"), default=seq,
-                 help=f"sequence length; image side for vision models (default {seq})")
+def shape_options(p, batch=2, seq=16, fit: bool = False):
+  """``fit=True``: ``--seq`` defaults to None and :func:`fit_seq` picks ``seq``
+  or the model's position count if that is shorter."""
+  p.add_argument("--batch", type=positive("--batch"), default=batch, help="batch size")
+  note = f"{seq}, or the model's position count if shorter" if fit else f"{seq}"
+  p.add_argument("--seq", type=positive("--seq"), default=None if fit else seq,
+                 help=f"sequence length; image side for vision models (default: {note})")
+
+
+def fit_seq(spec, seq: Optional[int], default: int) -> int:
+  """``seq`` if given (checked against the positions), else ``default`` capped
+  at the model's position table, so a command's own default is always valid."""
+  if seq is not None:
+    check_seq(spec, seq)
+    return seq
+  limit = zoo().max_positions(spec)
+  if limit is not None and limit < default:
+    print(f"--seq: {spec.name} has {limit} positions, using --seq {limit}", file=sys.stderr)
+    return limit
+  return default

@@ -11,20 +11,21 @@ from jaxfold.cli._util import Step
 
 def add_parser(sub) -> None:
   b = sub.add_parser("bench", help="folded vs original forward time")
-  b.add_argument("--model", required=True)
+  b.add_argument("--model", required=True, help="model name (`jaxfold models` lists them)")
   b.add_argument("--checkpoint", help="HF .safetensors file (default: random weights)")
-  b.add_argument("--rounds", type=U.positive("--rounds"), default=9)
-  b.add_argument("--warmup", type=U.positive("--warmup"), default=2)
-  b.add_argument("--seed", type=int, default=0)
+  b.add_argument("--rounds", type=U.positive("--rounds"), default=9, help="interleaved timing rounds")
+  b.add_argument("--warmup", type=U.positive("--warmup"), default=2,
+                 help="untimed calls per variant first (compilation)")
+  b.add_argument("--seed", type=int, default=0, help="seed of the random weights")
   b.add_argument("--json", action="store_true", help="also print the numbers as one JSON line")
   U.fold_options(b)
-  U.shape_options(b, 2, 64)
+  U.shape_options(b, 2, 64, fit=True)
   b.set_defaults(func=run)
 
 
 def run(args) -> int:
   spec = U.spec_named(args.model)
-  U.check_seq(spec, args.seq)
+  args.seq = U.fit_seq(spec, args.seq, 64)
   print(f"jaxfold bench: {spec.name}, batch {args.batch} x seq {args.seq}, on {device_string()}")
   params, source = U.params_for(spec, args, args.batch, args.seq)
   apply_fn = spec.apply_fn()

@@ -10,10 +10,10 @@ from jaxfold.cli._util import Step
 def add_parser(sub) -> None:
   d = sub.add_parser("demo", help="fold a built-in pre-LN transformer and measure it")
   d.add_argument("--tiny", action="store_true", help="use the tiny zoo model (fast; for tests)")
-  d.add_argument("--batch", type=U.positive("--batch"), default=4)
-  d.add_argument("--seq", type=U.positive("--seq"), default=128)
-  d.add_argument("--rounds", type=U.positive("--rounds"), default=15)
-  d.add_argument("--seed", type=int, default=0)
+  d.add_argument("--batch", type=U.positive("--batch"), default=4, help="batch size")
+  d.add_argument("--seq", type=U.positive("--seq"), default=128, help="sequence length")
+  d.add_argument("--rounds", type=U.positive("--rounds"), default=15, help="interleaved timing rounds")
+  d.add_argument("--seed", type=int, default=0, help="seed of the random weights")
   U.fold_options(d)
   d.set_defaults(func=run)
 

@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
   e.add_argument("--out", required=True, help="artifact file to write")
   e.add_argument("--no-symbolic", action="store_true",
                  help="export the example shapes exactly (default: symbolic batch and seq)")
-  e.add_argument("--seed", type=int, default=0)
+  e.add_argument("--seed", type=int, default=0, help="seed of the random weights")
   e.add_argument("--no-fold", action="store_true",
                  help="export the original (unfolded) model, e.g. as a baseline to compare with")
   U.fold_options(e)

@@ -79,8 +79,12 @@ def _save_safetensors(folded, spec, out) -> list:
   if folded.params.untied:
     import numpy as np
     from safetensors.numpy import save_file
-    save_file({k: np.asarray(v) for k, v in folded.params.untied.items()},
-              os.path.join(out, "untied.safetensors"), metadata={"format": "jaxfold-untied"})
+
+    from jaxfold._src.integrity import default_file_mode
+    untied = os.path.join(out, "untied.safetensors")
+    save_file({k: np.asarray(v) for k, v in folded.params.untied.items()}, untied,
+              metadata={"format": "jaxfold-untied"})
+    os.chmod(untied, default_file_mode())   # safetensors creates files 0600
     written.append("untied.safetensors")
   save_safetensors(params, os.path.join(out, "model.safetensors"), spec.family,
                    metadata={"jaxfold": "folded"})

@@ -15,7 +15,7 @@ def add_parser(sub) -> None:
                      "shape buckets, and on SIGTERM finishes the requests in flight and exits 0.")
   v.add_argument("source", help="artifact from `jaxfold export`, or a fold directory from "
                                 "`jaxfold fold`")
-  v.add_argument("--host", default="127.0.0.1")
+  v.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
   v.add_argument("--port", type=int, default=8000, help="0: let the OS pick a free port")
   v.add_argument("--max-batch", type=U.positive("--max-batch"), default=16,
                  help="rows per program call; batch buckets are powers of two up to it")

@@ -442,7 +442,7 @@ def test_embedding_layernorm_stream_needs_auxiliary_centering(x64):
   assert count_reduce_sum(g.apply_fn, g.params, ids) == count_reduce_sum(EmbLNStream().apply, p, ids) - 5 + 1
 
 
-def test_auxiliary_centering_is_not_inserted_when_it_does_not_pay():
+def test_auxiliary_centering_is_not_inserted_when_it_does_not_pay(x64):
   class M(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -494,7 +494,7 @@ def test_caller_pytree_is_not_modified(x64):
   assert f.params is not p
 
 
-def test_abstract_params_are_analysed_without_allocation():
+def test_abstract_params_are_analysed_without_allocation(x64):
   m, x = DenseLN(), x3().astype(jnp.float32)
   p = jax.eval_shape(lambda: m.init(jax.random.PRNGKey(0), x))
   f = jaxfold.fold(p, m.apply, jax.ShapeDtypeStruct(x.shape, x.dtype))
@@ -546,7 +546,7 @@ def test_jit_of_folded_apply(x64):
   assert rel_err(jax.jit(f.apply_fn)(f.params, x), m.apply(p, x)) < 1e-9
 
 
-def test_sharding_of_params_is_preserved():
+def test_sharding_of_params_is_preserved(x64):
   m, x = DenseLN(), x3().astype(jnp.float32)
   p = randomize(m.init(jax.random.PRNGKey(0), x))
   dev = jax.devices()[0]

@@ -112,7 +112,8 @@ def _mul(node, ins, ctx):
   if not _fits(node, k, _dims_of(s)):
     raise Block("a rotated operand of `mul` is broadcast along the rotated dim")
   if not ctx.constant_along(other, _dims_of(s), out_shape):
-    raise Block("a rotated value is multiplied by a factor that varies along the rotated dim")
+    raise Block("a rotated value is multiplied by a factor that varies along the rotated dim (a norm's γ? "
+                "jaxfold.fuse_affine moves it into the readers)")
   return [s]
 
 
