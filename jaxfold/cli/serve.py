@@ -124,7 +124,14 @@ def run(args) -> int:
     model.seal(max(0, args.compile_budget - len(model.compiled)))
   sys.stderr.flush()
   try:
-    return serving.serve(model, args.host, args.port, config)
+    code = serving.serve(model, args.host, args.port, config)
+    if code:
+      # A model call abandoned past --drain-timeout may still run on the worker
+      # thread; interpreter shutdown under it would abort, so leave at once.
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(code)
+    return code
   except serving.ServeError as e:
     raise CLIError(str(e)) from None
   except OSError as e:
