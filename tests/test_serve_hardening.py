@@ -139,7 +139,7 @@ def _slow_artifact(tmp_path):
   w = jax.random.normal(jax.random.PRNGKey(0), (256, 256)) / 16
 
   def apply(p, x):
-    return jax.lax.fori_loop(0, 40000, lambda i, h: jnp.tanh(h @ p["w"]), x)
+    return jax.lax.fori_loop(0, 200000, lambda i, h: jnp.tanh(h @ p["w"]), x)
   x = jnp.ones((1, 256))
   blob = jaxfold.export(Fold({"w": w}, apply), x, symbolic=("batch",), check=False,
                         meta={"inputs": [{"name": "x"}]})
@@ -156,8 +156,8 @@ def test_sigterm_past_drain_timeout_answers_503_and_exits_nonzero(tmp_path):
     t0 = time.monotonic()
     assert _post(s.url + "/predict", {"inputs": [[0.1] * 256]}, timeout=60)[0] == 200
     one = time.monotonic() - t0
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-      futs = [pool.submit(_post, s.url + "/predict", {"inputs": [[0.1] * 256]}, 60) for _ in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+      futs = [pool.submit(_post, s.url + "/predict", {"inputs": [[0.1] * 256]}, 60) for _ in range(6)]
       time.sleep(0.3)
       s.proc.send_signal(signal.SIGTERM)
       got = [f.result(timeout=60) for f in futs]
