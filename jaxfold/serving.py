@@ -12,9 +12,18 @@ Example:
     >>> res.throughput, res.percentile(0.5), res.percentile(0.99)
 """
 
-from jaxfold._src.serve.app import ServeConfig, create_app, serve
+from jaxfold._src.serve.app import ServeConfig, connection_limit, create_app, is_loopback, serve
 from jaxfold._src.serve.loadgen import LoadResult, load_test, run_load
-from jaxfold._src.serve.model import InputError, ServedModel, ServeError, load_model, pow2_buckets
+from jaxfold._src.serve.model import (
+                                     InputError,
+                                     OutsideBuckets,
+                                     ServedModel,
+                                     ServeError,
+                                     load_model,
+                                     pow2_buckets,
+                                     program_bounds,
+)
 
 __all__ = ["ServeConfig", "create_app", "serve", "load_model", "ServedModel", "ServeError",
-           "InputError", "load_test", "run_load", "LoadResult", "pow2_buckets"]
+           "InputError", "load_test", "run_load", "LoadResult", "pow2_buckets", "OutsideBuckets",
+           "program_bounds", "is_loopback", "connection_limit"]

@@ -53,21 +53,27 @@ def _get(url, timeout=30):
 class Server:
   """A server subprocess; ``url`` from its first stdout line."""
 
-  def __init__(self, argv):
+  def __init__(self, argv, preexec_fn=None, scheme="http", cafile=None):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT + os.pathsep
            + os.environ.get("PYTHONPATH", "")}
     self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True, env=env, cwd=ROOT)
+                                 text=True, env=env, cwd=ROOT, preexec_fn=preexec_fn)
     self.err = []
     threading.Thread(target=lambda: self.err.extend(self.proc.stderr), daemon=True).start()
     line = self.proc.stdout.readline()   # blocks until the address is printed (or it dies)
-    assert line.startswith("listening on http://127.0.0.1:"), (line, self.stderr())
+    assert line.startswith(f"listening on {scheme}://127.0.0.1:"), (line, self.stderr())
     self.url = line.split()[-1]
     # the socket listens before the first request can be served: wait for /health
     deadline = time.monotonic() + DEADLINE
     while True:
       try:
-        self.health = _get(self.url + "/health")
+        if cafile:
+          import ssl
+          ctx = ssl.create_default_context(cafile=cafile)
+          with urllib.request.urlopen(self.url + "/health", timeout=30, context=ctx) as r:
+            self.health = json.loads(r.read())
+        else:
+          self.health = _get(self.url + "/health")
         break
       except (urllib.error.URLError, ConnectionError):
         assert self.proc.poll() is None and time.monotonic() < deadline, self.stderr()

@@ -27,6 +27,14 @@ number of positions, ... — what ``jaxfold serve`` validates requests against).
 flipped bit, a truncated download or a foreign file is one clear
 :class:`jaxfold.IntegrityError` instead of a wrong answer or a parser crash.
 
+These SHA-256s are unkeyed: they catch accidents, not tampering (anyone can
+edit the metadata and re-hash).  ``export(..., key=K)`` adds
+``hmac_sha256`` to the header (HMAC-SHA256 under ``K`` of the header without
+it, which holds every other hash), and ``load_exported(..., key=K)`` /
+``jaxfold serve --verify-key FILE`` refuse an artifact that is unsigned or
+whose signature does not match.  The file is read once and verified and parsed
+from the same bytes in memory.
+
 The parameters are stored beside the program (not baked into it as constants)
 and passed to it as arguments, so each input shape compiled (``jaxfold serve``
 compiles one program per padded bucket) shares one copy of the weights.
@@ -56,7 +64,7 @@ from jax import export as jax_export
 
 from jaxfold._src import compat
 from jaxfold._src.fold import FoldedParams
-from jaxfold._src.integrity import IntegrityError, IsADirectory, NotFoundError, versions
+from jaxfold._src.integrity import IntegrityError, IsADirectory, NotFoundError, hmac_hex, hmac_matches, versions
 
 # Artifacts exported with params as an argument carry FoldedParams in their
 # input tree; registered once, under a stable name.
@@ -120,7 +128,7 @@ def _check_symbolic(symbolic) -> tuple:
 def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = ("batch", "seq"),
            params_as_argument: bool = False, platforms: Optional[Sequence[str]] = None,
            check: bool = True, rtol: float = 1e-4, meta: Optional[dict] = None,
-           bundle_params: bool = True) -> bytes:
+           bundle_params: bool = True, key: Optional[bytes | str] = None) -> bytes:
   """Serializes ``folded.apply_fn(folded.params, *args)`` with ``jax.export``.
 
   Args:
@@ -154,6 +162,9 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
       ``meta["max_seq"]`` (the longest sequence, e.g. the position-table size);
       ``meta["seq_padding"] = "causal"`` tells it that right-padding a sequence
       leaves the outputs at earlier positions unchanged.
+    key: sign the artifact (HMAC-SHA256 of its header, which holds the hash
+      of every other byte); ``load_exported(..., key=key)`` then refuses an
+      unsigned or modified one.
 
   Returns:
     The serialized artifact (``bytes``), loadable with :func:`load_exported`.
@@ -207,7 +218,7 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
     weights = [(jax.tree_util.keystr(path), _host_tensor(x))
                for path, x in jax.tree_util.tree_flatten_with_path(params)[0]]
   blob = wrap_artifact(bytes(exported.serialize()), meta, params_as_argument=params_as_argument,
-                       weights=weights, flat_params=params_as_argument or bundled)
+                       weights=weights, flat_params=params_as_argument or bundled, key=key)
   if check and all(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree_util.tree_leaves(example_args)):
     fn_loaded = load_exported(blob)
     got = fn_loaded(params, *example_args) if params_as_argument else fn_loaded(*example_args)
@@ -272,7 +283,7 @@ class _Loaded:
 
 def wrap_artifact(program: bytes, meta: Optional[dict] = None, *,
                   params_as_argument: bool = False, weights: Optional[list] = None,
-                  flat_params: bool = False) -> bytes:
+                  flat_params: bool = False, key: Optional[bytes | str] = None) -> bytes:
   """Puts a ``jax.export`` serialization in jaxfold's hashed container.
 
   ``weights``: ``[(name, array), ...]`` stored after the program, each with its
@@ -290,20 +301,23 @@ def wrap_artifact(program: bytes, meta: Optional[dict] = None, *,
   if weights is not None:
     table, offset = [], 0
     for name, w in weights:
-      key = {}
+      kinfo = {}
       if compat.is_prng_key(getattr(w, "dtype", None)):
-        key = {"key_impl": compat.key_impl_name(w)}
+        kinfo = {"key_impl": compat.key_impl_name(w)}
         w = jax.random.key_data(w)
       w = np.asarray(w)   # not ascontiguousarray: it makes a scalar 1-d
       data = w.tobytes()  # C order whatever w's layout
       table.append({"name": name, "dtype": jnp.dtype(w.dtype).name, "shape": list(w.shape),
                     "offset": offset, "bytes": len(data),
-                    "sha256": hashlib.sha256(data).hexdigest(), **key})
+                    "sha256": hashlib.sha256(data).hexdigest(), **kinfo})
       chunks.append(data)
       offset += len(data)
     header["weights"] = {"bytes": offset, "tensors": table}
   try:
     raw = json.dumps(header, sort_keys=True, allow_nan=False).encode()
+    if key is not None:
+      header["hmac_sha256"] = hmac_hex(key, raw)
+      raw = json.dumps(header, sort_keys=True, allow_nan=False).encode()
   except (TypeError, ValueError) as e:
     raise TypeError(f"export: meta must be JSON-serializable (str/int/float/bool/None, lists, "
                     f"dicts; finite numbers): {e}") from None
@@ -314,9 +328,23 @@ def wrap_artifact(program: bytes, meta: Optional[dict] = None, *,
 _REEXPORT = "re-export it (`jaxfold export ...` or jaxfold.export) or copy it again from a good source"
 
 
-def read_artifact(data: bytes, source: str = "<bytes>") -> tuple[dict, bytes]:
+def _check_signed(header: dict, key: Any, source: str) -> None:
+  mac = header.get("hmac_sha256")
+  if mac is None:
+    raise IntegrityError(f"{source} is not signed and a verification key was given: refusing it; "
+                         "export it with key=... (`jaxfold export --sign-key FILE`)")
+  rest = {k: v for k, v in header.items() if k != "hmac_sha256"}
+  if not hmac_matches(key, json.dumps(rest, sort_keys=True, allow_nan=False).encode(), mac):
+    raise IntegrityError(f"{source}: the signature does not match under the given key: the "
+                         "artifact was modified after it was signed (e.g. its metadata edited and "
+                         "re-hashed), or signed with another key; refusing it")
+
+
+def read_artifact(data: bytes, source: str = "<bytes>", *,
+                  key: Optional[bytes | str] = None) -> tuple[dict, bytes]:
   """Checks the container and returns ``(header, jax.export serialization)``;
-  :class:`IntegrityError` naming ``source`` on any damage."""
+  :class:`IntegrityError` naming ``source`` on any damage (and, with ``key``,
+  on a missing or wrong signature)."""
   n = len(data)
   lead = len(MAGIC) + _LEN.size
   if n < lead or data[:len(MAGIC)] != MAGIC:
@@ -349,6 +377,8 @@ def read_artifact(data: bytes, source: str = "<bytes>") -> tuple[dict, bytes]:
   if version > ARTIFACT_VERSION:
     raise IntegrityError(f"{source} was written by jaxfold {by} (artifact format {version}); this "
                          f"jaxfold reads format <= {ARTIFACT_VERSION}: upgrade jaxfold")
+  if key is not None:
+    _check_signed(header, key, source)
   body = memoryview(data)[lead + hlen + 32:]
   want = header.get("payload_bytes")
   weights = header.get("weights")
@@ -401,7 +431,8 @@ def _deserialize(program: bytes, source: str, header: dict):
                          f"{first}); {hint}") from None
 
 
-def load_exported(data: bytes | str | os.PathLike, *, verify: bool = True) -> Callable[..., Any]:
+def load_exported(data: bytes | str | os.PathLike, *, verify: bool = True,
+                  key: Optional[bytes | str] = None) -> Callable[..., Any]:
   """Loads an artifact from :func:`export` (its bytes or its path) into a jitted callable.
 
   Needs only jax: not the model's code, not jaxfold's analysis.  The callable
@@ -411,7 +442,9 @@ def load_exported(data: bytes | str | os.PathLike, *, verify: bool = True) -> Ca
 
   The container is checked first (:class:`jaxfold.IntegrityError` naming the
   file on a truncated, damaged or foreign file).  ``verify=False`` also accepts
-  a raw ``jax.export`` serialization (no hash: nothing is verified).
+  a raw ``jax.export`` serialization (no hash: nothing is verified).  With
+  ``key``, an artifact that is not signed with it (:func:`export` ``key=``) is
+  refused.  The file is read once: the bytes verified are the bytes loaded.
 
   Example:
     >>> fn = jaxfold.load_exported("model.jaxexport")
@@ -433,9 +466,11 @@ def load_exported(data: bytes | str | os.PathLike, *, verify: bool = True) -> Ca
     raise TypeError(f"load_exported takes the artifact's bytes or its path, got "
                     f"{type(data).__name__}")
   data = bytes(data)
+  if key is not None and not verify:
+    raise ValueError("load_exported: key= needs verify=True")
   if not verify and not data.startswith(MAGIC):
     return _Loaded(_deserialize(data, source, {}), {}, source)
-  header, program = read_artifact(data, source)
+  header, program = read_artifact(data, source, key=key)
   weights = read_weights(data, header, source)
   return _Loaded(_deserialize(program, source, header), header, source, weights)
 

@@ -34,7 +34,8 @@ from jaxfold._src.fold import FoldError
 
 __all__ = ["IntegrityError", "NotFoundError", "NotADirectory", "IsADirectory", "versions", "sha256_file",
            "sha256_bytes", "write_manifest", "verify_manifest", "read_manifest", "verify_file", "commit_directory",
-           "atomic_write_bytes", "MANIFEST"]
+           "atomic_write_bytes", "MANIFEST", "snapshot", "read_verified", "sign_directory", "remove_stale",
+           "DiskFullError", "SIGNATURE"]
 
 MANIFEST = "manifest.json"
 
@@ -331,3 +332,289 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
       os.remove(tmp)
     raise
   _fsync(os.path.dirname(path), directory=True)
+
+
+# ----------------------------------------------------------------------------
+# Keyed integrity (HMAC-SHA256) and snapshot reads.
+
+SIGNATURE = "signature.json"
+
+
+def key_bytes(key: "bytes | str") -> bytes:
+  """A signing key as bytes (a str is UTF-8 encoded); refuses an empty key."""
+  if isinstance(key, str):
+    key = key.encode()
+  if not isinstance(key, (bytes, bytearray)) or not key:
+    raise ValueError("a signing key must be non-empty bytes or str (e.g. the contents of a key "
+                     "file: `head -c 32 /dev/urandom > key`)")
+  return bytes(key)
+
+
+def hmac_hex(key: "bytes | str", data: bytes) -> str:
+  import hmac
+  return hmac.new(key_bytes(key), data, hashlib.sha256).hexdigest()
+
+
+def hmac_matches(key: "bytes | str", data: bytes, mac: object) -> bool:
+  import hmac
+  return isinstance(mac, str) and hmac.compare_digest(hmac_hex(key, data), mac)
+
+
+def sign_directory(directory: str, key: "bytes | str") -> None:
+  """Writes ``signature.json``: the HMAC-SHA256 of ``manifest.json``'s bytes
+  (the manifest holds every file's SHA-256, so the key covers every byte)."""
+  with open(os.path.join(directory, MANIFEST), "rb") as f:
+    raw = f.read()
+  path = os.path.join(directory, SIGNATURE)
+  with open(path, "w") as f:
+    json.dump({"alg": "hmac-sha256", "manifest": hmac_hex(key, raw)}, f)
+    f.write("\n")
+    f.flush()
+    os.fsync(f.fileno())
+
+
+class _Swapped(Exception):
+  """The directory was replaced while it was read: read it again."""
+
+
+def _read_at(dfd: int, rel: str) -> bytes:
+  fd = os.open(rel, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0), dir_fd=dfd)
+  with os.fdopen(fd, "rb") as f:
+    return f.read()
+
+
+def _same_dir(directory: str, dfd: int) -> bool:
+  try:
+    a, b = os.stat(directory), os.fstat(dfd)
+  except OSError:
+    return False
+  return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _parse_manifest(raw: bytes, directory: str, what: str) -> dict:
+  try:
+    manifest = json.loads(raw)
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+      raise ValueError("no 'files' table")
+  except (ValueError, UnicodeDecodeError) as e:
+    raise IntegrityError(f"{os.path.join(directory, MANIFEST)} is damaged ({type(e).__name__}: {e}), "
+                         f"so the {what} in {directory} cannot be verified: {_REDO}") from None
+  for rel in manifest["files"]:
+    if not isinstance(rel, str) or rel.startswith("/") or ".." in rel.split("/"):
+      raise IntegrityError(f"{os.path.join(directory, MANIFEST)} lists a path outside the "
+                           f"directory ({rel!r}): it is not a manifest written by jaxfold")
+  return manifest
+
+
+def _check_signature(dfd: int, directory: str, raw_manifest: bytes, key, what: str) -> None:
+  path = os.path.join(directory, SIGNATURE)
+  try:
+    sig = json.loads(_read_at(dfd, SIGNATURE))
+  except FileNotFoundError:
+    raise IntegrityError(f"the {what} in {directory} is not signed (no {SIGNATURE}) and a "
+                         "verification key was given: refusing it; save it again with "
+                         "key=... (`--sign-key FILE`)") from None
+  except (ValueError, UnicodeDecodeError, OSError) as e:
+    raise IntegrityError(f"{path} is damaged ({type(e).__name__}): refusing the {what}") from None
+  mac = sig.get("manifest") if isinstance(sig, dict) else None
+  if not hmac_matches(key, raw_manifest, mac):
+    raise IntegrityError(f"{path} does not match the manifest under the given key: the {what} in "
+                         f"{directory} was modified after it was signed, or signed with another "
+                         "key; refusing it")
+
+
+def _open_dir(directory: str) -> int:
+  try:
+    return os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+  except FileNotFoundError:
+    raise NotFoundError(f"{directory} does not exist") from None
+  except NotADirectoryError:
+    raise NotADirectory(f"{directory} is a file, not a saved fold directory") from None
+
+
+def _manifest_at(dfd: int, directory: str, what: str, key) -> tuple[bytes, dict]:
+  try:
+    raw = _read_at(dfd, MANIFEST)
+  except FileNotFoundError:
+    raise NotFoundError(f"{os.path.join(directory, MANIFEST)} does not exist: {directory} is not "
+                        f"a {what} (write one with jaxfold.save_fold or `jaxfold fold`)") from None
+  manifest = _parse_manifest(raw, directory, what)
+  if key is not None:
+    _check_signature(dfd, directory, raw, key, what)
+  return raw, manifest
+
+
+def read_verified(directory: str, rels: Iterable[str], *, key=None,
+                  what: str = "saved fold") -> dict:
+  """``{rel: bytes}`` of small files, read once through one descriptor of
+  ``directory`` and checked against its manifest (the bytes checked are the
+  bytes returned, even if the directory is replaced meanwhile)."""
+  for _ in range(_SNAPSHOT_TRIES):
+    dfd = _open_dir(directory)
+    try:
+      _, manifest = _manifest_at(dfd, directory, what, key)
+      out = {}
+      for rel in rels:
+        want = manifest["files"].get(rel)
+        if want is None:
+          raise IntegrityError(f"{os.path.join(directory, rel)} is not listed in the manifest of "
+                               f"the {what}: {_REDO}")
+        try:
+          data = _read_at(dfd, rel)
+        except FileNotFoundError:
+          if not _same_dir(directory, dfd):
+            raise _Swapped() from None
+          raise IntegrityError(f"{os.path.join(directory, rel)} is missing: {_REDO}") from None
+        if len(data) != want.get("bytes") or sha256_bytes(data) != want.get("sha256"):
+          raise IntegrityError(f"{os.path.join(directory, rel)} does not match its SHA-256 in the "
+                               f"manifest: {_REDO}")
+        out[rel] = data
+      return out
+    except _Swapped:
+      continue
+    finally:
+      os.close(dfd)
+  raise IntegrityError(f"{directory} kept being replaced while it was read: try again")
+
+
+_SNAPSHOT_TRIES = 16
+_CHUNK = 1 << 22
+
+
+def _copy_verified(dfd: int, directory: str, rel: str, want: dict, dest: str) -> None:
+  full = os.path.join(directory, rel)
+  try:
+    fd = os.open(rel, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0), dir_fd=dfd)
+  except FileNotFoundError:
+    if not _same_dir(directory, dfd):
+      raise _Swapped() from None
+    raise IntegrityError(f"{full} is missing: the saved fold in {directory} is incomplete (a "
+                         f"partial copy?); {_REDO}") from None
+  h, n = hashlib.sha256(), 0
+  out = os.path.join(dest, *rel.split("/"))
+  os.makedirs(os.path.dirname(out), exist_ok=True)
+  with os.fdopen(fd, "rb") as src, open(out, "wb") as dst:
+    while True:
+      chunk = src.read(_CHUNK)
+      if not chunk:
+        break
+      h.update(chunk)
+      n += len(chunk)
+      dst.write(chunk)
+  if n != want.get("bytes"):
+    raise IntegrityError(f"{full} has {n} bytes, {want.get('bytes')} were written: it is "
+                         f"truncated or was replaced; {_REDO}")
+  if h.hexdigest() != want.get("sha256"):
+    raise IntegrityError(f"{full} does not match its SHA-256 in the manifest: its content changed "
+                         f"after it was written (disk or copy corruption, or an edit); {_REDO}")
+
+
+@contextlib.contextmanager
+def snapshot(directory: str, *, strict_under: Iterable[str] = (), key=None,
+             what: str = "saved fold"):
+  """Yields ``(private_dir, manifest)``: a private copy of every file the
+  manifest lists, each read once through a descriptor of ``directory``, hashed
+  while it is copied, and compared with the manifest.  Whatever replaces
+  ``directory`` meanwhile (``save_fold(..., overwrite=True)``), the copy holds
+  exactly the verified bytes of one fold; it is removed on exit.  With ``key``
+  the manifest's HMAC (``signature.json``) must match too.
+
+  The copy goes to ``tempfile.gettempdir()`` (``TMPDIR``) and needs as much
+  space as the fold."""
+  strict_under = tuple(strict_under)
+  for _ in range(_SNAPSHOT_TRIES):
+    dfd = _open_dir(directory)
+    priv = tempfile.mkdtemp(prefix="jaxfold-load-")
+    try:
+      try:
+        _, manifest = _manifest_at(dfd, directory, what, key)
+        for rel in sorted(manifest["files"]):
+          _copy_verified(dfd, directory, rel, manifest["files"][rel], priv)
+        for top in strict_under:
+          try:
+            walker = list(os.fwalk(top, dir_fd=dfd))
+          except OSError:
+            walker = []
+          for root, _dirs, files, _rfd in walker:
+            for name in files:
+              rel = f"{root}/{name}".replace(os.sep, "/")
+              if rel not in manifest["files"]:
+                raise IntegrityError(f"{os.path.join(directory, rel)} is not listed in "
+                                     f"{os.path.join(directory, MANIFEST)}: the {what} was modified "
+                                     f"after it was written (a stray or stale file); remove it or "
+                                     f"{_REDO}")
+      except _Swapped:
+        continue
+      yield priv, manifest
+      return
+    finally:
+      os.close(dfd)
+      shutil.rmtree(priv, ignore_errors=True)
+  raise IntegrityError(f"{directory} kept being replaced while it was read: try again")
+
+
+# ----------------------------------------------------------------------------
+# Temporary directories of writers that died.
+
+STALE_AFTER = 6 * 3600   # seconds: a temporary directory of an unknown writer older than this is dead
+
+
+def writer_tag() -> str:
+  """``<host hash>.<pid>``: who owns a temporary directory (parsed by :func:`remove_stale`)."""
+  host = hashlib.sha256(platform.node().encode()).hexdigest()[:8]
+  return f"{host}.{os.getpid()}"
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except (PermissionError, OSError):
+    return True
+  return True
+
+
+def remove_stale(parent: str, name: str) -> list:
+  """Removes ``.NAME.tmp-*`` siblings left by writers that died (their pid on
+  this host is gone, or unknown writers after :data:`STALE_AFTER`); returns them."""
+  import time
+  prefix = f".{name}.tmp-"
+  me = writer_tag().split(".")[0]
+  removed = []
+  try:
+    entries = os.listdir(parent)
+  except OSError:
+    return removed
+  for entry in entries:
+    if not entry.startswith(prefix):
+      continue
+    path = os.path.join(parent, entry)
+    tag = entry[len(prefix):].split("-")[0]
+    host, _, pid = tag.partition(".")
+    dead = False
+    if host == me and pid.isdigit():
+      dead = not _pid_alive(int(pid))
+    else:
+      with contextlib.suppress(OSError):
+        dead = time.time() - os.lstat(path).st_mtime > STALE_AFTER
+    if dead and not os.path.islink(path):
+      shutil.rmtree(path, ignore_errors=True)
+      removed.append(entry)
+  return removed
+
+
+_DISK_FULL = ("RESOURCE_EXHAUSTED", "No space left on device", "Disk quota exceeded")
+
+
+def is_disk_full(e: BaseException) -> bool:
+  """An ``OSError`` ENOSPC/EDQUOT, or orbax/tensorstore's wrapped form of one."""
+  if isinstance(e, OSError) and e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
+    return True
+  text = str(e)
+  return any(s in text for s in _DISK_FULL)
+
+
+class DiskFullError(IntegrityError, OSError):
+  """The disk (or quota) filled up while a fold or an artifact was written;
+  nothing was committed."""

@@ -8,6 +8,8 @@ Layout of a saved fold directory::
     DIR/fold.json      what :func:`load_fold` needs to rebuild ``apply_fn``: fold options,
                        the example-argument signature, whether parameters were untied
     DIR/meta.json      free-form metadata given by the caller (model name, config, ...)
+    DIR/program.json   a structural fingerprint of the original apply_fn's traced program
+    DIR/signature.json with ``key=``: HMAC-SHA256 of manifest.json (not listed in it)
 
 ``folded.apply_fn`` re-traces the *original* apply function, so :func:`load_fold`
 takes it (``jaxfold report DIR``/``jaxfold bench`` resolve it from the model name
@@ -15,9 +17,16 @@ stored in meta.json).  Loading re-runs the analysis on abstract shapes (no weigh
 are touched), checks that it makes the same decisions as the saved report, and
 returns a fold whose ``apply_fn(params, *args)`` is bit-for-bit the saved one's.
 
-Saves are atomic (a temporary sibling renamed into place) and loads verify the
-manifest first, so a damaged, truncated or mixed fold is refused with an
-:class:`jaxfold.IntegrityError` that names the file (see ``integrity.py``).
+Saves are atomic (a temporary sibling renamed into place; temporary siblings of
+writers that died are removed by the next save).  Loads read a *snapshot*: every
+file is read once through one descriptor of the directory, hashed while it is
+copied to a private temporary directory and compared with the manifest, and only
+that copy is parsed; so a damaged, truncated or foreign fold is refused with an
+:class:`jaxfold.IntegrityError` that names the file, and a fold replaced while it
+is read is never mixed with its successor.  The SHA-256s are unkeyed: they catch
+accidents (bit flips, partial copies, concurrent writers), not tampering: with
+``key=`` the manifest is signed (HMAC-SHA256) and a load with the key refuses
+anything unsigned or modified.
 
 Example:
     >>> save_fold(folded, "/tmp/f", meta={"model": "gpt2-tiny"})
@@ -42,14 +51,19 @@ import numpy as np
 from jaxfold._src import compat
 from jaxfold._src.integrity import (
   MANIFEST,
+  DiskFullError,
   IntegrityError,
   NotADirectory,
   NotFoundError,
   commit_directory,
-  read_manifest,
-  verify_file,
+  is_disk_full,
+  read_verified,
+  remove_stale,
+  sign_directory,
+  snapshot,
   verify_manifest,
   write_manifest,
+  writer_tag,
 )
 from jaxfold._src.integrity import versions as _versions
 from jaxfold._src.report import Report
@@ -57,7 +71,8 @@ from jaxfold._src.report import Report
 __all__ = ["save_fold", "load_fold", "load_report", "load_meta", "LoadedFold",
            "report_from_dict", "FORMAT_VERSION", "IntegrityError"]
 
-# 2: manifest.json with content hashes; atomic commits.
+# 2: manifest.json with content hashes; atomic commits (program.json and
+# signature.json are optional additions that format-2 readers ignore).
 FORMAT_VERSION = 2
 
 
@@ -185,6 +200,11 @@ def _check_replaceable(directory: str) -> None:
 
 
 def _check_target(directory: str, overwrite: bool) -> None:
+  if os.path.islink(directory):
+    raise IntegrityError(
+        f"{directory} is a symbolic link (to {os.path.realpath(directory)}): a fold is replaced "
+        "by renaming a new directory into place, which would replace the link, not what it points "
+        f"to; pass the real path {os.path.realpath(directory)} or remove the link")
   if not os.path.lexists(directory):
     return
   if not os.path.isdir(directory):
@@ -239,7 +259,8 @@ def _host_array(x: Any) -> Any:
 
 def save_fold(folded: Any, directory: str | os.PathLike, *, meta: Optional[dict] = None,
               example_args: Any = None, overwrite: bool = False,
-              extra_files: Optional[Callable[[str], Any]] = None) -> str:
+              extra_files: Optional[Callable[[str], Any]] = None,
+              key: Optional[bytes | str] = None) -> str:
   """Writes ``folded`` (from :func:`jaxfold.fold`) under ``directory``, atomically.
 
   Everything is written to a temporary sibling ``.NAME.tmp-*``, hashed into
@@ -261,6 +282,13 @@ def save_fold(folded: Any, directory: str | os.PathLike, *, meta: Optional[dict]
       that is not a fold is never replaced).
     extra_files: ``f(tmp_dir)`` writing more files into the fold before it is
       hashed and committed (``jaxfold fold`` writes its safetensors this way).
+    key: sign the fold (HMAC-SHA256 of its manifest, in ``signature.json``);
+      ``load_fold(..., key=...)`` then refuses it if anything was changed.
+
+  Raises:
+    DiskFullError (an :class:`jaxfold.IntegrityError`) when the disk fills up
+    (nothing is committed, the temporary directory is removed);
+    IntegrityError when ``directory`` is a symbolic link.
 
   Returns:
     The absolute path of ``directory``.
@@ -284,6 +312,7 @@ def save_fold(folded: Any, directory: str | os.PathLike, *, meta: Optional[dict]
       "untied": _is_untied(folded),
       "jax_version": jax.__version__,
   }
+  program = _program_of(folded, args)
   params = {"params": jax.tree_util.tree_map(_host_array, folded.params.params)}
   if folded.params.untied:  # orbax does not store empty containers
     params["untied"] = {k: _host_array(v) for k, v in folded.params.untied.items()}
@@ -300,7 +329,9 @@ def save_fold(folded: Any, directory: str | os.PathLike, *, meta: Optional[dict]
       os.makedirs(tmp)
     _barrier(f"jaxfold_save_fold_mkdir_{token}")
   else:
-    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+    remove_stale(parent, name)
+    # The writer's host and pid in the name let the next save remove it if we die.
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-{writer_tag()}-", dir=parent)
     os.chmod(tmp, 0o777 & ~_umask())   # mkdtemp's 0700 would become the fold's mode
   err: Optional[BaseException] = None
   try:
@@ -312,23 +343,70 @@ def save_fold(folded: Any, directory: str | os.PathLike, *, meta: Optional[dict]
         f.write(report_json)
       _write_json(os.path.join(tmp, "fold.json"), fold_info)
       _write_json(os.path.join(tmp, "meta.json"), dict(meta or {}))
+      if program is not None:
+        _write_json(os.path.join(tmp, "program.json"), program)
       if extra_files is not None:
         extra_files(tmp)
       write_manifest(tmp, kind="jaxfold-fold", extra={"format_version": FORMAT_VERSION})
+      if key is not None:
+        sign_directory(tmp, key)
       commit_directory(tmp, directory, overwrite=overwrite, may_replace=_check_replaceable)
   except BaseException as e:  # noqa: BLE001 - re-raised below, after cleaning up
     err = e
+    if is_disk_full(e):
+      first = (str(e).strip().splitlines() or [""])[0][:200]
+      err = DiskFullError(f"no space left on the disk holding {parent} while saving the fold "
+                          f"({type(e).__name__}: {first}); nothing was written to {directory} "
+                          "(a previous fold there is intact): free space or save elsewhere")
   committed = err is None
   if multi:
     # Every process takes part, so none waits forever for a failed process 0.
     committed = bool(_broadcast_int(int(err is None) if lead else 0))
   if lead and os.path.isdir(tmp):
     shutil.rmtree(tmp, ignore_errors=True)
+  if isinstance(err, DiskFullError):
+    raise err from None
   if err is not None:
     raise err
   if not committed:
     raise RuntimeError(f"save_fold: process 0 failed to write {directory} (see its error)")
   return directory
+
+
+def _program_of(folded: Any, args: Any) -> Optional[dict]:
+  """The fingerprint of the original apply_fn at the fold's example arguments
+  (None when it cannot be traced here: then loads skip the comparison)."""
+  from jaxfold._src.fingerprint import fingerprint
+  fn = getattr(folded.apply_fn, "original_fn", None)
+  if fn is None:
+    return None
+  kwargs = dict(getattr(folded.apply_fn, "example_kwargs", {}) or {})
+  try:
+    return {"jax_version": jax.__version__,
+            **fingerprint(fn, folded.params.params, tuple(args), kwargs)}
+  except Exception:  # noqa: BLE001 - the fold itself was traced; this is an extra check
+    return None
+
+
+def _check_program(directory: str, saved: Any, apply_fn: Callable, params: Any, args: Any,
+                   kwargs: dict) -> None:
+  from jaxfold._src.fingerprint import difference, fingerprint
+  from jaxfold._src.fold import FoldError
+  if not isinstance(saved, dict) or "sha256" not in saved:
+    return
+  now = fingerprint(apply_fn, params, tuple(args), kwargs)
+  diff = difference(saved, now)
+  if diff is None:
+    return
+  if saved.get("jax_version") != jax.__version__:
+    import warnings
+    warnings.warn(f"the program traced from apply_fn differs from the one {directory} was saved "
+                  f"for, but it was saved with jax {saved.get('jax_version')} (this is "
+                  f"{jax.__version__}), whose traces may differ: {diff}", stacklevel=3)
+    return
+  raise FoldError(f"apply_fn is not the program the fold in {directory} was made for: {diff}. "
+                  "Pass the apply_fn of the model the fold was made from (same architecture and "
+                  "code), or fold this model again")
 
 
 def _verify(directory: str, *, integrity: bool) -> Optional[dict]:
@@ -362,19 +440,27 @@ def _check_dir(directory: str) -> None:
                              "artifact loads with jaxfold.load_exported)")
 
 
-def load_report(directory: str | os.PathLike, *, integrity: bool = True) -> Report:
+def load_report(directory: str | os.PathLike, *, integrity: bool = True,
+                key: Optional[bytes | str] = None) -> Report:
   """The :class:`jaxfold.Report` of a saved fold (no jax work, no weights read;
-  only ``report.json`` is checked against the manifest)."""
+  only ``report.json`` is checked against the manifest, from the bytes parsed).
+
+  Example:
+    >>> load_report("/tmp/gpt2-fold").num_folded
+  """
   directory = os.path.abspath(os.fspath(directory))
   path = os.path.join(directory, "report.json")
   _check_dir(directory)
   if not os.path.exists(path):
     raise NotFoundError(f"{path} does not exist: {directory} is not a saved fold "
                             "(expected params/, report.json, fold.json, meta.json)")
-  if integrity and os.path.exists(os.path.join(directory, MANIFEST)):
-    verify_file(directory, "report.json", read_manifest(directory))
   try:
-    return report_from_dict(_read_json(path))
+    if key is not None or (integrity and os.path.exists(os.path.join(directory, MANIFEST))):
+      raw = read_verified(directory, ["report.json"], key=key)["report.json"]
+    else:
+      with open(path, "rb") as f:
+        raw = f.read()
+    return report_from_dict(json.loads(raw))
   except (ValueError, TypeError, KeyError) as e:
     raise IntegrityError(f"{path} is not a jaxfold report ({type(e).__name__}: {e}); re-create "
                          "the fold") from None
@@ -421,7 +507,8 @@ def _restore_params(path: str, target: Any = None) -> Any:
 
 
 def load_fold(directory: str | os.PathLike, apply_fn: Callable, *,
-              target: Any = None, verify: bool = True, integrity: bool = True) -> LoadedFold:
+              target: Any = None, verify: bool = True, integrity: bool = True,
+              key: Optional[bytes | str] = None) -> LoadedFold:
   """Reads a fold written by :func:`save_fold`.
 
   Args:
@@ -432,10 +519,16 @@ def load_fold(directory: str | os.PathLike, apply_fn: Callable, *,
       ``ShapeDtypeStruct``s, with ``sharding=`` to restore sharded, e.g. across
       the processes of ``jax.distributed``), for parameter pytrees that are not
       plain dicts; a :class:`jaxfold.FoldedParams` is accepted.
-    verify: check that re-analysing ``apply_fn`` makes the same per-site
-      decisions as the saved report (fails when the model code changed).
-    integrity: check every file against the SHA-256 in ``manifest.json``
-      before reading it (:class:`jaxfold.IntegrityError` on a mismatch).
+    verify: check that ``apply_fn`` traces to the program the fold was saved
+      for (``program.json``: a :class:`jaxfold.FoldError` saying what differs,
+      e.g. another number of heads) and that re-analysing it makes the same
+      per-site decisions as the saved report.
+    integrity: read a verified snapshot: every file is read once, checked
+      against the SHA-256 in ``manifest.json`` (:class:`jaxfold.IntegrityError`
+      on a mismatch) and parsed from that copy, so a fold replaced meanwhile is
+      never mixed with another (the copy needs temporary space, see ``TMPDIR``).
+    key: refuse the fold unless its ``signature.json`` is the HMAC-SHA256 of
+      its manifest under this key (see :func:`save_fold`).
 
   Returns:
     ``LoadedFold(params, apply_fn, report, meta)``; ``apply_fn(params, *args)``
@@ -445,13 +538,40 @@ def load_fold(directory: str | os.PathLike, apply_fn: Callable, *,
     >>> again = load_fold("/tmp/gpt2-fold", models.get("gpt2-tiny").apply_fn())
     >>> logits = again.apply_fn(again.params, ids)
   """
+  directory = os.path.abspath(os.fspath(directory))
+  _check_dir(directory)
+  if key is not None and not integrity:
+    raise ValueError("load_fold: key= needs integrity=True (a signature is checked with the hashes)")
+  if not integrity:
+    return _load_from(directory, directory, apply_fn, target=target, verify=verify)
+  _verify_present(directory)
+  with snapshot(directory, strict_under=("params",), key=key) as (copy, manifest):
+    _check_format(directory, manifest)
+    return _load_from(copy, directory, apply_fn, target=target, verify=verify)
+
+
+def _verify_present(directory: str) -> None:
+  """Clear messages for a directory that has no manifest at all."""
+  if not os.path.exists(os.path.join(directory, MANIFEST)):
+    _verify(directory, integrity=True)     # raises the right error
+
+
+def _check_format(directory: str, manifest: dict) -> None:
+  version = manifest.get("format_version", 0)
+  if not isinstance(version, int) or version > FORMAT_VERSION:
+    by = manifest.get("written_by", {}).get("jaxfold", "?")
+    raise IntegrityError(f"{directory} was written by jaxfold {by} (format {version}); this "
+                         f"jaxfold {_versions().get('jaxfold')} reads format <= {FORMAT_VERSION}: "
+                         "upgrade jaxfold")
+
+
+def _load_from(copy: str, directory: str, apply_fn: Callable, *, target: Any,
+               verify: bool) -> LoadedFold:
+  """Loads the fold whose files are in ``copy`` (messages name ``directory``)."""
   from jaxfold._src.fold import FoldedParams, FoldError, FoldOptions
   from jaxfold._src.fold import fold as _fold
 
-  directory = os.path.abspath(os.fspath(directory))
-  _check_dir(directory)
-  _verify(directory, integrity=integrity)
-  info_path = os.path.join(directory, "fold.json")
+  info_path = os.path.join(copy, "fold.json")
   if not os.path.exists(info_path):
     raise NotFoundError(f"{info_path} does not exist: {directory} is not a saved fold "
                             "(write one with jaxfold.save_fold or `jaxfold fold`)")
@@ -470,7 +590,7 @@ def load_fold(directory: str | os.PathLike, apply_fn: Callable, *,
   if isinstance(target, FoldedParams):
     target = {"params": target.params, **({"untied": target.untied} if target.untied else {})}
   try:
-    params = _restore_params(os.path.join(directory, "params"), target)
+    params = _restore_params(os.path.join(copy, "params"), target)
   except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types
     first = (str(e).strip().splitlines() or [""])[0][:300]
     raise IntegrityError(
@@ -486,8 +606,11 @@ def load_fold(directory: str | os.PathLike, apply_fn: Callable, *,
   opts.pop("through_dropout", None)  # a CBWC-only option; a saved fold never sets it
   opts = FoldOptions.from_dict(opts).to_dict()
   opts.pop("through_dropout", None)
+  if verify and os.path.exists(os.path.join(copy, "program.json")):
+    _check_program(directory, _read_json(os.path.join(copy, "program.json")), apply_fn, abstract,
+                   args, kwargs)
   refold = _fold(abstract, apply_fn, *args, example_kwargs=kwargs, **opts)
-  saved = load_report(directory, integrity=False)
+  saved = load_report(copy, integrity=False)
   if verify:
     got = [(s.folded, s.shape, s.axes) for s in refold.report.sites]
     want = [(s.folded, s.shape, s.axes) for s in saved.sites]
@@ -497,4 +620,4 @@ def load_fold(directory: str | os.PathLike, apply_fn: Callable, *,
           f"({sum(g[0] for g in got)}/{len(got)} sites folded now, "
           f"{sum(w[0] for w in want)}/{len(want)} when saved): pass the apply_fn of the "
           "model the fold was made from, or fold the model again")
-  return LoadedFold(params, refold.apply_fn, refold.report, load_meta(directory))
+  return LoadedFold(params, refold.apply_fn, refold.report, load_meta(copy))

@@ -11,10 +11,25 @@ Protocol (unchanged from ``examples/serve.py``)::
                       compiled bucket programs
 
 Answers: 400 for a request that does not fit the model (shape, dtype, ids outside
-[0, vocab), a sequence longer than the positions, ...), 413 for a body above
-``max_body`` bytes, 503 (with ``Retry-After``) when the queue is full or the server
-is draining, 500 when the model produced non-finite outputs.  On SIGTERM/SIGINT the
-server stops accepting connections, finishes the requests in flight and exits 0.
+[0, vocab), a sequence longer than the positions, true/false for integers, ...),
+401 without the bearer token (``api_key``), 408 for a body not received within
+``body_timeout``, 413 for a body above ``max_body`` bytes, 503 (with
+``Retry-After``) when the queue is full, the server is draining, or the request's
+padded shape is not a compiled program (the bucket set is compiled at start;
+at most ``compile_budget`` programs, see ``--compile-budget``), 500 when the model
+produced non-finite outputs.
+
+Hostile clients: a connection that has not sent a complete request header within
+``header_timeout`` seconds is closed (also between keep-alive requests: uvicorn's
+``timeout_keep_alive``), request heads are capped (``h11_max_incomplete_event_size``),
+and when the open connections reach ``max_connections`` (default: the descriptor
+limit minus a reserve) the oldest idle one is closed for each new one, so
+``/health`` answers however many idle connections are held open.
+
+On SIGTERM/SIGINT the server stops accepting connections and finishes the
+requests in flight; those not answered within ``drain_timeout`` get a 503 with
+a JSON body, are counted in the final summary, and the exit status is 1 (0
+after a clean drain).
 
 Example:
     >>> cfg = ServeConfig(max_batch=16)
@@ -23,9 +38,13 @@ Example:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
+import hmac
+import ipaddress
 import json
+import resource
 import signal
 import socket
 import sys
@@ -33,8 +52,8 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from jaxfold._src.serve.batcher import Batcher, Metrics, QueueFull, ShuttingDown
-from jaxfold._src.serve.model import InputError, ServedModel
+from jaxfold._src.serve.batcher import Batcher, DrainTimeout, Metrics, QueueFull, ShuttingDown
+from jaxfold._src.serve.model import InputError, OutsideBuckets, ServedModel, ServeError
 
 __all__ = ["ServeConfig", "create_app", "serve", "bind_socket"]
 
@@ -49,7 +68,31 @@ class ServeConfig:
   max_wait_ms: float = 2.0       # how long a lone request waits for company
   backlog: int = 2048            # listen backlog: bursts of connections are queued, not reset
   drain_timeout: float = 30.0    # seconds to finish in-flight requests after SIGTERM
-  warmup: bool = False           # compile every bucket before accepting requests
+  warmup: bool = True            # compile the bucket set before accepting requests
+  compile_budget: int = 64       # programs compiled in all (at start; with warmup=False on requests)
+  header_timeout: float = 10.0   # seconds for a connection to send a complete request head
+  keep_alive_timeout: int = 5    # seconds an idle keep-alive connection stays open
+  body_timeout: float = 30.0     # seconds to receive a request body (408 beyond)
+  max_header_bytes: int = 64 * 1024
+  max_connections: Optional[int] = None   # default: RLIMIT_NOFILE minus a reserve
+  api_key: Optional[str] = None  # required bearer token for /predict and /metrics
+  ssl_certfile: Optional[str] = None
+  ssl_keyfile: Optional[str] = None
+  insecure: bool = False         # allow a non-loopback host without api_key
+
+
+_FD_RESERVE = 128   # descriptors kept for the process itself (jax, logs, the listener)
+
+
+def connection_limit(config: ServeConfig) -> int:
+  """How many connections are kept open at most (the oldest idle ones are
+  closed beyond it): ``max_connections`` or the soft descriptor limit minus
+  a reserve."""
+  soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+  limit = soft - _FD_RESERVE if soft != resource.RLIM_INFINITY else 1 << 16
+  if config.max_connections:
+    limit = min(limit, config.max_connections) if limit > 0 else config.max_connections
+  return max(8, limit)
 
 
 def _json(code: int, obj: Any, headers: Optional[dict] = None):
@@ -93,12 +136,26 @@ def create_app(model: ServedModel, config: ServeConfig = ServeConfig(),
 
   metrics = Metrics()
   state: dict = {}
+  token = f"Bearer {config.api_key}".encode() if config.api_key else None
+
+  def authorized(request) -> bool:
+    if token is None:
+      return True
+    got = request.headers.get("authorization", "").encode("latin-1", "replace")
+    return hmac.compare_digest(got, token)
+
+  def unauthorized():
+    metrics.observe(401)
+    return _json(401, {"error": "missing or wrong bearer token: send the header "
+                                "'Authorization: Bearer <key>' (--api-key)"},
+                 {"WWW-Authenticate": "Bearer"})
 
   @contextlib.asynccontextmanager
   async def lifespan(app):
     batcher = Batcher(model, max_queue=config.max_queue, max_wait_ms=config.max_wait_ms,
                       metrics=metrics)
     batcher.start()
+    state["loop"] = asyncio.get_running_loop()
     state["batcher"] = app.state.batcher = batcher
     if on_ready is not None:
       on_ready()
@@ -117,16 +174,22 @@ def create_app(model: ServedModel, config: ServeConfig = ServeConfig(),
       if n > config.max_body:
         raise OverflowError(n)
     chunks, size = [], 0
-    async for chunk in request.stream():
-      size += len(chunk)
-      if size > config.max_body:
-        raise OverflowError(size)
-      chunks.append(chunk)
+
+    async def receive():
+      nonlocal size
+      async for chunk in request.stream():
+        size += len(chunk)
+        if size > config.max_body:
+          raise OverflowError(size)
+        chunks.append(chunk)
+    await asyncio.wait_for(receive(), config.body_timeout)
     return b"".join(chunks)
 
   async def predict(request):
     t0 = time.perf_counter()
     batcher: Batcher = state["batcher"]
+    if not authorized(request):
+      return unauthorized()
 
     def answer(code, obj, headers=None):
       metrics.observe(code, time.perf_counter() - t0)
@@ -142,6 +205,9 @@ def create_app(model: ServedModel, config: ServeConfig = ServeConfig(),
                                    "(--max-body)"}, {"Connection": "close"})
     except InputError as e:
       return answer(400, {"error": str(e)})
+    except asyncio.TimeoutError:
+      return answer(408, {"error": f"the request body did not arrive within {config.body_timeout:g} s"},
+                    {"Connection": "close"})
     except ClientDisconnect:
       metrics.observe(499)
       return _json(400, {"error": "client disconnected"})
@@ -159,7 +225,16 @@ def create_app(model: ServedModel, config: ServeConfig = ServeConfig(),
     except InputError as e:
       return answer(400, {"error": str(e)})
     try:
+      check = getattr(model, "check_served", None)   # duck-typed models may not bucket
+      if check is not None:
+        check(req)
       out = await batcher.submit(req)
+    except OutsideBuckets as e:
+      return answer(503, {"error": str(e)})
+    except DrainTimeout:
+      return answer(503, {"error": f"the server stopped before answering this request (it did not "
+                                   f"finish within --drain-timeout {config.drain_timeout:g} s): "
+                                   "retry it elsewhere"}, {"Connection": "close"})
     except QueueFull:
       return answer(503, {"error": f"too many requests waiting (--max-queue {config.max_queue}); "
                                    "retry later"}, {"Retry-After": "1"})
@@ -175,10 +250,14 @@ def create_app(model: ServedModel, config: ServeConfig = ServeConfig(),
   async def health(request):
     batcher = state.get("batcher")
     status = "draining" if batcher is not None and batcher.closing else "ok"
+    if not authorized(request):   # open to load balancers, without the model's details
+      return _json(200, {"status": status})
     return _json(200, {"status": status, "inputs": model.signature(), "model": model.meta,
                        "buckets": model.describe()})
 
   async def metrics_route(request):
+    if not authorized(request):
+      return unauthorized()
     batcher = state.get("batcher")
     out = metrics.as_dict(len(batcher.pending) if batcher else 0,
                           batcher.in_flight if batcher else 0)
@@ -199,6 +278,7 @@ def create_app(model: ServedModel, config: ServeConfig = ServeConfig(),
   app = Starlette(routes=routes, lifespan=lifespan,
                   exception_handlers={404: not_found, 405: not_allowed})
   app.state.metrics = metrics
+  app.state.state = state
   return app
 
 
@@ -214,20 +294,107 @@ def bind_socket(host: str, port: int, backlog: int) -> socket.socket:
   return sock
 
 
+def is_loopback(host: str) -> bool:
+  """Whether every address ``host`` resolves to is a loopback address."""
+  try:
+    infos = socket.getaddrinfo(host, None)
+  except OSError:
+    return False
+  return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+
+
+def _guarded_protocol(config: ServeConfig, limit: int, counters: dict):
+  """uvicorn's h11 protocol with a deadline for the request head and a cap on
+  open connections (uvicorn closes idle keep-alive connections, but has no
+  timeout before the first request: a connection that never sends one would
+  hold a descriptor for ever)."""
+  from uvicorn.protocols.http.h11_impl import H11Protocol
+
+  conns: dict = {}   # insertion-ordered: the oldest first
+
+  class Guarded(H11Protocol):
+    _jf_timer = None
+    _jf_cycle = None
+
+    def connection_made(self, transport):
+      super().connection_made(transport)
+      conns[self] = None
+      self._jf_arm()
+      if len(conns) > limit:
+        for other in list(conns):
+          if len(conns) <= limit:
+            break
+          if other is not self and other._jf_waiting():
+            conns.pop(other, None)
+            counters["evicted"] = counters.get("evicted", 0) + 1
+            other.transport.abort()
+
+    def _jf_waiting(self) -> bool:
+      return self.cycle is None or self.cycle.response_complete
+
+    def _jf_arm(self):
+      self._jf_cycle = self.cycle
+      self._jf_timer = self.loop.call_later(config.header_timeout, self._jf_expire)
+
+    def _jf_expire(self):
+      self._jf_timer = None
+      if self.cycle is self._jf_cycle and self._jf_waiting() and not self.transport.is_closing():
+        counters["timed_out"] = counters.get("timed_out", 0) + 1
+        self.transport.abort()
+
+    def data_received(self, data):
+      if self._jf_timer is None and self._jf_waiting():
+        self._jf_arm()      # the start of another request on a kept-alive connection
+      super().data_received(data)
+
+    def connection_lost(self, exc):
+      conns.pop(self, None)
+      if self._jf_timer is not None:
+        self._jf_timer.cancel()
+        self._jf_timer = None
+      super().connection_lost(exc)
+
+  return Guarded
+
+
 def serve(model: ServedModel, host: str = "127.0.0.1", port: int = 8000,
           config: ServeConfig = ServeConfig(), *, log: Callable[[str], None] = None) -> int:
-  """Serves ``model`` until SIGTERM/SIGINT; prints ``listening on http://HOST:PORT``
-  as the first stdout line once the socket is bound.  Returns 0 after a clean drain."""
+  """Serves ``model`` until SIGTERM/SIGINT; prints ``listening on http(s)://HOST:PORT``
+  as the first stdout line once the socket is bound.  Returns 0 after a clean
+  drain, 1 when requests were still unanswered after ``drain_timeout`` (each got
+  a 503).  Compiles the bucket set first unless ``config.warmup`` is off.
+
+  Example:
+    >>> serve(load_model("gpt2-tiny.jaxexport"), "127.0.0.1", 0, ServeConfig(api_key="s3cret"))
+  """
   import uvicorn
 
   log = log or (lambda m: print(f"serve: {m}", file=sys.stderr, flush=True))
+  if not config.api_key and not config.insecure and not is_loopback(host):
+    raise ServeError(f"refusing to serve on {host} (not a loopback address) without "
+                     "authentication: pass --api-key KEY (clients send 'Authorization: Bearer KEY'), "
+                     "ideally with --ssl-certfile/--ssl-keyfile, or --insecure to serve anyone")
+  if bool(config.ssl_certfile) != bool(config.ssl_keyfile):
+    raise ServeError("TLS needs both --ssl-certfile and --ssl-keyfile")
+  if not model.sealed:
+    if config.warmup:
+      shapes = model.warmup(config.compile_budget)
+      log(f"compiled {len(model.compiled)} programs ({len(shapes)} bucket shapes at start); shapes "
+          "outside them are answered 503")
+      model.seal(0)
+    else:
+      model.seal(max(0, config.compile_budget - len(model.compiled)))
   sock = bind_socket(host, port, config.backlog)
   bound_host, bound_port = sock.getsockname()[:2]
   shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+  app = create_app(model, config)
+  state = app.state.state
 
   class _Server(uvicorn.Server):
     # uvicorn re-raises a captured SIGTERM after its graceful shutdown (exit
-    # status -15); a drained server exits 0 instead.
+    # status -15); we exit with our own status instead, and start draining the
+    # batcher at once so that requests past drain_timeout get their 503 before
+    # uvicorn's own deadline cancels their handlers.
     @contextlib.contextmanager
     def capture_signals(self):
       if threading.current_thread() is not threading.main_thread():
@@ -236,7 +403,10 @@ def serve(model: ServedModel, host: str = "127.0.0.1", port: int = 8000,
       def on_signal(sig, frame):
         if not self.should_exit:
           log(f"received {signal.Signals(sig).name}: not accepting new connections, "
-              "finishing the requests in flight")
+              f"finishing the requests in flight (at most {config.drain_timeout:g} s)")
+          loop, batcher = state.get("loop"), state.get("batcher")
+          if loop is not None and batcher is not None:
+            loop.call_soon_threadsafe(batcher.begin_drain, config.drain_timeout)
         self.handle_exit(sig, frame)
       old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
       try:
@@ -245,16 +415,29 @@ def serve(model: ServedModel, host: str = "127.0.0.1", port: int = 8000,
         for s, h in old.items():
           signal.signal(s, h)
 
-  app = create_app(model, config)
+  limit = connection_limit(config)
+  counters: dict = {}
   ucfg = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                        backlog=config.backlog, timeout_graceful_shutdown=config.drain_timeout,
-                        timeout_keep_alive=30, server_header=False)
+                        http=_guarded_protocol(config, limit, counters),
+                        backlog=config.backlog, limit_concurrency=limit + 16,
+                        timeout_graceful_shutdown=config.drain_timeout + 10,
+                        timeout_keep_alive=config.keep_alive_timeout, server_header=False,
+                        h11_max_incomplete_event_size=config.max_header_bytes,
+                        ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile)
   server = _Server(ucfg)
-  print(f"listening on http://{shown}:{bound_port}", flush=True)
+  scheme = "https" if config.ssl_certfile else "http"
+  print(f"listening on {scheme}://{shown}:{bound_port}", flush=True)
   try:
     server.run(sockets=[sock])
   finally:
     sock.close()
   m = app.state.metrics.as_dict(0, 0)
-  log(f"stopped after {m['requests_total']} requests ({m['requests']}), {m['batches']} batches")
+  closed = (f"; closed {counters.get('timed_out', 0)} connections without a request head in "
+            f"{config.header_timeout:g} s and {counters.get('evicted', 0)} idle ones over the "
+            f"{limit}-connection cap") if counters else ""
+  log(f"stopped after {m['requests_total']} requests ({m['requests']}), {m['batches']} batches{closed}")
+  if m["dropped_at_shutdown"]:
+    log(f"{m['dropped_at_shutdown']} requests were not answered within --drain-timeout "
+        f"{config.drain_timeout:g} s (each got a 503): exit status 1")
+    return 1
   return 0

@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import dataclasses
+import queue
+import threading
 import time
 from typing import Any, Optional
 
 from jaxfold._src.serve.model import Request, ServedModel
 
-__all__ = ["Batcher", "QueueFull", "ShuttingDown", "Metrics"]
+__all__ = ["Batcher", "QueueFull", "ShuttingDown", "DrainTimeout", "Metrics"]
 
 
 class QueueFull(Exception):
@@ -35,6 +36,47 @@ class QueueFull(Exception):
 
 class ShuttingDown(Exception):
   """The server is draining after SIGTERM and takes no new requests."""
+
+
+class DrainTimeout(Exception):
+  """The server stopped before this request was answered (past ``--drain-timeout``)."""
+
+
+class _Worker:
+  """One daemon thread running model calls: unlike a ThreadPoolExecutor's, it
+  does not hold the process at exit when a call outlives the drain timeout."""
+
+  def __init__(self):
+    self._q: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=self._run, name="jaxfold-model", daemon=True).start()
+
+  def _run(self):
+    while True:
+      job = self._q.get()
+      if job is None:
+        return
+      fn, args, loop, fut = job
+      try:
+        res, err = fn(*args), None
+      except BaseException as e:  # noqa: BLE001 - handed to the waiting coroutine
+        res, err = None, e
+
+      def settle(fut=fut, res=res, err=err):
+        if not fut.done():
+          fut.set_exception(err) if err is not None else fut.set_result(res)
+      try:
+        loop.call_soon_threadsafe(settle)
+      except RuntimeError:   # the loop is closed: nobody waits any more
+        pass
+
+  def submit(self, fn, *args) -> asyncio.Future:
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    self._q.put((fn, args, loop, fut))
+    return fut
+
+  def stop(self):
+    self._q.put(None)
 
 
 @dataclasses.dataclass
@@ -56,6 +98,7 @@ class Metrics:
     self.padded_rows = 0
     self.requests_batched = 0
     self.max_queue_seen = 0
+    self.dropped = 0               # requests answered 503 past the drain timeout
     self.programs = set()
     self.started = time.time()
 
@@ -80,6 +123,7 @@ class Metrics:
         "rows": self.rows, "padded_rows": self.padded_rows,
         "queue_depth": queue_depth, "max_queue_depth_seen": self.max_queue_seen,
         "in_flight": in_flight,
+        "dropped_at_shutdown": self.dropped,
         "programs_run": sorted([list(p) for p in self.programs]),
     }
 
@@ -98,7 +142,9 @@ class Batcher:
     self.closing = False
     self._wake: Optional[asyncio.Event] = None
     self._task: Optional[asyncio.Task] = None
-    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxfold-model")
+    self._pool = _Worker()
+    self._running: list = []
+    self._drain: Optional[asyncio.Task] = None
 
   def start(self) -> None:
     self._wake = asyncio.Event()
@@ -135,7 +181,6 @@ class Batcher:
     return take
 
   async def _loop(self) -> None:
-    loop = asyncio.get_running_loop()
     idle = True
     while True:
       if not self.pending:
@@ -154,10 +199,13 @@ class Batcher:
       idle = False
       reqs = [it.req for it in items]
       key = items[0].key
+      self._running = items
       try:
-        results = await loop.run_in_executor(self._pool, self.model.run, reqs, key)
+        results = await self._pool.submit(self.model.run, reqs, key)
       except Exception as e:  # noqa: BLE001 - the whole call failed: every request learns why
         results = [e] * len(items)
+      finally:
+        self._running = []
       m = self.metrics
       rows = sum(r.rows for r in reqs)
       m.batches += 1
@@ -176,8 +224,19 @@ class Batcher:
       if not self.pending:
         idle = True
 
+  def begin_drain(self, timeout: float = 30.0) -> asyncio.Task:
+    """Starts draining (once; later calls return the same task)."""
+    if self._drain is None:
+      self._drain = asyncio.get_running_loop().create_task(self._drain_for(timeout))
+    return self._drain
+
   async def drain(self, timeout: float = 30.0) -> None:
-    """Stops taking requests, finishes the queued ones, stops the worker."""
+    """Stops taking requests and finishes the queued ones; those still waiting
+    after ``timeout`` seconds get :class:`DrainTimeout` (each counted in
+    ``metrics.dropped``).  Stops the worker."""
+    await asyncio.shield(self.begin_drain(timeout))
+
+  async def _drain_for(self, timeout: float) -> None:
     self.closing = True
     if self._wake is not None:
       self._wake.set()
@@ -186,4 +245,9 @@ class Batcher:
         await asyncio.wait_for(asyncio.shield(self._task), timeout)
       except asyncio.TimeoutError:
         self._task.cancel()
-    self._pool.shutdown(wait=True)
+        for it in list(self._running) + list(self.pending):
+          if not it.future.done():
+            it.future.set_exception(DrainTimeout())
+            self.metrics.dropped += 1
+        self.pending.clear()
+    self._pool.stop()

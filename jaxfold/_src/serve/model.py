@@ -29,8 +29,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["ServeError", "InputError", "InputSpec", "Request", "ServedModel", "load_model",
-           "pow2_buckets"]
+__all__ = ["ServeError", "InputError", "OutsideBuckets", "InputSpec", "Request", "ServedModel",
+           "load_model", "pow2_buckets", "program_bounds"]
 
 
 class ServeError(Exception):
@@ -39,6 +39,56 @@ class ServeError(Exception):
 
 class InputError(ValueError):
   """A request does not fit the model's signature (answered with HTTP 400)."""
+
+
+class OutsideBuckets(Exception):
+  """The request's padded shape is not one of the compiled programs and the
+  budget for compiling on the request path is spent (answered with HTTP 503)."""
+
+
+# Parameter names of embedding tables (lower case, matched as substrings): the
+# program indexes them with the ids, so their rows bound what a request may hold.
+_VOCAB_TABLES = ("wte", "word_embedding", "embed_tokens", "tok_embedding", "token_embedding")
+_POSITION_TABLES = ("wpe", "position_embedding", "embed_positions", "pos_embed")
+_TYPE_TABLES = ("token_type_embedding",)
+
+
+def program_bounds(fn: Any) -> dict:
+  """``{"vocab", "positions", "token_types"}`` read from the parameter tensors an
+  artifact carries (their names and shapes), each ``None`` where none is found.
+
+  Example:
+      >>> program_bounds(load_exported("gpt2-tiny.jaxexport"))
+      {'vocab': 96, 'positions': 32, 'token_types': None}
+  """
+  out: dict = {"vocab": None, "positions": None, "token_types": None}
+  tensors = ((getattr(fn, "header", None) or {}).get("weights") or {}).get("tensors") or []
+  for t in tensors:
+    name, shape = str(t.get("name", "")).lower(), list(t.get("shape") or [])
+    if len(shape) != 2 or "relative" in name:
+      continue
+    for key, pats in (("token_types", _TYPE_TABLES), ("positions", _POSITION_TABLES),
+                      ("vocab", _VOCAB_TABLES)):
+      if any(pat in name for pat in pats):
+        if key == "vocab" and "type" in name:
+          continue
+        rows = int(shape[0])
+        out[key] = rows if out[key] is None else min(out[key], rows)
+        break
+  return out
+
+
+def _has_bool(x: Any, limit: int = 1 << 22) -> bool:
+  """Whether a JSON value holds a true/false anywhere (numpy turns them into 1/0)."""
+  stack, seen = [x], 0
+  while stack:
+    v = stack.pop()
+    seen += 1
+    if isinstance(v, bool):
+      return True
+    if isinstance(v, list) and seen < limit:
+      stack.extend(v)
+  return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +129,7 @@ class ServedModel:
 
   def __init__(self, fn: Any, *, meta: Optional[dict] = None, source: str = "",
                max_batch: int = 16, max_seq: Optional[int] = None, min_seq_bucket: int = 8,
-               seq_padding: Optional[str] = "auto"):
+               seq_padding: Optional[str] = "auto", vocab: Optional[int] = None):
     import jax
     self.fn = fn
     self.source = source
@@ -94,12 +144,38 @@ class ServedModel:
       raise ServeError(f"{source}: the program's arguments are not a flat list of arrays "
                        f"({in_tree}); serving needs f(array, ...)")
     described = list(self.meta.get("inputs") or [])
+    self.bounds = program_bounds(fn)
+    self.notes: list = []
     specs = []
+    first_ids = True
     for i, a in enumerate(avals):
       d = described[i] if i < len(described) and isinstance(described[i], dict) else {}
-      specs.append(InputSpec(name=str(d.get("name", f"input {i}")), dtype=np.dtype(a.dtype),
-                             dims=tuple(_dim(x) for x in a.shape), low=d.get("low"),
-                             high=d.get("high"), role=d.get("role")))
+      name = str(d.get("name", f"input {i}"))
+      low, high, role = d.get("low"), d.get("high"), d.get("role")
+      if np.dtype(a.dtype).kind in "iu":
+        # The metadata may be absent or forged: the program's own tables and
+        # the operator's --vocab cap it, and ids are never negative.
+        low = max(0, int(low)) if isinstance(low, (int, float)) else 0
+        high = int(high) if isinstance(high, (int, float)) and not isinstance(high, bool) else None
+        caps = [vocab] if vocab else []
+        if role == "attention_mask":
+          caps.append(2)
+        elif "type" in name and self.bounds["token_types"]:
+          caps.append(self.bounds["token_types"])
+        elif first_ids and self.bounds["vocab"]:
+          caps.append(self.bounds["vocab"])
+          first_ids = False
+        if high is not None and caps and high > min(caps):
+          self.notes.append(f"{name}: the metadata allows ids below {high}, the program's tables "
+                            f"only {min(caps)}: serving [0, {min(caps)})")
+        high = min(caps + ([high] if high is not None else []), default=None)
+        if high is None:
+          raise ServeError(f"{source}: cannot tell how many ids input {name!r} may index (no "
+                           "metadata and no embedding table in the artifact): pass --vocab N "
+                           "(ids are then checked to lie in [0, N)) rather than risk indexing "
+                           "out of range")
+      specs.append(InputSpec(name=name, dtype=np.dtype(a.dtype),
+                             dims=tuple(_dim(x) for x in a.shape), low=low, high=high, role=role))
     self.inputs = specs
     firsts = {s.dims[0] if s.dims else None for s in specs}
     self.batch_sym = next(iter(firsts)) if len(firsts) == 1 and isinstance(next(iter(firsts)), str) else None
@@ -121,6 +197,13 @@ class ServedModel:
       max_batch = 1            # every request is a program call of its own
     self.max_batch = int(max_batch)
     model_max_seq = self.meta.get("max_seq")
+    if not isinstance(model_max_seq, int) or isinstance(model_max_seq, bool) or model_max_seq < 1:
+      model_max_seq = None
+    if self.bounds["positions"]:
+      if model_max_seq and model_max_seq > self.bounds["positions"]:
+        self.notes.append(f"the metadata allows sequences of {model_max_seq}, the position table "
+                          f"has {self.bounds['positions']} rows: serving at most that")
+      model_max_seq = min(model_max_seq or self.bounds["positions"], self.bounds["positions"])
     if self.seq_sym is None:
       self.max_seq = None
     elif max_seq is not None:
@@ -148,6 +231,8 @@ class ServedModel:
       self.seq_buckets = tuple(range(1, self.max_seq + 1))   # exact lengths
     self._call = fn
     self.compiled: set = set()     # bucket shapes run so far (one jit program each)
+    self.sealed = False            # after start-up: compiling is limited to request_budget
+    self.request_budget = 0
 
   # ---------------------------------------------------------------- description
 
@@ -183,6 +268,8 @@ class ServedModel:
     if not isinstance(payload, dict) or "inputs" not in payload:
       raise InputError('expected a JSON object {"inputs": [[...]]}')
     raw = payload["inputs"]
+    if any(s.dtype.kind in "iu" for s in self.inputs) and _has_bool(raw):
+      raise InputError("inputs hold true/false: send integers (true is not accepted as 1)")
     n = len(self.inputs)
     if payload.get("multiple") or n > 1:
       if not isinstance(raw, list) or len(raw) != n:
@@ -285,6 +372,36 @@ class ServedModel:
   def batch_rows(self, rows: int) -> int:
     return next(b for b in self.batch_buckets if b >= rows)
 
+  def _shape_of(self, rows: int, key: tuple) -> tuple:
+    total = self.batch_rows(rows) if self.batch_sym else rows
+    return (total, key[0]) if key[0] is not None else (total,)
+
+  def seal(self, request_budget: int = 0) -> None:
+    """Ends start-up: from now on a shape that was not compiled runs only while
+    ``request_budget`` programs may still be compiled on the request path."""
+    self.sealed = True
+    self.request_budget = max(0, int(request_budget))
+
+  def served_seqs(self) -> list:
+    return sorted({k[1] for k in self.compiled if len(k) > 1})
+
+  def check_served(self, req: Request) -> None:
+    """:class:`OutsideBuckets` for a request whose program is not compiled
+    when no compilation budget is left (before it is queued)."""
+    if not self.sealed or self.request_budget > 0:
+      return
+    shape = self._shape_of(req.rows, self.bucket_key(req))
+    if shape not in self.compiled:
+      raise OutsideBuckets(self._outside_message(shape))
+
+  def _outside_message(self, shape: tuple) -> str:
+    seqs = self.served_seqs()
+    served = (f"sequence lengths {seqs[:16]}{' ...' if len(seqs) > 16 else ''} (padded)"
+              if self.seq_padding else f"sequence lengths {seqs[:16]}{' ...' if len(seqs) > 16 else ''}")
+    return (f"no compiled program for this request's shape {list(shape)} and the budget for "
+            f"compiling on the request path is spent: this server answers {served if seqs else 'the compiled shapes'} "
+            "(start it with a larger --compile-budget or a smaller --max-seq)")
+
   def run(self, reqs: Sequence[Request], key: tuple) -> list:
     """One program call for ``reqs`` (same key, ≤ max_batch rows in total);
     returns each request's outputs (a pytree of numpy arrays) or an Exception."""
@@ -306,8 +423,13 @@ class ServedModel:
       if total > rows:    # filler rows repeat the last real row: valid input for any model
         a = np.concatenate([a, np.repeat(a[-1:], total - rows, axis=0)], axis=0)
       args.append(a)
+    shape = (total, seq) if seq is not None else (total,)
+    if self.sealed and shape not in self.compiled:
+      if self.request_budget <= 0:
+        raise OutsideBuckets(self._outside_message(shape))
+      self.request_budget -= 1
     outs = jax.tree_util.tree_leaves(self._call(*args))
-    self.compiled.add((total, seq) if seq is not None else (total,))
+    self.compiled.add(shape)
     outs = [np.asarray(o) for o in outs]
     results, off = [], 0
     for r in reqs:
@@ -403,12 +525,17 @@ class ServedModel:
       notes.append(f"padding check passed (a row alone vs. batched: rel. error {err:.1e})")
     return notes
 
-  def warmup(self) -> list:
-    """Compiles every bucket program (returns their shapes)."""
+  def warmup(self, budget: Optional[int] = None) -> list:
+    """Compiles the bucket programs (returns their shapes): every batch bucket
+    for each sequence bucket, shortest first, while ``budget`` programs (all
+    when ``None``) are not exceeded."""
     shapes = []
     rng = np.random.default_rng(1)
-    seqs = list(self.seq_buckets) if self.seq_padding else ([None] if self.seq_sym is None else [])
+    seqs = [None] if self.seq_sym is None else list(self.seq_buckets)
     for s in seqs:
+      todo = [b for b in self.batch_buckets if ((b, s) if s is not None else (b,)) not in self.compiled]
+      if budget is not None and len(self.compiled) + len(todo) > budget:
+        break
       for b in self.batch_buckets:
         req = self._random_input(rng, b, s)
         self.run([req], self.bucket_key(req))
@@ -421,12 +548,14 @@ def _is_fold_dir(path: str) -> bool:
                                      for n in ("manifest.json", "fold.json"))
 
 
-def load_model(source: str, *, zoo_meta=None, **kwargs: Any) -> ServedModel:
+def load_model(source: str, *, zoo_meta=None, key: Optional[bytes] = None,
+               **kwargs: Any) -> ServedModel:
   """An artifact file (``jaxfold export``) or a saved fold directory (``jaxfold fold``).
 
   ``zoo_meta(model_name) -> (apply_fn, meta)`` resolves a fold
   directory's model (the CLI passes the model zoo's); keyword arguments go to
-  :class:`ServedModel`.
+  :class:`ServedModel`.  ``key``: refuse an artifact or fold that is not signed
+  with it (``--verify-key``).
   """
   from jaxfold._src.export import export, load_exported
   source = os.path.abspath(os.fspath(source))
@@ -445,7 +574,7 @@ def load_model(source: str, *, zoo_meta=None, **kwargs: Any) -> ServedModel:
       raise ServeError(f"{source}/meta.json names no model: export the fold with the Python API "
                        "(jaxfold.export) and serve the artifact instead")
     apply_fn, meta = zoo_meta(name)
-    folded = load_fold(source, apply_fn)
+    folded = load_fold(source, apply_fn, key=key)
     args = folded.apply_fn.example_args
     import warnings
 
@@ -456,5 +585,5 @@ def load_model(source: str, *, zoo_meta=None, **kwargs: Any) -> ServedModel:
     fn = load_exported(blob)
     fn.source = source
   else:
-    fn = load_exported(source)
+    fn = load_exported(source, key=key)
   return ServedModel(fn, meta=fn.meta, source=source, **kwargs)
