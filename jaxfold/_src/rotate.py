@@ -235,6 +235,7 @@ class RotatedApply:
     self._fn, self._params, self._key, self._n = fn, params_abstract, key, n
     self._seen = {_signature(args)}
     self.example_args = args
+    self.q: Optional[np.ndarray] = None   # the rotation, kept so that save_fold records it
     functools.update_wrapper(self, fn, updated=())
 
   def __call__(self, params, *args):
@@ -293,4 +294,5 @@ def rotate(model: Any, q: Any, *example_args: Any) -> Rotated:
   new = [_apply(x, dims[i], q) if i in dims else x for i, x in enumerate(leaves)]
   report = RotateReport(tuple((names[i], d) for i, d in key), norms, len(q))
   apply = RotatedApply(fn, abstract, key, len(q), args)
+  apply.q = q
   return Rotated(jax.tree_util.tree_unflatten(tree, new), apply, report)

@@ -73,7 +73,10 @@ __all__ = ["save_fold", "load_fold", "load_report", "load_meta", "LoadedFold",
 
 # 2: manifest.json with content hashes; atomic commits (program.json and
 # signature.json are optional additions that format-2 readers ignore).
-FORMAT_VERSION = 2
+# 3: fuse_affine/rotate results (fold.json "transforms", flat parameter leaves);
+# plain folds are still written as format 2, so older readers keep reading them.
+FORMAT_VERSION = 3
+CHAIN_FORMAT_VERSION = 3
 
 
 class LoadedFold(NamedTuple):
@@ -172,17 +175,67 @@ _FOLD_FILES = ("params", "report.json", "fold.json", "meta.json")
 
 
 def _check_folded(folded: Any) -> None:
-  """Refuses anything but a fold *before* a byte is written or removed."""
+  """Refuses anything but a fold (or a fold fused/rotated by jaxfold) *before* a
+  byte is written or removed."""
   from jaxfold._src.fold import FoldedParams
   params = getattr(folded, "params", None)
   apply_fn = getattr(folded, "apply_fn", None)
+  chain = _chain_of(folded)
+  if chain is not None and len(chain) > 1 and hasattr(folded, "report"):
+    return
   if (not isinstance(params, FoldedParams) or getattr(apply_fn, "options", None) is None
       or not hasattr(apply_fn, "example_args") or not hasattr(folded, "report")):
     got = type(folded).__name__
     if params is not None and not isinstance(params, FoldedParams):
       got += f" whose .params is a {type(params).__name__}, not a jaxfold.FoldedParams"
-    raise TypeError(f"save_fold expects the result of jaxfold.fold(...) or jaxfold.load_fold(...), "
-                    f"got {got}; nothing was written")
+    raise TypeError(f"save_fold expects the result of jaxfold.fold(...), of fuse_affine or rotate "
+                    f"applied to one, or of jaxfold.load_fold(...), got {got}; nothing was written")
+
+
+def _chain_of(result: Any) -> Optional[list]:
+  """``[(transform name, its apply object), ...]`` from the fold outwards, when
+  ``result`` was made by fold, then fuse_affine, then rotate (any number of
+  times); None for anything else (e.g. fuse_affine of an unfolded model)."""
+  from jaxfold._src.affine import FusedApply
+  from jaxfold._src.fold import FoldedApply
+  from jaxfold._src.rotate import RotatedApply
+  fn, steps = getattr(result, "apply_fn", None), []
+  while True:
+    if isinstance(fn, RotatedApply):
+      steps.append(("rotate", fn))
+      fn = fn._fn
+    elif isinstance(fn, FusedApply):
+      steps.append(("fuse_affine", fn))
+      fn = fn._inner
+    elif isinstance(fn, FoldedApply) and not fn._center and getattr(fn, "options", None) is not None:
+      steps.append(("fold", fn))
+      return steps[::-1]
+    else:
+      return None
+
+
+def _key_digest(key: Any) -> str:
+  import hashlib
+  return hashlib.sha256(repr(key).encode()).hexdigest()
+
+
+def _transforms_info(chain: list) -> list:
+  """What load_fold needs to redo (abstractly) and check each step after the fold."""
+  out = []
+  for name, fn in chain[1:]:
+    if name == "fuse_affine":
+      an = fn._base
+      out.append({"name": name, "num_fused": an.report.num_fused, "key_sha256": _key_digest(an.key)})
+    else:
+      out.append({"name": name, "size": fn._n,
+                  "rotated": [[int(i), [int(d) for d in dims]] for i, dims in fn._key],
+                  "q": getattr(fn, "q", None) is not None})
+  return out
+
+
+def _leaf_table(params: Any) -> list:
+  return [[jax.tree_util.keystr(p), [int(d) for d in np.shape(x)], compat.dtype_name(jnp.result_type(x))]
+          for p, x in jax.tree_util.tree_flatten_with_path(params)[0]]
 
 
 def _looks_like_fold(directory: str) -> bool:
@@ -302,21 +355,43 @@ def save_fold(folded: Any, directory: str | os.PathLike, *, meta: Optional[dict]
   _check_folded(folded)
   directory = os.path.abspath(os.fspath(directory))
   _check_target(directory, overwrite)
-  options = _options_of(folded)
-  args = example_args if example_args is not None else _example_args_of(folded)
+  chain = _chain_of(folded)
+  transformed = chain is not None and len(chain) > 1
+  base = chain[0][1] if transformed else folded.apply_fn   # the FoldedApply
+  options = base.options.to_dict()
+  args = example_args if example_args is not None else base.example_args
   fold_info = {
-      "format_version": FORMAT_VERSION,
+      "format_version": CHAIN_FORMAT_VERSION if transformed else 2,
       "options": options,
       "example_args": _encode_args(tuple(args)),
-      "example_kwargs": _encode_args(dict(getattr(folded.apply_fn, "example_kwargs", {}))),
-      "untied": _is_untied(folded),
+      "example_kwargs": _encode_args(dict(getattr(base, "example_kwargs", {}))),
       "jax_version": jax.__version__,
   }
-  program = _program_of(folded, args)
-  params = {"params": jax.tree_util.tree_map(_host_array, folded.params.params)}
-  if folded.params.untied:  # orbax does not store empty containers
-    params["untied"] = {k: _host_array(v) for k, v in folded.params.untied.items()}
-  report_json = folded.report.to_json() + "\n"
+  rotations = []
+  if transformed:
+    # fuse_affine/rotate results: the parameters as a flat list of leaves (their
+    # tree holds None for fused-away γ/β), rebuilt on load by redoing each step
+    # abstractly on the original parameter shapes recorded here.
+    try:
+      fold_info["params_abstract"] = _encode_args(base._params)
+    except TypeError as e:
+      raise TypeError(f"save_fold of a fused/rotated result needs parameters made of dicts, "
+                      f"lists and arrays: {e}; nothing was written") from None
+    fold_info["transforms"] = _transforms_info(chain)
+    fold_info["untied"] = bool(base._base.untied)
+    fold_info["leaves"] = _leaf_table(folded.params)
+    leaves = jax.tree_util.tree_leaves(folded.params)
+    params = {"leaves": {f"{i:05d}": _host_array(x) for i, x in enumerate(leaves)}}
+    rotations = [fn.q for name, fn in chain[1:] if name == "rotate" and getattr(fn, "q", None) is not None]
+    report_json = base.analysis_for(base.example_args, kwargs=base.example_kwargs).report.to_json() + "\n"
+    program = _program_of_fn(base, base._params, args)
+  else:
+    fold_info["untied"] = _is_untied(folded)
+    program = _program_of(folded, args)
+    params = {"params": jax.tree_util.tree_map(_host_array, folded.params.params)}
+    if folded.params.untied:  # orbax does not store empty containers
+      params["untied"] = {k: _host_array(v) for k, v in folded.params.untied.items()}
+    report_json = folded.report.to_json() + "\n"
 
   parent, name = os.path.split(directory)
   os.makedirs(parent, exist_ok=True)
@@ -345,9 +420,11 @@ def save_fold(folded: Any, directory: str | os.PathLike, *, meta: Optional[dict]
       _write_json(os.path.join(tmp, "meta.json"), dict(meta or {}))
       if program is not None:
         _write_json(os.path.join(tmp, "program.json"), program)
+      for k, q in enumerate(rotations):   # the Q of each rotate, for the record
+        np.save(os.path.join(tmp, f"rotation-{k}.npy"), np.asarray(q, np.float64))
       if extra_files is not None:
         extra_files(tmp)
-      write_manifest(tmp, kind="jaxfold-fold", extra={"format_version": FORMAT_VERSION})
+      write_manifest(tmp, kind="jaxfold-fold", extra={"format_version": fold_info["format_version"]})
       if key is not None:
         sign_directory(tmp, key)
       commit_directory(tmp, directory, overwrite=overwrite, may_replace=_check_replaceable)
@@ -376,14 +453,18 @@ def save_fold(folded: Any, directory: str | os.PathLike, *, meta: Optional[dict]
 def _program_of(folded: Any, args: Any) -> Optional[dict]:
   """The fingerprint of the original apply_fn at the fold's example arguments
   (None when it cannot be traced here: then loads skip the comparison)."""
+  return _program_of_fn(folded.apply_fn, folded.params.params, args)
+
+
+def _program_of_fn(folded_apply: Any, params: Any, args: Any) -> Optional[dict]:
   from jaxfold._src.fingerprint import fingerprint
-  fn = getattr(folded.apply_fn, "original_fn", None)
+  fn = getattr(folded_apply, "original_fn", None)
   if fn is None:
     return None
-  kwargs = dict(getattr(folded.apply_fn, "example_kwargs", {}) or {})
+  kwargs = dict(getattr(folded_apply, "example_kwargs", {}) or {})
   try:
     return {"jax_version": jax.__version__,
-            **fingerprint(fn, folded.params.params, tuple(args), kwargs)}
+            **fingerprint(fn, params, tuple(args), kwargs)}
   except Exception:  # noqa: BLE001 - the fold itself was traced; this is an extra check
     return None
 
@@ -587,6 +668,8 @@ def _load_from(copy: str, directory: str, apply_fn: Callable, *, target: Any,
   if version > FORMAT_VERSION:
     raise IntegrityError(f"{directory} was written by a newer jaxfold (format {version} > "
                          f"{FORMAT_VERSION}); upgrade jaxfold")
+  if "transforms" in info:
+    return _load_chain(copy, directory, apply_fn, info, args, kwargs, opts, verify=verify)
   if isinstance(target, FoldedParams):
     target = {"params": target.params, **({"untied": target.untied} if target.untied else {})}
   try:
@@ -621,3 +704,91 @@ def _load_from(copy: str, directory: str, apply_fn: Callable, *, target: Any,
           f"{sum(w[0] for w in want)}/{len(want)} when saved): pass the apply_fn of the "
           "model the fold was made from, or fold the model again")
   return LoadedFold(params, refold.apply_fn, refold.report, load_meta(copy))
+
+
+def _fused_treedef(an: Any, folded_abstract: Any) -> Any:
+  """The tree structure of ``fuse_affine``'s parameters for this analysis."""
+  from jaxfold._src.affine import FusedParams
+  leaves, tree = jax.tree_util.tree_flatten(folded_abstract)
+  removed = dict(an.removed)
+  base = jax.tree_util.tree_unflatten(tree, [None if i in removed else x for i, x in enumerate(leaves)])
+  extras = {c[0]: 0 for c in an.copies}
+  extras.update({b[0]: 0 for b in an.biases})
+  return jax.tree_util.tree_structure(FusedParams(base, extras))
+
+
+def _load_chain(copy: str, directory: str, apply_fn: Callable, info: dict, args: Any, kwargs: dict,
+                opts: dict, *, verify: bool) -> LoadedFold:
+  """Loads a fuse_affine/rotate result: refolds and redoes every step on abstract
+  parameters (no weights touched), checks that each makes the saved decisions,
+  and puts the saved leaves into the tree the last step takes."""
+  from jaxfold._src import affine, rotate
+  from jaxfold._src.fold import FoldError, FoldOptions
+  from jaxfold._src.fold import fold as _fold
+
+  def refuse(what: str) -> FoldError:
+    return FoldError(f"re-analysing apply_fn does not reproduce the saved {what} in {directory}: "
+                     "pass the apply_fn of the model the fold was made from, or fold the model again")
+
+  try:
+    abstract = _decode_args(info["params_abstract"])
+    steps = list(info["transforms"])
+    table = list(info["leaves"])
+  except (KeyError, TypeError, ValueError, AttributeError) as e:
+    raise IntegrityError(f"{directory}/fold.json does not describe a transformed fold "
+                         f"({type(e).__name__}: {e}); re-create the fold") from None
+  try:
+    restored = _restore_params(os.path.join(copy, "params"))
+    leaves = [restored["leaves"][k] for k in sorted(restored["leaves"])]
+  except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    raise IntegrityError(f"cannot restore the parameters in {os.path.join(directory, 'params')} "
+                         f"({type(e).__name__}: {first}); re-create the fold") from None
+  leaves = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in leaves]
+  opts.pop("through_dropout", None)
+  opts = FoldOptions.from_dict(opts).to_dict()
+  opts.pop("through_dropout", None)
+  if verify and os.path.exists(os.path.join(copy, "program.json")):
+    _check_program(directory, _read_json(os.path.join(copy, "program.json")), apply_fn, abstract,
+                   args, kwargs)
+  refold = _fold(abstract, apply_fn, *args, example_kwargs=kwargs, **opts)
+  if verify and bool(refold.params.untied) != bool(info.get("untied")):
+    raise refuse("fold")
+  fn, report, treedef, struct = refold.apply_fn, refold.report, None, refold.params
+  rot = 0
+  for k, step in enumerate(steps):
+    name = step.get("name")
+    if name == "fuse_affine":
+      an = affine.analyse(fn, struct, tuple(args))
+      if verify and (_key_digest(an.key) != step.get("key_sha256")
+                     or an.report.num_fused != step.get("num_fused")):
+        raise refuse(f"fuse_affine ({an.report.num_fused} sites fused now, {step.get('num_fused')} "
+                     "when saved)")
+      fn, report = affine.FusedApply(fn, struct, an, tuple(args)), an.report
+      treedef = _fused_treedef(an, struct)
+    elif name == "rotate":
+      if treedef is None:
+        raise IntegrityError(f"{directory}/fold.json: a rotate step before fuse_affine; re-create it")
+      n = int(step["size"])
+      key, norms, names = rotate._solve(fn, struct, tuple(args), n)
+      want = tuple((int(i), tuple(int(d) for d in dims)) for i, dims in step["rotated"])
+      if verify and key != want:
+        raise refuse("rotation (other parameters meet the residual stream)")
+      fn = rotate.RotatedApply(fn, struct, key, n, tuple(args))
+      qpath = os.path.join(copy, f"rotation-{rot}.npy")
+      if step.get("q") and os.path.exists(qpath):
+        fn.q = np.load(qpath, allow_pickle=False)
+        rot += 1
+      report = rotate.RotateReport(tuple((names[i], d) for i, d in key), norms, n)
+    else:
+      raise IntegrityError(f"{directory}/fold.json: unknown transform {name!r} (step {k}); this "
+                           f"jaxfold {_versions().get('jaxfold')} may be too old: upgrade jaxfold")
+    if treedef is not None:
+      if treedef.num_leaves != len(leaves):
+        raise refuse(f"parameters ({treedef.num_leaves} tensors now, {len(leaves)} saved)")
+      struct = jax.tree_util.tree_unflatten(
+          treedef, [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves])
+  params = jax.tree_util.tree_unflatten(treedef, leaves)
+  if _leaf_table(params) != table:
+    raise refuse("parameter names, shapes or dtypes")
+  return LoadedFold(params, fn, report, load_meta(copy))
