@@ -258,13 +258,66 @@ def load_safetensors(path: str | os.PathLike, family: str) -> dict:
   return from_hf_tensors(tensors, family)
 
 
+class NotRepresentable(ValueError):
+  """The parameters need more than the original model's tensors to compute the right function."""
+
+
+def representable(params: Any) -> PyTree:
+  """The plain parameter pytree of ``params`` (a pytree, a ``jaxfold.fold`` result or its
+  ``FoldedParams``), or raises `NotRepresentable` with the reason when the original model
+  would compute something else with it: γ/β fused into other layers (``fuse_affine``: a
+  ``FusedParams``, or a tree with ``None`` where they were), untied centered copies, auxiliary
+  centerings in the folded program, or a rotated residual stream (``rotate``)."""
+  import jaxfold  # noqa: PLC0415 - models does not otherwise depend on jaxfold at import
+
+  why = ("a safetensors file holds only the original model's tensors, which the original "
+         "architecture then computes with")
+  if isinstance(params, (jaxfold.Fused, jaxfold.Rotated)) or (
+      hasattr(params, "apply_fn") and isinstance(getattr(params, "params", None), jaxfold.FusedParams)):
+    kind = "rotate" if isinstance(params, jaxfold.Rotated) or isinstance(
+        getattr(params, "report", None), jaxfold.RotateReport) else "fuse_affine"
+    raise NotRepresentable(f"this is a {kind} result: its γ/β live in other layers and new biases"
+                           + (", and its residual stream is rotated" if kind == "rotate" else "")
+                           + f"; {why}. Save it with jaxfold.save_fold or jaxfold.export instead")
+  report = getattr(params, "report", None)
+  if hasattr(params, "apply_fn") and hasattr(params, "params"):   # a fold result
+    if getattr(report, "num_auxiliary", 0):
+      raise NotRepresentable(f"the fold has {report.num_auxiliary} auxiliary centering(s) in its "
+                             f"program, which the original model lacks; {why}. Fold with "
+                             "tied_weights=\"copy\" (or auxiliary_centering=False), or save with "
+                             "jaxfold.save_fold")
+    params = params.params
+  if isinstance(params, jaxfold.FusedParams):
+    raise NotRepresentable(f"these are fuse_affine parameters (γ/β moved into other layers, "
+                           f"{len(params.extras)} extra tensors); {why}. Save the result with "
+                           "jaxfold.save_fold or jaxfold.export instead")
+  if isinstance(params, jaxfold.FoldedParams):
+    if params.untied:
+      raise NotRepresentable(f"the fold has {len(params.untied)} untied centered copies "
+                             f"({', '.join(sorted(params.untied))}) used in place of tied "
+                             f"weights; {why}. Write them separately (as `jaxfold fold` does) or "
+                             "use jaxfold.save_fold")
+    params = params.params
+  missing = [jax.tree_util.keystr(p) for p, x in
+             jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: x is None)[0] if x is None]
+  if missing:
+    raise NotRepresentable(f"{len(missing)} parameters are None (e.g. {missing[0]}): γ/β fused "
+                           f"away by fuse_affine, whose extra tensors this pytree lacks; {why}. "
+                           "Save the fused result with jaxfold.save_fold or jaxfold.export")
+  return params
+
+
 def save_safetensors(params: PyTree, path: str | os.PathLike, family: str,
                      metadata: dict[str, str] | None = None) -> None:
   """Write a Flax params pytree in HF naming (inverse of `load_safetensors`).
 
+  ``params`` may also be a ``jaxfold.fold`` result or its ``FoldedParams``; anything the
+  original model would compute wrongly with is refused by `representable` (nothing written).
+
   Example:
       >>> save_safetensors(folded.params.params, "folded.safetensors", "gpt2")
   """
+  params = representable(params)
   tensors = {k: jnp.asarray(v) for k, v in to_hf_tensors(params, family).items()}
   save_file(tensors, os.fspath(path), metadata={"format": "pt", **(metadata or {})})
   os.chmod(path, default_file_mode())   # safetensors creates files 0600

@@ -280,3 +280,23 @@ def fit_seq(spec, seq: Optional[int], default: int) -> int:
     print(f"--seq: {spec.name} has {limit} positions, using --seq {limit}", file=sys.stderr)
     return limit
   return default
+
+
+def sign_key_option(p) -> None:
+  p.add_argument("--sign-key", default=None, metavar="FILE",
+                 help="sign the output with the key in FILE (HMAC-SHA256); loads and `jaxfold serve` "
+                      "with --verify-key FILE then refuse anything unsigned or modified")
+
+
+def read_key(path: Optional[str], flag: str = "--sign-key") -> Optional[bytes]:
+  """The key in the file ``path`` (surrounding whitespace stripped), or None."""
+  if not path:
+    return None
+  try:
+    with open(path, "rb") as f:
+      key = f.read().strip()
+  except OSError as e:
+    raise CLIError(f"cannot read {flag} {path}: {e}") from None
+  if not key:
+    raise CLIError(f"{flag} {path} is empty")
+  return key

@@ -22,6 +22,7 @@ def add_parser(sub) -> None:
                  help="export the original (unfolded) model, e.g. as a baseline to compare with")
   U.fold_options(e)
   U.shape_options(e, 1, None)
+  U.sign_key_option(e)
   e.set_defaults(func=run)
 
 
@@ -34,6 +35,7 @@ def run(args) -> int:
   if bool(args.model) == bool(args.from_dir):
     raise CLIError("export: give exactly one of --model NAME (fold now) or --from DIR "
                    "(a saved fold from `jaxfold fold`)")
+  key = U.read_key(args.sign_key)
   if args.from_dir:
     if args.no_fold:
       raise CLIError("export: --no-fold goes with --model (a saved fold is folded already)")
@@ -57,11 +59,11 @@ def run(args) -> int:
   example = U.example_args(spec, args.batch, args.seq)
   symbolic = None if args.no_symbolic else ("batch", "seq")
   meta = {**U.serving_meta(spec), "folded": not args.no_fold}
-  if hasattr(folded, "report"):
+  if hasattr(getattr(folded, "report", None), "num_folded"):   # fuse_affine/rotate reports differ
     meta["sites_folded"] = [folded.report.num_folded, folded.report.num_sites]
   with Step("exporting (jax.export)"), warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always", jexport.ExportWarning)
-    blob = jexport.export(folded, *example, symbolic=symbolic, meta=meta)
+    blob = jexport.export(folded, *example, symbolic=symbolic, meta=meta, key=key)
   for w in caught:
     print(f"warning: {w.message}", file=sys.stderr)
   out = os.path.abspath(args.out)
@@ -69,6 +71,6 @@ def run(args) -> int:
     raise CLIError(f"--out: {out} is a directory; give a file name, e.g. {out}/model.jaxexport")
   jexport.write_artifact(out, blob)   # a reader never sees half an artifact
   fn = jexport.load_exported(blob)
-  print(f"wrote {out} ({len(blob) / 2**20:.2f} MiB); inputs: "
+  print(f"wrote {out} ({len(blob) / 2**20:.2f} MiB{', signed' if key else ''}); inputs: "
         + ", ".join(f"{d}[{','.join(map(str, s))}]" for s, d in jexport.exported_signature(fn)))
   return 0

@@ -19,6 +19,7 @@ def add_parser(sub) -> None:
   f.add_argument("--seed", type=int, default=0, help="seed of the random weights")
   U.fold_options(f)
   U.shape_options(f, 1, None)
+  U.sign_key_option(f)
   f.set_defaults(func=run)
 
 
@@ -35,6 +36,7 @@ def run(args) -> int:
     serialization.check_target(out, args.force)
   except FileExistsError as e:
     raise CLIError(f"--out: {e}") from None
+  key = U.read_key(args.sign_key)   # before the work: a bad key file fails fast
   params, source = U.params_for(spec, args, args.batch, args.seq)
   apply_fn = spec.apply_fn()
   example = U.example_args(spec, args.batch, args.seq, abstract=True)
@@ -54,15 +56,16 @@ def run(args) -> int:
     try:
       # The safetensors files go into the same temporary directory, so the
       # whole fold (no stale untied copy) replaces the old one in one rename.
-      serialization.save_fold(folded, out, meta=meta, overwrite=args.force,
+      serialization.save_fold(folded, out, meta=meta, overwrite=args.force, key=key,
                               extra_files=lambda tmp: written.extend(
                                   _save_safetensors(folded, spec, tmp)))
     except FileExistsError as e:
       raise CLIError(f"--out: {e}") from None
   print(folded.report)
   print()
-  print(f"saved fold of {spec.name} to {out}")
-  for name in ["params/", "report.json", "meta.json", "fold.json", "manifest.json"] + written:
+  print(f"saved fold of {spec.name} to {out}" + (" (signed)" if key else ""))
+  signed = ["signature.json"] if key else []
+  for name in ["params/", "report.json", "meta.json", "fold.json", "manifest.json"] + signed + written:
     print(f"  {os.path.join(out, name)}")
   return 0
 
