@@ -189,3 +189,35 @@ def test_help_shows_defaults(capsys):
       main(argv)
     out = " ".join(capsys.readouterr().out.split())   # argparse wraps lines
     assert e.value.code == 0 and all(w in out for w in want), out
+
+
+def test_sign_key_on_fold_and_export(capsys, tmp_path):
+  import jaxfold
+  key_file = tmp_path / "key"
+  key_file.write_bytes(b"s3cret\n")
+  out_dir = tmp_path / "signed"
+  code, out, err = run(capsys, "fold", "--model", "gpt2-tiny", "--out", str(out_dir),
+                       "--batch", "2", "--seq", "8", "--sign-key", str(key_file))
+  assert code == 0, err
+  assert (out_dir / "signature.json").exists() and "(signed)" in out
+  apply_fn = models.get("gpt2-tiny").apply_fn()
+  jaxfold.load_fold(out_dir, apply_fn, key=b"s3cret")
+  with pytest.raises(jaxfold.IntegrityError):
+    jaxfold.load_fold(out_dir, apply_fn, key=b"other")
+  art = tmp_path / "m.jaxexport"
+  code, out, err = run(capsys, "export", "--from", str(out_dir), "--out", str(art),
+                       "--batch", "2", "--seq", "8", "--sign-key", str(key_file))
+  assert code == 0, err
+  jaxfold.load_exported(art, key=b"s3cret")
+  with pytest.raises(jaxfold.IntegrityError, match="signature does not match"):
+    jaxfold.load_exported(art, key=b"other")
+  # Unsigned: refused under a key, as the messages (which name --sign-key) say.
+  code, _, err = run(capsys, "export", "--from", str(out_dir), "--out", str(tmp_path / "u.jaxexport"),
+                     "--batch", "2", "--seq", "8")
+  assert code == 0, err
+  with pytest.raises(jaxfold.IntegrityError, match="--sign-key"):
+    jaxfold.load_exported(tmp_path / "u.jaxexport", key=b"s3cret")
+  empty = tmp_path / "empty"
+  empty.write_bytes(b"")
+  code, _, err = run(capsys, "export", "--from", str(out_dir), "--out", str(art), "--sign-key", str(empty))
+  assert code == 2 and "is empty" in err
