@@ -272,6 +272,10 @@ def representable(params: Any) -> PyTree:
 
   why = ("a safetensors file holds only the original model's tensors, which the original "
          "architecture then computes with")
+  # For a fold, folded.params.params alone is still right for the original LayerNorm model
+  # (in-place centerings are invisible there), just not for an RMSNorm one.
+  plain = ("; pass folded.params.params explicitly to write the centered tensors for the original "
+           "LayerNorm architecture (where they compute the same function)")
   if isinstance(params, (jaxfold.Fused, jaxfold.Rotated)) or (
       hasattr(params, "apply_fn") and isinstance(getattr(params, "params", None), jaxfold.FusedParams)):
     kind = "rotate" if isinstance(params, jaxfold.Rotated) or isinstance(
@@ -285,7 +289,7 @@ def representable(params: Any) -> PyTree:
       raise NotRepresentable(f"the fold has {report.num_auxiliary} auxiliary centering(s) in its "
                              f"program, which the original model lacks; {why}. Fold with "
                              "tied_weights=\"copy\" (or auxiliary_centering=False), or save with "
-                             "jaxfold.save_fold")
+                             "jaxfold.save_fold" + plain)
     params = params.params
   if isinstance(params, jaxfold.FusedParams):
     raise NotRepresentable(f"these are fuse_affine parameters (γ/β moved into other layers, "

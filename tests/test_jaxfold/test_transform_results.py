@@ -103,3 +103,14 @@ def test_safetensors_refuses_what_it_cannot_represent(x64, tmp_path):
   # What it can represent still writes: the original parameters.
   save_safetensors(p, tmp_path / "ok.safetensors", "gpt2")
   assert os.path.getsize(tmp_path / "ok.safetensors") > 0
+
+
+def test_serve_loads_a_fused_fold_dir(x64, tmp_path):
+  pytest.importorskip("uvicorn")
+  from jaxfold._src.serve.model import load_model
+  fu = _result("fused")
+  jaxfold.save_fold(fu, tmp_path / "f", meta={"model": NAME})
+  apply, p = original(NAME)
+  served = load_model(str(tmp_path / "f"), zoo_meta=lambda name: (apply, {"model": name}))
+  ids = inputs(NAME, *shapes(NAME)[0])
+  assert max_rel_err(apply(p, *ids), served.fn(*ids)) < ZOO_TOL
