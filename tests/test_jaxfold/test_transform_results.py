@@ -63,7 +63,8 @@ def test_load_refuses_another_program(x64, tmp_path):
     jaxfold.load_fold(tmp_path / "f", lambda p, x: apply(p, x) * 2)
 
 
-@pytest.mark.parametrize("kind", ["fused", "rotated"])
+# The rotated program is the fused one (rotate changes parameters only): slow run only.
+@pytest.mark.parametrize("kind", ["fused", pytest.param("rotated", marks=pytest.mark.slow)])
 def test_export_load_exported(x64, kind):
   res = _result(kind)
   apply, p = original(NAME)
