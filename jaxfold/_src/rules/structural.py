@@ -113,6 +113,10 @@ def _bcast_shift(node, ins, ctx):
   for i, d in enumerate(bd):
     if D._same(in_shape[i], out_shape[d]):
       dims[d] = p.dims[i]
+    elif p.dims[i] is not None:
+      # A labelled size-1 dim repeated: constant along d, but still that one
+      # element of c (rows 0 and 1 of a value broadcast alike differ).
+      dims[d] = (p.dims[i][0], out_shape[d])
   return [_view_coeffs(p, out_shape, _bcast_op(node), _tag(node), tuple(dims))]
 
 
@@ -259,7 +263,9 @@ def _slice_dims(p, starts, steps, in_shape, out_shape):
     if e is None or (starts[d] == 0 and steps[d] == 1 and out_shape[d] == in_shape[d]):
       dims.append(e)
     elif starts[d] % e[1] == 0 and steps[d] == 1 and out_shape[d] <= e[1]:
-      dims.append(None)  # the slice lies inside one block: c is constant on it
+      # Inside one block: c is constant on it, but which block's value it is
+      # stays in the label (rows 0 and 1 of a row-varying shift differ).
+      dims.append((("slice", e[0], starts[d] // e[1]), out_shape[d]))
     else:
       dims.append(_moved_dim(e, starts[d] % e[1] == 0 and steps[d] == 1))
   return tuple(dims)
