@@ -222,41 +222,19 @@ def _plan(planner: Planner, opts: FoldOptions) -> tuple:
 # A fold's parameters serve every later call, so which parameters are
 # centered must not depend on the example's sizes: a size-1 axis (batch 1,
 # one token) makes a broadcast look like a real axis, and a decision proved at
-# one length can fail at another. The example is therefore also analysed at
-# generic shapes (symbolic dimensions where the program traces with them, else
-# the example with its size-1 axes made 2). Each concrete shape is still
-# analysed and proved on its own (the evaluated plan is always a concrete
-# one); the generic analysis only proposes the parameters, and every other
-# shape must prove the same parameters (``analyse(..., fixed=...)``).
+# one length can fail at another. An example with size-1 axes is therefore
+# also analysed with them made 2, and the fold keeps parameters both prove.
+# Each concrete shape is analysed and proved on its own (the evaluated plan is
+# always that shape's), with the fold's parameters fixed
+# (``analyse(..., fixed=...)``): the same plan, or a FoldError naming both
+# shapes. (A proof at symbolic shapes, ``jax.export.symbolic_shape``, is
+# weaker: reshapes that merge symbolic dims cannot be grouped, so it cannot
+# refute a concrete plan, and it is not used to choose one.)
 
 
 def _compatible(an: Analysis, base: Analysis) -> bool:
   """``an`` runs with ``base``'s folded parameters (extra untied copies unused)."""
   return an.leaf_specs == base.leaf_specs and set(an.untied) <= set(base.untied)
-
-
-def _symbolic_args(args: tuple, level: int) -> Optional[tuple]:
-  """``args`` with symbolic dims: level 0 every dim, 1 all but the last of
-  each array of rank ≥ 2, 2 the leading dim only. Equal example sizes share a
-  symbol (a mask broadcasts against its ids). None: no dim to make symbolic."""
-  leaves, tree = jax.tree_util.tree_flatten(args)
-  picks = []
-  for x in leaves:
-    nd = len(np.shape(x)) if _is_array(x) or hasattr(x, "shape") else 0
-    dims = range(nd) if level == 0 else range(nd - 1 if nd >= 2 else nd) if level == 1 else range(min(nd, 1))
-    picks.append(tuple(dims))
-  sizes = sorted({int(np.shape(x)[d]) for x, ds in zip(leaves, picks) for d in ds})
-  if not sizes:
-    return None
-  syms = dict(zip(sizes, jax.export.symbolic_shape(", ".join(f"_d{n}" for n in sizes))))
-  out = []
-  for x, ds in zip(leaves, picks):
-    if not ds:
-      out.append(x)
-      continue
-    shape = tuple(syms[n] if d in ds else n for d, n in enumerate(np.shape(x)))
-    out.append(jax.ShapeDtypeStruct(shape, _dtype(x)))
-  return jax.tree_util.tree_unflatten(tree, out)
 
 
 def _probe_args(args: tuple) -> Optional[tuple]:
@@ -266,25 +244,6 @@ def _probe_args(args: tuple) -> Optional[tuple]:
     return None
   return jax.tree_util.tree_unflatten(tree, [
       jax.ShapeDtypeStruct(tuple(2 if n == 1 else n for n in np.shape(x)), _dtype(x)) for x in leaves])
-
-
-def _generic(call: "_Call", params: Any, opts: FoldOptions) -> Optional[tuple]:
-  """(args, analysis) at the most generic shapes that trace and analyse, or None."""
-  for level in range(3):
-    args = _symbolic_args(call.args, level)
-    if args is None:
-      break
-    try:
-      return args, analyse(call.fn, params, args, opts)
-    except Exception:  # noqa: BLE001 - the program needs concrete sizes here: less generic
-      continue
-  args = _probe_args(call.args)
-  if args is not None:
-    try:
-      return args, analyse(call.fn, params, args, opts)
-    except Exception:  # noqa: BLE001 - the probe shape is no valid input: keep the example's plan
-      pass
-  return None
 
 
 def _shapes_text(args: Any) -> str:
@@ -308,25 +267,40 @@ def _param_diff(a: Analysis, b: Analysis, params: Any, a_name: str, b_name: str)
 
 
 def _reconcile(call: "_Call", params: Any, opts: FoldOptions, an: Analysis) -> Analysis:
-  """The example's analysis with parameters that every input shape can use."""
-  gen = _generic(call, params, opts)
-  if gen is None or _compatible(gen[1], an) and _compatible(an, gen[1]):
+  """The example's analysis with parameters that its shape with no size-1
+  axes proves too (batch 1 and one token are where broadcasts and real axes
+  look alike)."""
+  gargs = _probe_args(call.args)
+  if gargs is None:
     return an
-  gargs, gan = gen
-  try:   # the generic plan, proved at the example's shapes
-    return analyse(call.fn, params, call.args, opts, fixed=gan.param_key)
-  except PlanConflict as e:
-    first = str(e)
-  try:   # else the example's plan, proved at the generic shapes
+  try:
+    gan = analyse(call.fn, params, gargs, opts)
+  except Exception:  # noqa: BLE001 - the probe shape is no valid input: nothing to compare
+    return an
+  if _compatible(gan, an) and _compatible(an, gan):
+    return an
+  try:   # the example's plan, proved at the probe shapes
     analyse(call.fn, params, gargs, opts, fixed=an.param_key)
     return an
   except PlanConflict as e:
+    first = str(e)
+  try:   # else the probe's plan, proved at the example's shapes
+    return analyse(call.fn, params, call.args, opts, fixed=gan.param_key)
+  except PlanConflict as e:
     second = str(e)
+  # Else the parameters both center alike (each proved invisible at both).
+  common = (tuple(x for x in an.leaf_specs if x in gan.leaf_specs),
+            tuple(x for x in an.untied if x in gan.untied))
+  try:
+    analyse(call.fn, params, gargs, opts, fixed=common)
+    return analyse(call.fn, params, call.args, opts, fixed=common)
+  except PlanConflict:
+    pass
   ex, ge = f"the example's shapes ({_shapes_text(call.args)})", f"shapes ({_shapes_text(gargs)})"
   raise FoldError(
       f"no one fold serves every input shape: {ex} and {ge} need different folded parameters "
-      f"({_param_diff(an, gan, params, 'the example', 'the other shapes')}). The other shapes' plan "
-      f"fails at the example ({first}); the example's fails at the other shapes ({second}). "
+      f"({_param_diff(an, gan, params, 'the example', 'the other shapes')}). The example's plan "
+      f"fails at the other shapes ({first}); theirs fails at the example ({second}). "
       "Fold at the shapes you will call with, or use jaxfold.cbwc, which centers per call.")
 
 
