@@ -67,7 +67,8 @@ def test_one_fold_serves_every_shape(x64, name, fold_batch):
   params = _to64(models.random_params(spec, 1, size) if size is not None else models.random_params(spec, 1))
   fn = spec.apply_fn()
   folded = jaxfold.fold(params, fn, *_inputs(spec, fold_batch, size, 0))
-  assert folded.report.num_folded >= 1 or name in ("opt-350m-tiny", "cnn-gn")
+  # (post-LN OPT-350m, per-sample GroupNorm and base Wav2Vec2 fold nothing, soundly)
+  assert folded.report.num_folded >= 1 or name in ("opt-350m-tiny", "cnn-gn", "wav2vec2-tiny-test")
   # (jitted: eager evaluation compiles every operation once per shape)
   original, folded_fn = jax.jit(fn), jax.jit(folded.apply_fn)
   for k, (b, s) in enumerate([(fold_batch, size)] + calls):
