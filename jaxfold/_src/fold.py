@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxfold._src import algebra, compat, display, kernels, layout
 from jaxfold._src.analysis import Analyzer
-from jaxfold._src.planner import Planner
+from jaxfold._src.planner import PlanConflict, Planner
 from jaxfold._src.program import Program
 from jaxfold._src.report import Report
 from jaxfold._src.rewrite import Plan, evaluate
@@ -122,15 +122,17 @@ class Analysis:
 
 
 def analyse(apply_fn: Callable, params: Any, args: tuple, opts: FoldOptions,
-            cbwc: bool = False) -> Analysis:
-  """Traces ``apply_fn`` at abstract params/args and plans the fold."""
+            cbwc: bool = False, fixed: Optional[tuple] = None) -> Analysis:
+  """Traces ``apply_fn`` at abstract params/args and plans the fold; with
+  ``fixed`` (another analysis' ``param_key``) the plan keeps exactly those
+  centered parameters or raises ``PlanConflict``."""
   paths_leaves = _check_params(params)
   abstract_params = jax.tree_util.tree_map(_abstract, params)
   abstract_args = jax.tree_util.tree_map(_abstract, args)
   with _no_gc():
     closed, out_shape = _trace(apply_fn, abstract_params, abstract_args)
   names = [jax.tree_util.keystr(p) for p, _ in paths_leaves]
-  key = (opts, cbwc, tuple(names))
+  key = (opts, cbwc, tuple(names), fixed)
   cached = _ANALYSES.get(closed, key)
   if cached is not None:
     return cached
@@ -138,7 +140,7 @@ def analyse(apply_fn: Callable, params: Any, args: tuple, opts: FoldOptions,
   with algebra.scope(), _no_gc():
     an = Analyzer(Program(closed), cbwc=cbwc, through_dropout=opts.through_dropout)
     an.num_leaves = len(names)
-    planner = Planner(an, names, opts).run()
+    planner = Planner(an, names, opts, fixed=fixed).run()
     plan, kernel_sites = _plan(planner, opts)
     report = planner.report(kernel_sites).on_platform(jax.default_backend(), kernels.may_use_kernel(opts.norm_impl))
   result = Analysis(jaxpr, consts, jax.tree_util.tree_structure(out_shape), plan,
@@ -212,6 +214,94 @@ def _plan(planner: Planner, opts: FoldOptions) -> tuple:
           kernel_sites.add(i)
   return Plan(zero=zero, aux=aux, consts=consts, untied=untied, epilogues=tuple(epilogues),
               norm_impl=opts.norm_impl), frozenset(kernel_sites)
+
+
+# ----------------------------------------------------------------------------
+# One plan for every input shape.
+#
+# A fold's parameters serve every later call, so which parameters are
+# centered must not depend on the example's sizes: a size-1 axis (batch 1,
+# one token) makes a broadcast look like a real axis, and a decision proved at
+# one length can fail at another. An example with size-1 axes is therefore
+# also analysed with them made 2, and the fold keeps parameters both prove.
+# Each concrete shape is analysed and proved on its own (the evaluated plan is
+# always that shape's), with the fold's parameters fixed
+# (``analyse(..., fixed=...)``): the same plan, or a FoldError naming both
+# shapes. (A proof at symbolic shapes, ``jax.export.symbolic_shape``, is
+# weaker: reshapes that merge symbolic dims cannot be grouped, so it cannot
+# refute a concrete plan, and it is not used to choose one.)
+
+
+def _compatible(an: Analysis, base: Analysis) -> bool:
+  """``an`` runs with ``base``'s folded parameters (extra untied copies unused)."""
+  return an.leaf_specs == base.leaf_specs and set(an.untied) <= set(base.untied)
+
+
+def _probe_args(args: tuple) -> Optional[tuple]:
+  """``args`` with every size-1 dim made 2 (None: none is size 1)."""
+  leaves, tree = jax.tree_util.tree_flatten(args)
+  if not any(1 in np.shape(x) for x in leaves):
+    return None
+  return jax.tree_util.tree_unflatten(tree, [
+      jax.ShapeDtypeStruct(tuple(2 if n == 1 else n for n in np.shape(x)), _dtype(x)) for x in leaves])
+
+
+def _shapes_text(args: Any) -> str:
+  return ", ".join(str(tuple(np.shape(x))).replace("'", "") for x in jax.tree_util.tree_leaves(args)) or "()"
+
+
+def _param_diff(a: Analysis, b: Analysis, params: Any, a_name: str, b_name: str) -> str:
+  """Which parameters one plan centers and the other does not."""
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+
+  def label(i, spec):
+    path, x = leaves[i]
+    return f"{jax.tree_util.keystr(path)}{layout.fmt_spec(dict(spec), np.shape(x))}"
+
+  def items(an):
+    return ({f"{label(i, s)} in place" for i, s in an.leaf_specs}
+            | {f"{label(i, s)} as an untied copy" for _, i, s in an.untied})
+  ia, ib = items(a), items(b)
+  parts = [f"centered only at {w}: {', '.join(sorted(x))}" for w, x in ((a_name, ia - ib), (b_name, ib - ia)) if x]
+  return "; ".join(parts) or "the same parameters"
+
+
+def _reconcile(call: "_Call", params: Any, opts: FoldOptions, an: Analysis) -> Analysis:
+  """The example's analysis with parameters that its shape with no size-1
+  axes proves too (batch 1 and one token are where broadcasts and real axes
+  look alike)."""
+  gargs = _probe_args(call.args)
+  if gargs is None:
+    return an
+  try:
+    gan = analyse(call.fn, params, gargs, opts)
+  except Exception:  # noqa: BLE001 - the probe shape is no valid input: nothing to compare
+    return an
+  if _compatible(gan, an) and _compatible(an, gan):
+    return an
+  try:   # the example's plan, proved at the probe shapes
+    analyse(call.fn, params, gargs, opts, fixed=an.param_key)
+    return an
+  except PlanConflict as e:
+    first = str(e)
+  try:   # else the probe's plan, proved at the example's shapes
+    return analyse(call.fn, params, call.args, opts, fixed=gan.param_key)
+  except PlanConflict as e:
+    second = str(e)
+  # Else the parameters both center alike (each proved invisible at both).
+  common = (tuple(x for x in an.leaf_specs if x in gan.leaf_specs),
+            tuple(x for x in an.untied if x in gan.untied))
+  try:
+    analyse(call.fn, params, gargs, opts, fixed=common)
+    return analyse(call.fn, params, call.args, opts, fixed=common)
+  except PlanConflict:
+    pass
+  ex, ge = f"the example's shapes ({_shapes_text(call.args)})", f"shapes ({_shapes_text(gargs)})"
+  raise FoldError(
+      f"no one fold serves every input shape: {ex} and {ge} need different folded parameters "
+      f"({_param_diff(an, gan, params, 'the example', 'the other shapes')}). The example's plan "
+      f"fails at the other shapes ({first}); theirs fails at the example ({second}). "
+      "Fold at the shapes you will call with, or use jaxfold.cbwc, which centers per call.")
 
 
 # ----------------------------------------------------------------------------
@@ -343,16 +433,21 @@ class FoldedApply:
         params = jax.tree_util.tree_unflatten(self._tree, [_abstract(x) for x in leaves])
       an = analyse(call.fn, params, call.args, self._opts, cbwc=self._center)
       # CBWC centers in the forward pass, per analysis; a fold's parameters are fixed.
-      if not self._center and an.param_key != self._base.param_key:
-        what = "parameters of these shapes/dtypes" if psig is not None else "inputs of these shapes"
-        if kwargs:
-          what += f" with keyword arguments {_kwargs_text(kwargs)}"
-        raise FoldError(
-            f"{what} ({list(call.key[0][1])}) need different folded parameters than the "
-            "example that fold() was given (a different set of parameters or axes can be "
-            "centered; e.g. in training mode dropout makes centering visible). Call "
-            "jaxfold.fold again with these arguments (example_kwargs= for keyword ones), or "
-            "use jaxfold.cbwc, whose apply_fn takes the original parameters, for training.")
+      if not self._center and not _compatible(an, self._base):
+        try:   # the fold's parameters, proved at these shapes
+          an = analyse(call.fn, params, call.args, self._opts, fixed=self._base.param_key)
+        except PlanConflict as e:
+          what = "parameters of these shapes/dtypes" if psig is not None else "inputs of these shapes"
+          if kwargs:
+            what += f" with keyword arguments {_kwargs_text(kwargs)}"
+          raise FoldError(
+              f"{what} ({_shapes_text(call.args)}) need different folded parameters than the "
+              f"example that fold() was given ({_shapes_text(self._example)}): "
+              f"{_param_diff(self._base, an, self._params, 'the example', 'these inputs')}; the fold's "
+              f"parameters fail here: {e}. (A different set of parameters or axes can be "
+              "centered; e.g. in training mode dropout makes centering visible.) Call "
+              "jaxfold.fold again with these arguments (example_kwargs= for keyword ones), or "
+              "use jaxfold.cbwc, whose apply_fn takes the original parameters, for training.") from None
       self._cache[key] = an
     return self._cache[key]
 
@@ -501,7 +596,7 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
     raise FoldError(f"apply_fn must be callable, got {type(apply_fn).__name__}")
   _refuse_traced(params)
   call = _bind(apply_fn, example_args, example_kwargs or {})
-  an = analyse(call.fn, params, call.args, opts)
+  an = _reconcile(call, params, opts, analyse(call.fn, params, call.args, opts))
   leaves, tree = jax.tree_util.tree_flatten(params)
   specs = dict(an.leaf_specs)
   new_leaves = [_center_leaf(x, specs[i]) if i in specs else x for i, x in enumerate(leaves)]

@@ -72,6 +72,10 @@ class Decision:
   aux_vars: tuple = ()          # the auxiliary centerings (Vals) it relies on
 
 
+class PlanConflict(Exception):
+  """A plan fixed by another input shape cannot be proved at this one."""
+
+
 def _spec_dict(spec: tuple) -> dict:
   return dict(spec)
 
@@ -83,8 +87,11 @@ def _nbytes(v: Val) -> int:
 class Planner:
   """Runs the site decisions and keeps the commitments later sites respect."""
 
-  def __init__(self, an: Analyzer, names: list, options):
+  def __init__(self, an: Analyzer, names: list, options, fixed: Optional[tuple] = None):
     self.an = an
+    # (leaf specs, untied specs) of the fold's parameters, decided at another
+    # input shape: this program must work with exactly those centered leaves.
+    self.fixed = fixed
     self.top = an.top
     self.names = names
     self.opts = options
@@ -222,7 +229,10 @@ class Planner:
                                 f"{param_label(self.name(var))} is already centered over other axes for "
                                 "another site"))
       return
-    reason = self.leaf_visible(var, spec)
+    if self.fixed is not None and self.is_leaf(var):
+      reason = "the fold's parameters, fixed at another input shape, leave it uncentered"
+    else:
+      reason = self.leaf_visible(var, spec)
     if reason is None:
       actions.append(CenterLeaf(var, spec))
       return
@@ -243,6 +253,10 @@ class Planner:
                                   f"{param_label(self.name(var))} is also used where centering it is visible "
                                   f"({reason}); an auxiliary centering or an untied copy would "
                                   "fold it"))
+      elif self.fixed is not None and (var.index, spec) not in self._fixed_untied:
+        blockers.append(Blocker(n.out_var, n.out_spec,
+                                f"{param_label(self.name(var))} has no untied copy centered over these "
+                                "axes in the fold's parameters"))
       else:
         actions.append(UntieUse(n))
       return
@@ -276,7 +290,20 @@ class Planner:
     self.decisions[i] = Decision(True, reason, tuple(dict.fromkeys(centered)), aux,
                                  not self._inexact, aux_vars)
 
+  def _seed_fixed(self) -> None:
+    """Commits the fixed leaf centerings, each proved invisible in this program."""
+    leaf_specs, untied = self.fixed
+    self._fixed_untied = {(i, spec) for _, i, spec in untied}
+    for i, spec in leaf_specs:
+      var = self.top.program.invars[i]
+      reason = self.leaf_visible(var, spec)
+      if reason is not None:
+        raise PlanConflict(f"centering {self.label(var, spec)} would change the output here: {reason}")
+      self.leaf_commit[var] = spec
+
   def run(self) -> "Planner":
+    if self.fixed is not None:
+      self._seed_fixed()
     failed, visits = {}, {}
     for i, site in enumerate(self.sites):
       visits[i] = []

@@ -106,6 +106,11 @@ def reshape_dims(dims: tuple, in_shape: Sequence, out_shape: Sequence) -> Option
     label, block = dims[varying[0]]
     block *= inner                       # the flat group is constant on runs of this size
     if not big_out:
+      # All size 1: the label says *which* element of c this is (x[0:1] and
+      # x[1:2] reshaped alike differ), so it is kept, never dropped.
+      if not gj:
+        return None
+      out[gj[0]] = dims[varying[0]]
       continue
     first = big_out[0]
     rest = math.prod(sizes[first + 1:])

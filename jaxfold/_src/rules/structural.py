@@ -113,7 +113,10 @@ def _bcast_shift(node, ins, ctx):
   for i, d in enumerate(bd):
     if D._same(in_shape[i], out_shape[d]):
       dims[d] = p.dims[i]
-  return [_view_coeffs(p, out_shape, _bcast_op(node), _tag(node), tuple(dims))]
+    elif p.dims[i] is not None:
+      dims[d] = _ONE_BLOCK  # a labelled size-1 dim repeated
+  return [_one_block(tuple(dims), lambda ds: _view_coeffs(
+      p, out_shape, _bcast_op(node), _tag(node), ds))]
 
 
 def _bcast_zero_sum(node, k, spec, ctx):
@@ -253,13 +256,27 @@ def _slice_facts(node, ins, ctx):
   return [Facts(ins[0].const | size_one(node.outs[0].shape), ins[0].value, ins[0].random)]
 
 
+_ONE_BLOCK = ("one block",)
+
+
+def _one_block(dims, make):
+  """``make(dims)`` where ``dims`` marks dims that now lie inside one block of
+  a varying ``c``: constant there, but *which* block's value it is is lost, so
+  the result gets a symbol of its own (rows 0 and 1 of a row-varying shift,
+  sliced or broadcast alike, must not cancel)."""
+  if _ONE_BLOCK not in dims:
+    return make(dims)
+  r = make(tuple(None if e == _ONE_BLOCK else e for e in dims))
+  return r if r is None else A.Poly(next(A._syms), r.dims, r.coeffs)
+
+
 def _slice_dims(p, starts, steps, in_shape, out_shape):
   dims = []
   for d, e in enumerate(p.dims):
     if e is None or (starts[d] == 0 and steps[d] == 1 and out_shape[d] == in_shape[d]):
       dims.append(e)
     elif starts[d] % e[1] == 0 and steps[d] == 1 and out_shape[d] <= e[1]:
-      dims.append(None)  # the slice lies inside one block: c is constant on it
+      dims.append(_ONE_BLOCK)  # inside one block: c is constant on it
     else:
       dims.append(_moved_dim(e, starts[d] % e[1] == 0 and steps[d] == 1))
   return tuple(dims)
@@ -272,7 +289,8 @@ def _slice_shift(node, ins, ctx):
   steps = node.params["strides"] or (1,) * len(starts)
   in_shape, out_shape = node.ins[0].shape, node.outs[0].shape
   dims = _slice_dims(p, starts, steps, in_shape, out_shape)
-  return [_view_coeffs(p, out_shape, lambda v: v.slice(starts, limits, steps), _tag(node), dims)]
+  return [_one_block(dims, lambda ds: _view_coeffs(
+      p, out_shape, lambda v: v.slice(starts, limits, steps), _tag(node), ds))]
 
 
 def _slice_zero_sum(node, k, spec, ctx):
@@ -383,8 +401,8 @@ def _split_shift(node, ins, ctx):
     starts[axis], limits[axis] = lo, hi
     steps = (1,) * len(in_shape)
     dims = _slice_dims(p, starts, steps, in_shape, o.shape)
-    out.append(_view_coeffs(p, o.shape, lambda v, s=tuple(starts), l=tuple(limits): v.slice(s, l),
-                            ("slice", tuple(starts), tuple(limits)), dims))
+    out.append(_one_block(dims, lambda ds, o=o, s=tuple(starts), l=tuple(limits): _view_coeffs(
+        p, o.shape, lambda v: v.slice(s, l), ("slice", s, l), ds)))
   return out
 
 
