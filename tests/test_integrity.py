@@ -68,7 +68,8 @@ def _refused(capfd, fn, match, exc=jaxfold.FoldError):
 def test_manifest_records_hashes_and_versions(saved):
   _, apply, folded, d, _ = saved
   m = json.load(open(os.path.join(d, "manifest.json")))
-  assert m["kind"] == "jaxfold-fold" and m["format_version"] == serialization.FORMAT_VERSION
+  # A plain fold keeps the older format (older readers load it); fuse/rotate chains write the newest.
+  assert m["kind"] == "jaxfold-fold" and m["format_version"] == 2 < serialization.FORMAT_VERSION
   assert m["written_by"]["jaxfold"] == jaxfold.__version__
   assert {"jax", "jaxlib", "orbax-checkpoint", "python"} <= set(m["written_by"])
   on_disk = {os.path.relpath(p, d).replace(os.sep, "/")

@@ -75,8 +75,9 @@ __all__ = ["save_fold", "load_fold", "load_report", "load_meta", "LoadedFold",
 # signature.json are optional additions that format-2 readers ignore).
 # 3: fuse_affine/rotate results (fold.json "transforms", flat parameter leaves);
 # plain folds are still written as format 2, so older readers keep reading them.
-FORMAT_VERSION = 3
-CHAIN_FORMAT_VERSION = 3
+FORMAT_VERSION = 3          # the newest format this version reads
+CHAIN_FORMAT_VERSION = 3    # a fold with fuse_affine/rotate steps
+PLAIN_FORMAT_VERSION = 2    # a plain fold: older readers still load it
 
 
 class LoadedFold(NamedTuple):
@@ -361,7 +362,7 @@ def save_fold(folded: Any, directory: str | os.PathLike, *, meta: Optional[dict]
   options = base.options.to_dict()
   args = example_args if example_args is not None else base.example_args
   fold_info = {
-      "format_version": CHAIN_FORMAT_VERSION if transformed else 2,
+      "format_version": CHAIN_FORMAT_VERSION if transformed else PLAIN_FORMAT_VERSION,
       "options": options,
       "example_args": _encode_args(tuple(args)),
       "example_kwargs": _encode_args(dict(getattr(base, "example_kwargs", {}))),
