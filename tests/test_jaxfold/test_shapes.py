@@ -154,3 +154,45 @@ def test_rows_of_a_row_varying_shift_are_not_equal(x64, which):
   x = jnp.asarray(np.random.default_rng(3).normal(size=(5, 4)))
   folded = jaxfold.fold(p, f, x)
   assert rel_err(f(p, x), folded.apply_fn(folded.params, x)) < 1e-12
+
+
+def _vit_interpolated(p, img, patch=4, d=16):
+  """A ViT whose position embeddings are resized to the patch grid (bilinear, as
+  HF ViT/DINOv2 do at another resolution), a class token and two pre-LN blocks."""
+  def ln(h, g, b):
+    m = h.mean(-1, keepdims=True)
+    v = ((h - m) ** 2).mean(-1, keepdims=True)
+    return (h - m) * jax.lax.rsqrt(v + 1e-6) * g + b
+
+  b = img.shape[0]
+  x = jax.lax.conv_general_dilated(img, p["patch"], (patch, patch), "VALID",
+                                   dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["pb"]
+  gh, gw = x.shape[1], x.shape[2]
+  x = (x + jax.image.resize(p["pos"], (gh, gw, d), "bilinear")).reshape(b, gh * gw, d)
+  h = jnp.concatenate([jnp.broadcast_to(p["cls"], (b, 1, d)), x], 1)
+  for i in range(2):
+    y = ln(h, p[f"g{i}"], p[f"b{i}"])
+    att = jax.nn.softmax((y @ p[f"q{i}"]) @ jnp.swapaxes(y @ p[f"k{i}"], 1, 2) / 4.0, -1)
+    h = h + att @ (y @ p[f"u{i}"]) @ p[f"o{i}"]
+    y = ln(h, p[f"e{i}"], p[f"f{i}"])
+    h = h + jax.nn.gelu(y @ p[f"w{i}"] + p[f"c{i}"]) @ p[f"v{i}"] + p[f"d{i}"]
+  return ln(h, p["gf"], p["bf"])[:, 0] @ p["head"]
+
+
+def test_vit_at_other_resolutions_with_interpolated_positions(x64):
+  """Folded at 16×16 px, batch 1; called at other resolutions (the position table is
+  resized to each patch grid) and batches: exact."""
+  keys = iter(jax.random.split(jax.random.PRNGKey(3), 64))
+  n = lambda *s: jax.random.normal(next(keys), s)
+  d = 16
+  p = {"patch": n(4, 4, 3, d), "pb": n(d), "pos": n(4, 4, d), "cls": n(1, 1, d), "gf": 1 + n(d),
+       "bf": n(d), "head": n(d, 5)}
+  for i in range(2):
+    p.update({f"g{i}": 1 + n(d), f"b{i}": n(d), f"e{i}": 1 + n(d), f"f{i}": n(d), f"w{i}": n(d, 32),
+              f"c{i}": n(32), f"v{i}": n(32, d), f"d{i}": n(d), f"q{i}": n(d, d), f"k{i}": n(d, d),
+              f"u{i}": n(d, d), f"o{i}": n(d, d)})
+  r = jaxfold.fold(p, _vit_interpolated, n(1, 16, 16, 3))
+  assert all(s.folded for s in r.report.sites) and len(r.report.sites) == 5
+  for shape in [(1, 16, 16, 3), (3, 24, 24, 3), (2, 32, 16, 3), (4, 8, 8, 3)]:
+    x = n(*shape)
+    assert rel_err(r.apply_fn(r.params, x), _vit_interpolated(p, x)) < 1e-9, shape
