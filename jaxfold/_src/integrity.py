@@ -142,19 +142,23 @@ _REDO = ("re-create it (`jaxfold fold --force ...` or jaxfold.save_fold(..., ove
 
 
 def read_manifest(directory: str, *, what: str = "saved fold") -> dict:
-  path = os.path.join(directory, MANIFEST)
-  try:
-    with open(path, "rb") as f:
-      raw = f.read()
-  except FileNotFoundError:
-    raise
+  with open(os.path.join(directory, MANIFEST), "rb") as f:
+    raw = f.read()
+  return _parse_manifest(raw, directory, what)
+
+
+def _parse_manifest(raw: bytes, directory: str, what: str) -> dict:
   try:
     manifest = json.loads(raw)
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
       raise ValueError("no 'files' table")
   except (ValueError, UnicodeDecodeError) as e:
-    raise IntegrityError(f"{path} is damaged ({type(e).__name__}: {e}), so the {what} in "
-                         f"{directory} cannot be verified: {_REDO}") from None
+    raise IntegrityError(f"{os.path.join(directory, MANIFEST)} is damaged ({type(e).__name__}: {e}), "
+                         f"so the {what} in {directory} cannot be verified: {_REDO}") from None
+  for rel in manifest["files"]:
+    if not isinstance(rel, str) or rel.startswith("/") or ".." in rel.split("/"):
+      raise IntegrityError(f"{os.path.join(directory, MANIFEST)} lists a path outside the "
+                           f"directory ({rel!r}): it is not a manifest written by jaxfold")
   return manifest
 
 
@@ -185,9 +189,6 @@ def verify_manifest(directory: str, *, strict_under: Iterable[str] = (),
   Returns the manifest."""
   manifest = read_manifest(directory, what=what)
   for rel in sorted(manifest["files"]):
-    if rel.startswith("/") or ".." in rel.split("/"):
-      raise IntegrityError(f"{os.path.join(directory, MANIFEST)} lists a path outside the "
-                           f"directory ({rel!r}): it is not a manifest written by jaxfold")
     verify_file(directory, rel, manifest, what=what)
   listed = set(manifest["files"])
   for top in strict_under:
@@ -389,21 +390,6 @@ def _same_dir(directory: str, dfd: int) -> bool:
   except OSError:
     return False
   return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
-def _parse_manifest(raw: bytes, directory: str, what: str) -> dict:
-  try:
-    manifest = json.loads(raw)
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-      raise ValueError("no 'files' table")
-  except (ValueError, UnicodeDecodeError) as e:
-    raise IntegrityError(f"{os.path.join(directory, MANIFEST)} is damaged ({type(e).__name__}: {e}), "
-                         f"so the {what} in {directory} cannot be verified: {_REDO}") from None
-  for rel in manifest["files"]:
-    if not isinstance(rel, str) or rel.startswith("/") or ".." in rel.split("/"):
-      raise IntegrityError(f"{os.path.join(directory, MANIFEST)} lists a path outside the "
-                           f"directory ({rel!r}): it is not a manifest written by jaxfold")
-  return manifest
 
 
 def _check_signature(dfd: int, directory: str, raw_manifest: bytes, key, what: str) -> None:

@@ -504,12 +504,7 @@ def _verify(directory: str, *, integrity: bool) -> Optional[dict]:
     raise NotFoundError(f"{os.path.join(directory, MANIFEST)} does not exist: {directory} is "
                             "not a saved fold (write one with jaxfold.save_fold or `jaxfold fold`)")
   manifest = verify_manifest(directory, strict_under=("params",))
-  version = manifest.get("format_version", 0)
-  if not isinstance(version, int) or version > FORMAT_VERSION:
-    by = manifest.get("written_by", {}).get("jaxfold", "?")
-    raise IntegrityError(f"{directory} was written by jaxfold {by} (format {version}); this "
-                         f"jaxfold {_versions().get('jaxfold')} reads format <= {FORMAT_VERSION}: "
-                         "upgrade jaxfold")
+  _check_format(directory, manifest)
   return manifest
 
 
