@@ -486,6 +486,21 @@ def _neg(g, sc, st):
 # mul / div / integer_pow
 
 
+@op(("exp", "ratio of sums"), ("max", "-inf bound"))
+def _softmax_stream(g, sc, st):
+  """softmax along the features ignores a shift constant along them."""
+  if g.coin():
+    return Op("h + softmax(h)", lambda P, h, E: h + jax.nn.softmax(h, -1), st.T, st.D)
+  return Op("h + exp(h)/sum(exp(h))",
+            lambda P, h, E: h + jnp.exp(h) / jnp.sum(jnp.exp(h), -1, keepdims=True), st.T, st.D)
+
+
+@op(("log", "log of a sum of exps"))
+def _log_softmax_stream(g, sc, st):
+  return Op("h + (h - log(sum(exp(h))))",
+            lambda P, h, E: h + (h - jnp.log(jnp.sum(jnp.exp(h), -1, keepdims=True))), st.T, st.D)
+
+
 @op(("mul", "constant factor"))
 def _mul_const(g, sc, st):
   if g.coin():
@@ -558,7 +573,7 @@ def _negpow(g, sc, st):
 # max / min / clamp, select_n and comparisons
 
 
-@op(("max", ""))
+@op(("max", "clamp"))
 def _relu(g, sc, st):
   return Op("relu(h)", lambda P, h, E: jnp.maximum(h, 0.0), st.T, st.D)
 
@@ -768,7 +783,8 @@ def _unary_ctor(rule, label, f):
 
 
 for _rule, (_label, _f) in _UNARY.items():
-  op((_rule, ""))(_unary_ctor(_rule, _label, _f))
+  # exp and log also carry a shift in special forms (softmax, log-sum-exp): their plain use is a variant
+  op((_rule, "nonlinear" if _rule in ("exp", "log") else ""))(_unary_ctor(_rule, _label, _f))
 
 
 # ---------------------------------------------------------------------------
@@ -845,7 +861,7 @@ def _int_ctor(rule, label, f):
 
 
 for _rule, (_label, _f) in _INT_FNS.items():
-  op((_rule, "") if _rule not in ("cumsum", "rev") else (_rule, "other axis" if _rule == "cumsum" else ""),
+  op((_rule, {"cumsum": "other axis", "max": "clamp"}.get(_rule, "")),
      ("argmax", ""), ("argmin", ""))(_int_ctor(_rule, _label, _f))
 
 
@@ -1252,7 +1268,7 @@ def _token_mix(g, sc, st):
             frozenset({("dot_general", "weight side")}))
 
 
-@op(("dot_general", "batched"), ("exp", ""), ("reduce_max", ""))
+@op(("dot_general", "batched"), ("exp", "nonlinear"), ("reduce_max", ""))
 def _attention(g, sc, st):
   causal = g.coin()
   pq, pk = sc.param("w", (st.D, st.D)), sc.param("w", (st.D, st.D))

@@ -402,7 +402,7 @@ def _bound_shift(identity: float):
 
 
 register(Rule("max", (lax.max_p,), facts=_arith_facts(max), canon=_max_canon,
-              shift=_bound_shift(-math.inf), zero_sum=_block_zero_sum))
+              shift=_bound_shift(-math.inf), zero_sum=_block_zero_sum, variants=("clamp", "-inf bound")))
 register(Rule("min", (lax.min_p,), facts=_arith_facts(min),
               canon=lambda node, ins, ctx: [A.app(("min",), ins, node.outs[0].shape, commutative=True)],
               shift=_bound_shift(math.inf), zero_sum=_block_zero_sum))
@@ -722,6 +722,7 @@ def _pow_canon(node, ins, ctx):
 
 
 _SHIFTS = {"exp_p": _exp_shift, "log_p": _log_shift}
+_SHIFT_VARIANTS = {"exp_p": ("nonlinear", "ratio of sums"), "log_p": ("nonlinear", "log of a sum of exps")}
 
 for _name in tuple(_EXACT_UNARY) + _NONLINEAR:
   _p = getattr(lax, _name, None)
@@ -737,4 +738,5 @@ for _name in tuple(_EXACT_UNARY) + _NONLINEAR:
                 canon=(lambda tag: (lambda node, ins, ctx: [A.app((tag,), ins, node.outs[0].shape)]))(_tag)
                 if _tag in ("sqrt", "rsqrt") else _opaque_canon,
                 shift=_SHIFTS.get(_name, _block_nonlinear), zero_sum=_block_zero_sum,
+                variants=_SHIFT_VARIANTS.get(_name, ()),
                 epilogue="step" if _tag in ("sqrt", "rsqrt") else ""))

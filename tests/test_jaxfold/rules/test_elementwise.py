@@ -376,3 +376,42 @@ def test_cbwc_float32_trace_bfloat16_params(ln):
     assert err < 0.05, f"CBWC with bfloat16 params differs from the original: rel err {err:.3g}"
   finally:
     jax.config.update("jax_enable_x64", prev)
+
+
+# ----------------------------------------------------------------------------
+# exp / log / max with -inf: a shift constant along the features cancels in a
+# softmax (exp(x + c) = exp(x)(1 + d), the ratio drops 1 + d; log gives c back).
+# Each invariant enters as a per-token factor of h, so the norm folds only if
+# centering w stays invisible through it.
+
+
+def _per_token(f):
+  return lambda h, p: h * (1.0 + jnp.max(f(h), -1, keepdims=True))
+
+
+def _lse(h):
+  return jnp.log(jnp.sum(jnp.exp(h), -1, keepdims=True))
+
+
+def test_softmax_over_the_features_ignores_the_shift(x64):
+  run(_per_token(lambda h: jax.nn.softmax(h, -1)), 1)
+
+
+def test_exp_ratio_of_sums(x64):
+  run(_per_token(lambda h: jnp.exp(h) / jnp.sum(jnp.exp(h), -1, keepdims=True)), 1)
+
+
+def test_log_of_a_sum_of_exps(x64):
+  run(_per_token(lambda h: (h - _lse(h)) ** 2), 1)
+
+
+def test_max_with_minus_inf_passes_the_shift(x64):
+  run(_per_token(lambda h: jnp.maximum(h, -jnp.inf) - jnp.max(h, -1, keepdims=True)), 1)
+
+
+def test_softmax_over_the_tokens_sees_the_shift(x64):
+  run(_per_token(lambda h: jax.nn.softmax(h, 1)), 0)
+
+
+def test_exp_alone_sees_the_shift(x64):
+  run(_per_token(jnp.exp), 0)
