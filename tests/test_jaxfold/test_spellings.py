@@ -41,17 +41,18 @@ def _program(norm):
 
 
 def _inputs():
-  k1, k2 = jax.random.split(jax.random.PRNGKey(7))
-  return jax.random.normal(k1, (3, 8)), jax.random.normal(k2, (2, 5, 8))
+  """The example (3, 8), then other batch sizes and ranks, batch 1 included."""
+  k1, k2, k3 = jax.random.split(jax.random.PRNGKey(7), 3)
+  return jax.random.normal(k1, (3, 8)), jax.random.normal(k2, (2, 5, 8)), jax.random.normal(k3, (1, 4, 8))
 
 
 def _fold_summary(norm, tol: float = 1e-9) -> tuple:
   """(folded sites with their centerings, number of sites), checked exact."""
   p = _params()
   f = _program(norm)
-  x, x2 = _inputs()
-  r = jaxfold.fold(p, f, x)
-  for xx in (x, x2):
+  xs = _inputs()
+  r = jaxfold.fold(p, f, xs[0])
+  for xx in xs:
     assert rel_err(r.apply_fn(r.params, xx), f(p, xx)) < tol
   folded = tuple(tuple(sorted(c.label() for c in s.centered)) for s in r.report.sites if s.folded)
   return folded, len(r.report.sites), r.report.num_auxiliary
@@ -161,12 +162,12 @@ def test_softmax_ignores_a_constant_shift(kind, x64):
     return sm(h) @ p["Wo"] + S.layer_norm(PLAIN, h, p["g1"], p["n1"]) @ p["Wo"]
 
   p = _params()
-  x, x2 = _inputs()
-  r = jaxfold.fold(p, f, x)
+  xs = _inputs()
+  r = jaxfold.fold(p, f, xs[0])
   (site,) = r.report.sites
   assert site.folded and not r.params.untied
   assert sorted(c.label() for c in site.centered) == ["W1[1]", "b1[0]"]
-  for xx in (x, x2):
+  for xx in xs:
     assert rel_err(r.apply_fn(r.params, xx), f(p, xx)) < 1e-9
 
 
@@ -177,7 +178,7 @@ def test_softmax_over_other_axis_sees_the_shift(x64):
     return jax.nn.softmax(h, axis=0) @ p["Wo"] + S.layer_norm(PLAIN, h, p["g1"], p["n1"]) @ p["Wo"]
 
   p = _params()
-  x, _ = _inputs()
+  x = _inputs()[0]
   r = jaxfold.fold(p, f, x)
   assert rel_err(r.apply_fn(r.params, x), f(p, x)) < 1e-9
   (site,) = r.report.sites
