@@ -176,3 +176,40 @@ def test_conv2d_per_position_groupnorm(x64):
       out.append((jnp.asarray(rng.standard_normal((b, 4, 5, 3)), F64),))
     return out
   assert_sound(apply, dict(GB, w=(3, 3, 3, D), b=(D,)), args(), expect_folded=1)
+
+
+# ----------------------------------------------------------------------------
+# A contraction against a constant vector is a sum: a mean written as h @ ones / n
+# or einsum('...d,d', h, ones / n) is a site and cancels a shift like jnp.mean.
+
+
+@pytest.mark.parametrize("form", ["dot", "einsum"])
+def test_mean_as_a_contraction_with_ones(x64, form):
+  d = 8
+
+  def mean(h):
+    ones = jnp.ones((d,), h.dtype)
+    m = h @ ones / d if form == "dot" else jnp.einsum("...d,d->...", h, ones / d)
+    return m[..., None]
+
+  def ln(h, g, b):
+    m = mean(h)
+    v = mean(h * h) - m * m      # E[h²] − m²: the mean is never subtracted from h directly
+    inv = lax.rsqrt(v + 1e-5) * g
+    return h * inv + (-m * inv + b)
+
+  def apply(p, x):
+    return ln(x @ p["w"] + p["b"], p["g"], p["be"])
+
+  shapes = {"w": (DIN, d), "b": (d,), "g": (d,), "be": (d,)}
+  assert_sound(apply, shapes, x_args(), expect_folded=1)
+
+
+def test_contraction_with_a_varying_vector_is_not_a_mean(x64):
+  def apply(p, x):
+    h = x @ p["w"] + p["b"]
+    m = (h @ p["u"])[..., None]        # a learned projection, not a mean
+    return (h - m) * lax.rsqrt(jnp.mean((h - m) ** 2, -1, keepdims=True) + 1e-5) * p["g"] + p["be"]
+
+  shapes = {"w": (DIN, 8), "b": (8,), "u": (8,), "g": (8,), "be": (8,)}
+  assert_sound(apply, shapes, x_args(), expect_folded=0)
