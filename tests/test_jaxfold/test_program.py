@@ -1,0 +1,102 @@
+"""jaxfold/_src/program.py: call sites flattened per occurrence, loop bodies
+kept as sub-programs, dataflow maps and the paths the rewrite finds values by."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfold._src.program import Lit, Program, Val, is_val
+
+
+def _prog(fn, *args):
+  return Program(jax.make_jaxpr(fn)(*args))
+
+
+def _prims(p: Program) -> list:
+  return [n.prim.name for n in p.nodes]
+
+
+def test_a_jitted_block_called_twice_is_two_occurrences():
+  @jax.jit
+  def block(x):
+    return jnp.tanh(x) * 2.0
+
+  p = _prog(lambda x: block(block(x)), jnp.ones(3))
+  tanhs = [n for n in p.nodes if n.prim.name == "tanh"]
+  assert len(tanhs) == 2
+  # Same jaxpr object, distinct values and call sites.
+  assert tanhs[0].eqn is tanhs[1].eqn
+  assert tanhs[0].outs[0] is not tanhs[1].outs[0]
+  assert tanhs[0].calls[-1].path != tanhs[1].calls[-1].path
+  assert tanhs[0].calls[-1].kind == "jit"
+  assert "jit" in tanhs[0].where()
+  # The second call reads the first call's result through the flattening.
+  mul1 = next(n for n in p.nodes if n.prim.name == "mul")
+  assert tanhs[1].ins[0] is mul1.outs[0]
+
+
+def test_loop_bodies_are_sub_programs_with_their_own_values():
+  def fn(x):
+    def body(c, _):
+      return jnp.sin(c) + 1.0, None
+    return jax.lax.scan(body, x, None, length=3)[0]
+
+  p = _prog(fn, jnp.ones(4))
+  (scan,) = [n for n in p.nodes if n.subs]
+  (sub,) = scan.subs
+  assert not sub.is_top and sub.parent == (scan, p)
+  assert "sin" in _prims(sub) and "sin" not in _prims(p)
+  assert list(p.programs()) == [p, sub]
+  # A body value's path goes through the loop equation.
+  sin = next(n for n in sub.nodes if n.prim.name == "sin")
+  assert sin.path[:len(scan.path)] == scan.path and len(sin.path) > len(scan.path)
+
+
+def test_literals_constants_and_inputs():
+  w = np.arange(3.0)
+
+  def fn(x):
+    return x * 3.0 + jnp.asarray(w)
+
+  p = _prog(fn, jnp.ones(3))
+  mul = next(n for n in p.nodes if n.prim.name == "mul")
+  lits = [a for a in mul.ins if isinstance(a, Lit)]
+  assert lits and float(np.asarray(lits[0].value)) == 3.0 and not is_val(lits[0])
+  assert p.invars[0].kind == "in" and p.invars[0].shape == (3,)
+  # The captured array is a constant value of the program, with its data.
+  consts = [v for v in p.consts if v.const is not None]
+  assert any(np.array_equal(np.asarray(v.const), w) for v in consts) or any(
+      isinstance(a, Lit) for n in p.nodes for a in n.ins)
+
+
+def test_dataflow_maps():
+  def fn(x):
+    a = jnp.exp(x)
+    b = a * a
+    return b, a
+
+  p = _prog(fn, jnp.ones(2))
+  exp, mul = p.nodes
+  a = exp.outs[0]
+  assert isinstance(a, Val) and a.producer is exp
+  assert [(n.prim.name, k) for n, k in p.consumers[a]] == [("mul", 0), ("mul", 1)]
+  assert p.output_positions[a] == [1] and p.output_positions[mul.outs[0]] == [0]
+  # Outputs live past the last node.
+  assert p.last_use[a] == len(p.nodes) and p.last_use[p.invars[0]] == exp.index
+
+
+def test_values_have_unique_keys_across_levels():
+  @jax.jit
+  def inner(x):
+    return jnp.cos(x)
+
+  def fn(x):
+    y = inner(x) + inner(x * 2)
+    return jax.lax.fori_loop(0, 2, lambda i, c: inner(c), y)
+
+  p = _prog(fn, jnp.ones(3))
+  keys = []
+  for level in p.programs():
+    keys += [v.key for v in level.invars + level.consts]
+    keys += [v.key for n in level.nodes for v in n.outs]
+  assert len(keys) == len(set(keys))
