@@ -1,0 +1,252 @@
+"""Mosaic GPU (``plgpu.kernel``) bodies of the RMSNorm kernels, for sm_90a.
+
+Used by :mod:`pallas_kernels.rms_norm` for ``backend="mosaic_gpu"``; the
+custom VJPs, dispatch and fallbacks live there. Design:
+
+* A row of ``hidden`` elements is viewed as ``(hidden // 128, 128)``: TMA
+  boxes are at most 256 elements per dimension, and a 128-wide minor
+  dimension gives one warpgroup (128 threads) whole vectors. So ``hidden``
+  must be a multiple of 128 (:func:`unsupported_reason`).
+* A CTA (one warpgroup) copies a block of ``block_rows`` rows GMEM -> SMEM
+  with TMA, normalizes row by row (each row's sum of squares is a full
+  reduction of a ``(k, 128)`` array, the layout Mosaic reduces over all
+  axes) and copies the results back with TMA.
+* Ragged row counts: the last block starts at ``rows - block_rows`` and
+  overlaps its predecessor, so every copy is in bounds; the overlapped rows
+  are recomputed and rewritten with identical values. The backward pass
+  weights their ``dscale``/``dbias`` contributions with 0.
+* Backward: rstd is recomputed from the normalized input (one extra
+  reduction on data already in SMEM instead of a per-row stats array); a
+  CTA loops over several row blocks and accumulates float32 partial
+  ``dscale``/``dbias`` rows in SMEM; XLA sums the few partial rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _compat
+
+_F32 = jnp.float32
+LANES = 128  # minor dimension of the (hidden // 128, 128) row view; one warpgroup
+# SMEM a forward/backward CTA may use for its row blocks: 96 KiB lets two CTAs
+# share an H100 SM (228 KiB), so one CTA's copies overlap another's math.
+_SMEM_BUDGET = 96 * 1024
+# Enough CTAs to cover an H100's 132 SMs twice before rows per CTA grow.
+_TARGET_CTAS = 264
+_MAX_BLOCK_ROWS = 32
+# Backward CTAs: bounds the float32 partial dscale/dbias rows (CTAs x hidden).
+_BWD_TARGET_CTAS = 528
+
+
+def unsupported_reason(hidden: int) -> str | None:
+  if hidden % LANES:
+    return f"hidden {hidden} is not a multiple of {LANES} (the Mosaic kernels' row view)"
+  return None
+
+
+def block_rows(n_rows: int, row_bytes: int) -> int:
+  """Rows per CTA block: fill the SMEM budget, but keep >= _TARGET_CTAS blocks."""
+  fit = max(1, _SMEM_BUDGET // row_bytes)
+  want = max(1, n_rows // _TARGET_CTAS)
+  return int(min(n_rows, fit, want, _MAX_BLOCK_ROWS))
+
+
+def bwd_grid(n_rows: int, row_bytes: int) -> tuple[int, int, int]:
+  """(block_rows, steps, ctas) of the backward kernel."""
+  br = block_rows(n_rows, row_bytes)
+  n_blocks = pl.cdiv(n_rows, br)
+  steps = pl.cdiv(n_blocks, _BWD_TARGET_CTAS)
+  return br, steps, pl.cdiv(n_blocks, steps)
+
+
+def _view(a, k):
+  return a.reshape(a.shape[0], k, LANES) if a.ndim == 2 else a.reshape(k, LANES)
+
+
+def _nbytes(dtype) -> int:
+  return jnp.dtype(dtype).itemsize
+
+
+# --------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------
+def forward(x, residual, scale, bias, *, eps: float, h_dtype, interpret: bool):
+  """(y, h or None) for 2-D ``x``; ``h = x + residual`` in ``h_dtype``."""
+  n_rows, hidden = x.shape
+  k = hidden // LANES
+  has_res, has_bias = residual is not None, bias is not None
+  row_bytes = hidden * (2 * _nbytes(x.dtype) + (_nbytes(residual.dtype) + _nbytes(h_dtype) if has_res else 0))
+  br = block_rows(n_rows, row_bytes)
+
+  def body(*refs):
+    it = iter(refs)
+    x_g = next(it)
+    r_g = next(it) if has_res else None
+    s_g = next(it)
+    b_g = next(it) if has_bias else None
+    y_g = next(it)
+    h_g = next(it) if has_res else None
+    x_s = next(it)
+    r_s = next(it) if has_res else None
+    s_s = next(it)
+    b_s = next(it) if has_bias else None
+    y_s = next(it)
+    h_s = next(it) if has_res else None
+    bar = next(it)
+
+    # The last block overlaps the previous one instead of reading out of bounds.
+    start = jnp.minimum(lax.axis_index("i") * br, n_rows - br)
+    rows = pl.ds(start, br)
+    plgpu.copy_gmem_to_smem(x_g.at[rows], x_s, bar)
+    if has_res:
+      plgpu.copy_gmem_to_smem(r_g.at[rows], r_s, bar)
+    plgpu.copy_gmem_to_smem(s_g, s_s, bar)
+    if has_bias:
+      plgpu.copy_gmem_to_smem(b_g, b_s, bar)
+    plgpu.barrier_wait(bar)
+    s = s_s[...].astype(_F32)
+    b = b_s[...].astype(_F32) if has_bias else None
+
+    @pl.loop(0, br)
+    def _(r):
+      xr = x_s[r].astype(_F32)
+      if has_res:
+        # Round to the residual dtype first: the norm must see what the next
+        # layer reads back from h.
+        hr = (xr + r_s[r].astype(_F32)).astype(h_s.dtype)
+        h_s[r] = hr
+        xr = hr.astype(_F32)
+      rstd = lax.rsqrt(jnp.sum(xr * xr) / hidden + eps)
+      y = xr * rstd * s
+      if has_bias:
+        y = y + b
+      y_s[r] = y.astype(y_s.dtype)
+
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(y_s, y_g.at[rows])
+    if has_res:
+      plgpu.copy_smem_to_gmem(h_s, h_g.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  inputs = [_view(x, k)] + ([_view(residual, k)] if has_res else []) + [_view(scale, k)]
+  inputs += [_view(bias, k)] if has_bias else []
+  tile = lambda dt: plgpu.SMEM((br, k, LANES), dt)
+  out_type = [jax.ShapeDtypeStruct((n_rows, k, LANES), x.dtype)]
+  out_type += [jax.ShapeDtypeStruct((n_rows, k, LANES), h_dtype)] if has_res else []
+  scratch = [tile(x.dtype)] + ([tile(residual.dtype)] if has_res else []) + [plgpu.SMEM((k, LANES), scale.dtype)]
+  scratch += [plgpu.SMEM((k, LANES), bias.dtype)] if has_bias else []
+  scratch += [tile(x.dtype)] + ([tile(h_dtype)] if has_res else [])
+  scratch.append(plgpu.Barrier(num_arrivals=len(inputs)))
+  outs = _compat.mosaic_gpu_kernel(
+    body, out_type=out_type, scratch_types=scratch, grid=pl.cdiv(n_rows, br),
+    name="fused_add_rms_norm_fwd" if has_res else "rms_norm_fwd", interpret=interpret)(*inputs)
+  y = outs[0].reshape(n_rows, hidden)
+  return y, (outs[1].reshape(n_rows, hidden) if has_res else None)
+
+
+# --------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------
+def backward(xn, scale, dy, dres, *, has_bias: bool, dx_dtype, eps: float, interpret: bool):
+  """(dx, dscale f32, dbias f32 or None) for 2-D ``xn`` (the normalized input).
+
+  ``dres`` (optional) is added to dx (the fused variant's residual gradient).
+  """
+  n_rows, hidden = xn.shape
+  k = hidden // LANES
+  has_dres = dres is not None
+  row_bytes = hidden * (_nbytes(xn.dtype) + _nbytes(dy.dtype) + _nbytes(dx_dtype)
+                        + (_nbytes(dres.dtype) if has_dres else 0))
+  br, steps, n_cta = bwd_grid(n_rows, row_bytes)
+  n_blocks = pl.cdiv(n_rows, br)
+
+  def body(*refs):
+    it = iter(refs)
+    x_g, s_g, dy_g = next(it), next(it), next(it)
+    dres_g = next(it) if has_dres else None
+    dx_g, ds_g = next(it), next(it)
+    db_g = next(it) if has_bias else None
+    x_s, s_s, dy_s = next(it), next(it), next(it)
+    dres_s = next(it) if has_dres else None
+    dx_s, ds_s = next(it), next(it)
+    db_s = next(it) if has_bias else None
+    bar, s_bar = next(it), next(it)
+
+    plgpu.copy_gmem_to_smem(s_g, s_s, s_bar)
+    ds_s[...] = jnp.zeros((k, LANES), _F32)
+    if has_bias:
+      db_s[...] = jnp.zeros((k, LANES), _F32)
+    plgpu.barrier_wait(s_bar)
+    s = s_s[...].astype(_F32)
+    # Read the CTA index outside the loops: the interpreter substitutes it at
+    # the top level of the body only.
+    block0 = lax.axis_index("i") * steps
+
+    @pl.loop(0, steps)
+    def _(j):
+      blk = block0 + j
+
+      @pl.when(blk < n_blocks)
+      def _():
+        start = jnp.minimum(blk * br, n_rows - br)
+        rows = pl.ds(start, br)
+        plgpu.copy_gmem_to_smem(x_g.at[rows], x_s, bar)
+        plgpu.copy_gmem_to_smem(dy_g.at[rows], dy_s, bar)
+        if has_dres:
+          plgpu.copy_gmem_to_smem(dres_g.at[rows], dres_s, bar)
+        plgpu.barrier_wait(bar)
+
+        @pl.loop(0, br)
+        def _(r):
+          x = x_s[r].astype(_F32)
+          g_dy = dy_s[r].astype(_F32)
+          rstd = lax.rsqrt(jnp.sum(x * x) / hidden + eps)
+          xhat = x * rstd
+          g = g_dy * s
+          c = jnp.sum(xhat * g) / hidden
+          dx = (g - xhat * c) * rstd
+          if has_dres:
+            dx = dx + dres_s[r].astype(_F32)
+          dx_s[r] = dx.astype(dx_s.dtype)
+          # Rows the overlapping last block shares with its predecessor were
+          # already accumulated there.
+          w = jnp.where(start + r >= blk * br, 1.0, 0.0).astype(_F32)
+          ds_s[...] = ds_s[...] + (g_dy * w) * xhat
+          if has_bias:
+            db_s[...] = db_s[...] + g_dy * w
+
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dx_s, dx_g.at[rows])
+        # x_s/dy_s/dx_s are reused by the next block.
+        plgpu.wait_smem_to_gmem(0)
+
+    plgpu.commit_smem()
+    cta = lax.axis_index("i")
+    plgpu.copy_smem_to_gmem(ds_s, ds_g.at[cta])
+    if has_bias:
+      plgpu.copy_smem_to_gmem(db_s, db_g.at[cta])
+    plgpu.wait_smem_to_gmem(0)
+
+  inputs = [_view(xn, k), _view(scale, k), _view(dy, k)] + ([_view(dres, k)] if has_dres else [])
+  part = jax.ShapeDtypeStruct((n_cta, k, LANES), _F32)
+  out_type = [jax.ShapeDtypeStruct((n_rows, k, LANES), dx_dtype), part] + ([part] if has_bias else [])
+  tile = lambda dt: plgpu.SMEM((br, k, LANES), dt)
+  vec = lambda dt: plgpu.SMEM((k, LANES), dt)
+  scratch = [tile(xn.dtype), vec(scale.dtype), tile(dy.dtype)] + ([tile(dres.dtype)] if has_dres else [])
+  scratch += [tile(dx_dtype), vec(_F32)] + ([vec(_F32)] if has_bias else [])
+  scratch += [plgpu.Barrier(num_arrivals=3 if has_dres else 2), plgpu.Barrier(num_arrivals=1)]
+  outs = _compat.mosaic_gpu_kernel(
+    body, out_type=out_type, scratch_types=scratch, grid=n_cta,
+    name="fused_add_rms_norm_bwd" if has_dres else "rms_norm_bwd", interpret=interpret)(*inputs)
+  dx = outs[0].reshape(n_rows, hidden)
+  dscale = outs[1].sum(axis=0).reshape(hidden)
+  dbias = outs[2].sum(axis=0).reshape(hidden) if has_bias else None
+  return dx, dscale, dbias
+
+
+__all__ = ["LANES", "backward", "block_rows", "bwd_grid", "forward", "unsupported_reason"]
