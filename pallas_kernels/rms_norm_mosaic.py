@@ -49,16 +49,17 @@ def unsupported_reason(hidden: int) -> str | None:
   return None
 
 
-def block_rows(n_rows: int, row_bytes: int) -> int:
-  """Rows per CTA block: fill the SMEM budget, but keep >= _TARGET_CTAS blocks."""
-  fit = max(1, _SMEM_BUDGET // row_bytes)
+def block_rows(n_rows: int, row_bytes: int, vec_bytes: int = 0) -> int:
+  """Rows per CTA block: fill the SMEM budget (after the per-CTA vectors of
+  ``vec_bytes``), but keep >= _TARGET_CTAS blocks."""
+  fit = max(1, (_SMEM_BUDGET - vec_bytes) // row_bytes)
   want = max(1, n_rows // _TARGET_CTAS)
   return int(min(n_rows, fit, want, _MAX_BLOCK_ROWS))
 
 
-def bwd_grid(n_rows: int, row_bytes: int) -> tuple[int, int, int]:
+def bwd_grid(n_rows: int, row_bytes: int, vec_bytes: int = 0) -> tuple[int, int, int]:
   """(block_rows, steps, ctas) of the backward kernel."""
-  br = block_rows(n_rows, row_bytes)
+  br = block_rows(n_rows, row_bytes, vec_bytes)
   n_blocks = pl.cdiv(n_rows, br)
   steps = pl.cdiv(n_blocks, _BWD_TARGET_CTAS)
   return br, steps, pl.cdiv(n_blocks, steps)
@@ -72,6 +73,22 @@ def _nbytes(dtype) -> int:
   return jnp.dtype(dtype).itemsize
 
 
+def _loader(k: int, interpret: bool):
+  """Loads a (k, 128) SMEM row in one strided layout whatever the dtype.
+
+  Mosaic's default layout vectorizes by element size (8 bytes: 4 x bf16 but
+  2 x f32), and arrays of different layouts cannot be combined; so bf16 x
+  times float32 scale needs the layout spelled out. Up to 4 elements a thread.
+  The interpreter has no layouts (and no plgpu.load of a sliced ref: jax
+  0.10.2 and 0.11.2 fail its abstract eval), so it loads plainly.
+  """
+  if interpret:
+    return lambda ref: ref[...]
+  vec = next(v for v in (4, 2, 1) if k % v == 0)
+  layout = plgpu.Layout.WG_STRIDED((k, LANES), vec_size=vec)
+  return lambda ref: plgpu.load(ref, (), layout=layout)
+
+
 # --------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------
@@ -81,7 +98,8 @@ def forward(x, residual, scale, bias, *, eps: float, h_dtype, interpret: bool):
   k = hidden // LANES
   has_res, has_bias = residual is not None, bias is not None
   row_bytes = hidden * (2 * _nbytes(x.dtype) + (_nbytes(residual.dtype) + _nbytes(h_dtype) if has_res else 0))
-  br = block_rows(n_rows, row_bytes)
+  vec_bytes = hidden * (_nbytes(scale.dtype) + (_nbytes(bias.dtype) if has_bias else 0))
+  br = block_rows(n_rows, row_bytes, vec_bytes)
 
   def body(*refs):
     it = iter(refs)
@@ -109,16 +127,17 @@ def forward(x, residual, scale, bias, *, eps: float, h_dtype, interpret: bool):
     if has_bias:
       plgpu.copy_gmem_to_smem(b_g, b_s, bar)
     plgpu.barrier_wait(bar)
-    s = s_s[...].astype(_F32)
-    b = b_s[...].astype(_F32) if has_bias else None
+    ld = _loader(k, interpret)
+    s = ld(s_s).astype(_F32)
+    b = ld(b_s).astype(_F32) if has_bias else None
 
     @pl.loop(0, br)
     def _(r):
-      xr = x_s[r].astype(_F32)
+      xr = ld(x_s.at[r]).astype(_F32)
       if has_res:
         # Round to the residual dtype first: the norm must see what the next
         # layer reads back from h.
-        hr = (xr + r_s[r].astype(_F32)).astype(h_s.dtype)
+        hr = (xr + ld(r_s.at[r]).astype(_F32)).astype(h_s.dtype)
         h_s[r] = hr
         xr = hr.astype(_F32)
       rstd = lax.rsqrt(jnp.sum(xr * xr) / hidden + eps)
@@ -162,7 +181,9 @@ def backward(xn, scale, dy, dres, *, has_bias: bool, dx_dtype, eps: float, inter
   has_dres = dres is not None
   row_bytes = hidden * (_nbytes(xn.dtype) + _nbytes(dy.dtype) + _nbytes(dx_dtype)
                         + (_nbytes(dres.dtype) if has_dres else 0))
-  br, steps, n_cta = bwd_grid(n_rows, row_bytes)
+  # scale + float32 dscale (and dbias) accumulators
+  vec_bytes = hidden * (_nbytes(scale.dtype) + 4 * (2 if has_bias else 1))
+  br, steps, n_cta = bwd_grid(n_rows, row_bytes, vec_bytes)
   n_blocks = pl.cdiv(n_rows, br)
 
   def body(*refs):
@@ -182,7 +203,8 @@ def backward(xn, scale, dy, dres, *, has_bias: bool, dx_dtype, eps: float, inter
     if has_bias:
       db_s[...] = jnp.zeros((k, LANES), _F32)
     plgpu.barrier_wait(s_bar)
-    s = s_s[...].astype(_F32)
+    ld = _loader(k, interpret)
+    s = ld(s_s).astype(_F32)
     # Read the CTA index outside the loops: the interpreter substitutes it at
     # the top level of the body only.
     block0 = lax.axis_index("i") * steps
@@ -203,22 +225,22 @@ def backward(xn, scale, dy, dres, *, has_bias: bool, dx_dtype, eps: float, inter
 
         @pl.loop(0, br)
         def _(r):
-          x = x_s[r].astype(_F32)
-          g_dy = dy_s[r].astype(_F32)
+          x = ld(x_s.at[r]).astype(_F32)
+          g_dy = ld(dy_s.at[r]).astype(_F32)
           rstd = lax.rsqrt(jnp.sum(x * x) / hidden + eps)
           xhat = x * rstd
           g = g_dy * s
           c = jnp.sum(xhat * g) / hidden
           dx = (g - xhat * c) * rstd
           if has_dres:
-            dx = dx + dres_s[r].astype(_F32)
+            dx = dx + ld(dres_s.at[r]).astype(_F32)
           dx_s[r] = dx.astype(dx_s.dtype)
           # Rows the overlapping last block shares with its predecessor were
           # already accumulated there.
           w = jnp.where(start + r >= blk * br, 1.0, 0.0).astype(_F32)
-          ds_s[...] = ds_s[...] + (g_dy * w) * xhat
+          ds_s[...] = ld(ds_s) + (g_dy * w) * xhat
           if has_bias:
-            db_s[...] = db_s[...] + g_dy * w
+            db_s[...] = ld(db_s) + g_dy * w
 
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(dx_s, dx_g.at[rows])
