@@ -188,6 +188,17 @@ def shape_bytes(shape: str) -> int:
     return int(sum(_DTYPE_BYTES[dt] * math.prod(d) for dt, d in _arrays(shape)))
 
 
+def _element_bytes(shape: str, element: Optional[int]) -> int:
+    """Bytes of ``shape``, or of its tuple element ``element``."""
+    if element is None:
+        return shape_bytes(shape)
+    arrays = _arrays(shape)
+    if element >= len(arrays):
+        return shape_bytes(shape)
+    dt, dims = arrays[element]
+    return int(_DTYPE_BYTES[dt] * math.prod(dims))
+
+
 def _matching(s: str, i: int) -> int:
     """Index of the bracket closing the one at ``s[i]``."""
     pairs = {"(": ")", "{": "}", "[": "]"}
@@ -221,6 +232,9 @@ class Instr:
     operands: list[str]
     attrs: str
     computation: str
+    # Tuple element each operand reads (jax 0.11's HLO text writes "%t#1" for
+    # get-tuple-element(%t), index=1); None = the whole value.
+    elements: list = dataclasses.field(default_factory=list)
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
@@ -259,8 +273,10 @@ def parse_hlo(text: str) -> tuple[dict[str, Instr], dict[str, list[str]], str]:
             continue
         opcode = op_m.group(1)
         close = _matching(rest, op_m.end() - 1)
-        operands = re.findall(r"%([\w.\-]+)", rest[op_m.end(): close])
-        instrs[name] = Instr(name, shape, opcode, operands, rest[close + 1:], comp)
+        refs = re.findall(r"%([\w.\-]+)(?:#(\d+))?", rest[op_m.end(): close])
+        operands = [r for r, _ in refs]
+        instrs[name] = Instr(name, shape, opcode, operands, rest[close + 1:], comp,
+                             [int(e) if e else None for _, e in refs])
         comps[comp].append(name)
     return instrs, comps, entry
 
@@ -490,7 +506,7 @@ def _mosaic_dumps(d: str, arch: str) -> dict[str, list[tuple[str, str, Optional[
         if os.path.exists(log):
             with open(log) as f:
                 for line in f:
-                    if "gpu.launch " in line:
+                    if "gpu.launch " in line and _LAUNCH.search(line):
                         launch = line
                         break
         out.setdefault(name, []).append((int(n) if n.isdigit() else 0, ptx, launch, info))
@@ -539,7 +555,9 @@ def _read_dump(t: Target, d: str, compiled: Any) -> Compilation:
             if ins.opcode == "custom-call":
                 m = re.search(r'custom_call_target="([^"]*)"', ins.attrs)
                 cc_target = m.group(1) if m else ""
-            operand_bytes = sum(shape_bytes(instrs[o].shape) for o in ins.operands if o in instrs)
+            operand_bytes = sum(_element_bytes(instrs[o].shape, e)
+                                for o, e in zip(ins.operands, ins.elements or [None] * len(ins.operands))
+                                if o in instrs)
             result_bytes = shape_bytes(ins.shape) - _scratch_bytes(ins.shape, cc_target)
             flops, fdt, reduces = flops_of(annot, set())
         if name in FWD_KERNELS:
