@@ -73,8 +73,32 @@ def _nbytes(dtype) -> int:
   return jnp.dtype(dtype).itemsize
 
 
+# Row elements a thread holds per array at once (16 x 128 = 2048 per chunk): at
+# hidden 8192 whole rows in registers made the backward kernel spill.
+_CHUNK = 16
+
+
+def _chunk(k: int) -> int:
+  return max(d for d in range(1, min(k, _CHUNK) + 1) if k % d == 0)
+
+
+def _chunks(k: int) -> list:
+  kc = _chunk(k)
+  return [pl.ds(i * kc, kc) for i in range(k // kc)]
+
+
+def _vector_loader(chunks, ld):
+  """chunk -> float32 values of a (k, 128) vector; loaded once when one chunk is the row."""
+  def make(ref):
+    if len(chunks) == 1:
+      whole = ld(ref.at[chunks[0]]).astype(_F32)
+      return lambda cs: whole
+    return lambda cs: ld(ref.at[cs]).astype(_F32)
+  return make
+
+
 def _loader(k: int, interpret: bool):
-  """Loads a (k, 128) SMEM row in one strided layout whatever the dtype.
+  """Loads a (k, 128) SMEM chunk in one strided layout whatever the dtype.
 
   Mosaic's default layout vectorizes by element size (8 bytes: 4 x bf16 but
   2 x f32), and arrays of different layouts cannot be combined; so bf16 x
@@ -127,24 +151,30 @@ def forward(x, residual, scale, bias, *, eps: float, h_dtype, interpret: bool):
     if has_bias:
       plgpu.copy_gmem_to_smem(b_g, b_s, bar)
     plgpu.barrier_wait(bar)
-    ld = _loader(k, interpret)
-    s = ld(s_s).astype(_F32)
-    b = ld(b_s).astype(_F32) if has_bias else None
+    chunks, ld = _chunks(k), _loader(_chunk(k), interpret)
+    vec = _vector_loader(chunks, ld)
+    s, b = vec(s_s), (vec(b_s) if has_bias else None)
 
     @pl.loop(0, br)
     def _(r):
-      xr = ld(x_s.at[r]).astype(_F32)
-      if has_res:
-        # Round to the residual dtype first: the norm must see what the next
-        # layer reads back from h.
-        hr = (xr + ld(r_s.at[r]).astype(_F32)).astype(h_s.dtype)
-        h_s[r] = hr
-        xr = hr.astype(_F32)
-      rstd = lax.rsqrt(jnp.sum(xr * xr) / hidden + eps)
-      y = xr * rstd * s
-      if has_bias:
-        y = y + b
-      y_s[r] = y.astype(y_s.dtype)
+      ss = 0.0
+      for cs in chunks:
+        xc = ld(x_s.at[r, cs]).astype(_F32)
+        if has_res:
+          # Round to the residual dtype first: the norm must see what the next
+          # layer reads back from h.
+          hc = (xc + ld(r_s.at[r, cs]).astype(_F32)).astype(h_s.dtype)
+          h_s.at[r, cs][...] = hc
+          xc = hc.astype(_F32)
+        ss = ss + jnp.sum(xc * xc)
+      rstd = lax.rsqrt(ss / hidden + eps)
+      src = h_s if has_res else x_s
+      for cs in chunks:
+        # Second pass from SMEM (each thread rereads its own elements).
+        y = ld(src.at[r, cs]).astype(_F32) * rstd * s(cs)
+        if has_bias:
+          y = y + b(cs)
+        y_s.at[r, cs][...] = y.astype(y_s.dtype)
 
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(y_s, y_g.at[rows])
@@ -203,8 +233,8 @@ def backward(xn, scale, dy, dres, *, has_bias: bool, dx_dtype, eps: float, inter
     if has_bias:
       db_s[...] = jnp.zeros((k, LANES), _F32)
     plgpu.barrier_wait(s_bar)
-    ld = _loader(k, interpret)
-    s = ld(s_s).astype(_F32)
+    chunks, ld = _chunks(k), _loader(_chunk(k), interpret)
+    s = _vector_loader(chunks, ld)(s_s)
     # Read the CTA index outside the loops: the interpreter substitutes it at
     # the top level of the body only.
     block0 = lax.axis_index("i") * steps
@@ -225,22 +255,26 @@ def backward(xn, scale, dy, dres, *, has_bias: bool, dx_dtype, eps: float, inter
 
         @pl.loop(0, br)
         def _(r):
-          x = ld(x_s.at[r]).astype(_F32)
-          g_dy = ld(dy_s.at[r]).astype(_F32)
-          rstd = lax.rsqrt(jnp.sum(x * x) / hidden + eps)
-          xhat = x * rstd
-          g = g_dy * s
-          c = jnp.sum(xhat * g) / hidden
-          dx = (g - xhat * c) * rstd
-          if has_dres:
-            dx = dx + ld(dres_s.at[r]).astype(_F32)
-          dx_s[r] = dx.astype(dx_s.dtype)
+          sxx = sxg = 0.0
+          for cs in chunks:
+            x = ld(x_s.at[r, cs]).astype(_F32)
+            sxx = sxx + jnp.sum(x * x)
+            sxg = sxg + jnp.sum(x * (ld(dy_s.at[r, cs]).astype(_F32) * s(cs)))
+          rstd = lax.rsqrt(sxx / hidden + eps)
+          c = rstd * sxg / hidden  # mean(xhat * g)
           # Rows the overlapping last block shares with its predecessor were
           # already accumulated there.
           w = jnp.where(start + r >= blk * br, 1.0, 0.0).astype(_F32)
-          ds_s[...] = ld(ds_s) + (g_dy * w) * xhat
-          if has_bias:
-            db_s[...] = ld(db_s) + g_dy * w
+          for cs in chunks:
+            xhat = ld(x_s.at[r, cs]).astype(_F32) * rstd
+            g_dy = ld(dy_s.at[r, cs]).astype(_F32)
+            dx = (g_dy * s(cs) - xhat * c) * rstd
+            if has_dres:
+              dx = dx + ld(dres_s.at[r, cs]).astype(_F32)
+            dx_s.at[r, cs][...] = dx.astype(dx_s.dtype)
+            ds_s.at[cs][...] = ld(ds_s.at[cs]) + (g_dy * w) * xhat
+            if has_bias:
+              db_s.at[cs][...] = ld(db_s.at[cs]) + g_dy * w
 
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(dx_s, dx_g.at[rows])

@@ -68,10 +68,12 @@ def _close(got, want, tol, what):
 
 
 def _few_ctas(monkeypatch):
-  # Row blocks of several rows, a ragged last block, and backward CTAs that
-  # loop over several blocks (one skipped), as for large inputs.
+  # Row blocks of several rows, a ragged last block, backward CTAs that loop
+  # over several blocks (one skipped), and rows in several chunks (hidden 384),
+  # as for large inputs.
   monkeypatch.setattr(mgpu, "_TARGET_CTAS", 4)
   monkeypatch.setattr(mgpu, "_BWD_TARGET_CTAS", 2)
+  monkeypatch.setattr(mgpu, "_CHUNK", 2)
 
 
 @pytest.mark.parametrize("shape,dtype", [((37, 256), jnp.float32), ((3, 7, 384), jnp.bfloat16)])
