@@ -140,3 +140,19 @@ def test_mosaic_is_opt_in_and_staged_as_plgpu_kernel():
   # On the CPU the compiled path is the XLA expression (platform_dependent).
   y = jax.jit(lambda x: pk.rms_norm(x, jnp.ones(128), eps=EPS, interpret=False, backend="mosaic_gpu"))(x)
   np.testing.assert_allclose(np.asarray(y), np.asarray(pk.rms_norm_reference(x, jnp.ones(128), eps=EPS)))
+
+
+def test_export_for_cpu_and_cuda():
+  """One artifact for both platforms (jax 0.10.2 and 0.11.2 lower Mosaic GPU without a
+  GPU; the Pallas Triton lowering needs one on 0.11): the CUDA module holds the Mosaic
+  kernel, the CPU one runs the XLA expression."""
+  from jax import export
+
+  f = jax.jit(lambda x, r, s: pk.add_rms_norm(x, r, s, eps=EPS, interpret=False, backend="mosaic_gpu"))
+  a = _inputs((64, 256), jnp.bfloat16, seed=3)
+  exp = export.export(f, platforms=("cpu", "cuda"))(a["x"], a["res"], a["scale"])
+  assert "mosaic_gpu_v2" in exp.mlir_module()
+  y, h = exp.call(a["x"], a["res"], a["scale"])
+  ry, rh = pk.fused_add_rms_norm_reference(a["x"], a["res"], a["scale"], eps=EPS)
+  np.testing.assert_array_equal(np.asarray(h, np.float32), np.asarray(rh, np.float32))
+  _close(y, _f64(ry), 1e-2, "y")
