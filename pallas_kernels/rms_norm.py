@@ -467,8 +467,9 @@ def available_backends() -> tuple[str, ...]:
 def resolve_backend(backend: Optional[str], interpret: bool) -> str:
     """Validates ``backend`` (None = auto) and returns the concrete name.
 
-    Auto = first of :func:`available_backends`: Triton, the backend checked
-    on GPUs; ``"mosaic_gpu"`` is opt-in. In interpret mode the backend picks
+    Auto = :func:`pallas_kernels.dispatch.set_backend`'s choice if any, else
+    the first of :func:`available_backends`: Triton, the backend checked on
+    GPUs; ``"mosaic_gpu"`` is opt-in. In interpret mode the backend picks
     the kernel body (``pl.pallas_call`` or ``plgpu.kernel``); ``"mosaic_gpu"``
     must then be available too (its interpreter ships with ``plgpu``).
 
@@ -478,6 +479,7 @@ def resolve_backend(backend: Optional[str], interpret: bool) -> str:
     """
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    backend = backend or dispatch.get_backend()
     if interpret and backend != "mosaic_gpu":
         return backend or "triton"
     if backend is None:
@@ -596,7 +598,7 @@ def rms_norm(
         True
     """
     _check(x, scale, bias)
-    mode = _mode(x.shape, x.dtype, interpret, backend)
+    mode = _mode(x.shape, x.dtype, interpret, backend or dispatch.get_backend())
     if mode == "xla":
         return rms_norm_reference(x, scale, bias, eps=eps)
     st = _Static(float(eps), resolve_backend(backend, mode == "interpret"), mode == "interpret",
@@ -639,7 +641,7 @@ def fused_add_rms_norm(
     _check(x, scale, bias)
     if residual.shape != x.shape:
         raise ValueError(f"residual shape {residual.shape} != x shape {x.shape}")
-    mode = _mode(x.shape, x.dtype, interpret, backend)
+    mode = _mode(x.shape, x.dtype, interpret, backend or dispatch.get_backend())
     if mode == "xla":
         return fused_add_rms_norm_reference(x, residual, scale, bias, eps=eps)
     h_dtype = jnp.result_type(x.dtype, residual.dtype)

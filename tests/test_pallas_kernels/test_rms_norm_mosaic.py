@@ -131,15 +131,35 @@ def test_hidden_not_multiple_of_128_is_refused():
   assert not pk.supports((2, 96), "float32", backend="mosaic_gpu") and pk.supports((2, 96), "float32")
 
 
+def _staged(backend=None):
+  x = jnp.ones((4, 128))
+  return str(jax.make_jaxpr(
+    lambda x: pk.rms_norm(x, jnp.ones(128), eps=EPS, interpret=False, backend=backend))(x))
+
+
 def test_mosaic_is_opt_in_and_staged_as_plgpu_kernel():
   assert pk.resolve_backend(None, interpret=False) == "triton"
-  x = jnp.ones((4, 128))
-  jaxpr = str(jax.make_jaxpr(
-    lambda x: pk.rms_norm(x, jnp.ones(128), eps=EPS, interpret=False, backend="mosaic_gpu"))(x))
-  assert "rms_norm_fwd" in jaxpr and "pallas_kernels_cuda_only" in jaxpr
+  auto, mosaic = _staged(), _staged("mosaic_gpu")
+  assert "pallas_call" in auto and "copy_gmem_to_smem" not in auto
+  assert "copy_gmem_to_smem" in mosaic and "pallas_call" not in mosaic
+  assert "pallas_kernels_cuda_only" in mosaic  # compiled for CUDA only
   # On the CPU the compiled path is the XLA expression (platform_dependent).
+  x = jnp.ones((4, 128))
   y = jax.jit(lambda x: pk.rms_norm(x, jnp.ones(128), eps=EPS, interpret=False, backend="mosaic_gpu"))(x)
   np.testing.assert_allclose(np.asarray(y), np.asarray(pk.rms_norm_reference(x, jnp.ones(128), eps=EPS)))
+
+
+def test_set_backend_switches_calls_that_name_none():
+  try:
+    pk.set_backend("mosaic_gpu")
+    assert pk.resolve_backend(None, interpret=False) == "mosaic_gpu"
+    assert "copy_gmem_to_smem" in _staged()
+    assert "pallas_call" in _staged("triton")  # an explicit backend still wins
+  finally:
+    pk.set_backend(None)
+  assert "pallas_call" in _staged()
+  with pytest.raises(ValueError, match="backend"):
+    pk.set_backend("cuda")
 
 
 def test_export_for_cpu_and_cuda():
