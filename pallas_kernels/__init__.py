@@ -13,7 +13,7 @@ Example:
 """
 
 from pallas_kernels._compat import export_disabled_checks
-from pallas_kernels.dispatch import DEFAULT_RULES, Rule, choose, get_rules, set_rules
+from pallas_kernels.dispatch import DEFAULT_RULES, Rule, choose, get_backend, get_rules, set_backend, set_rules
 from pallas_kernels.rms_norm import (
     BWD_KERNELS,
     FWD_KERNELS,
@@ -43,10 +43,12 @@ __all__ = [
     "export_disabled_checks",
     "fused_add_rms_norm",
     "fused_add_rms_norm_reference",
+    "get_backend",
     "get_rules",
     "resolve_backend",
     "rms_norm",
     "rms_norm_reference",
+    "set_backend",
     "set_rules",
     "supports",
     "unsupported_reason",

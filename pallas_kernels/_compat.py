@@ -10,12 +10,12 @@ Known differences (checked against jax 0.10.2 and 0.11.2):
 * ``jax.experimental.pallas.triton.CompilerParams(num_warps, num_stages)``
   exists in both; older jax spelled it
   ``jax.experimental.pallas.gpu.TritonCompilerParams``.
-* ``jax.experimental.pallas.mosaic_gpu.CompilerParams`` exists in both
-  (older: ``GPUCompilerParams``), but only jax 0.10 still lowers a
-  ``pl.pallas_call`` through Mosaic GPU (deprecated there; default when no
-  compiler params are given, ``jax_pallas_use_mosaic_gpu=True``). jax 0.11
-  registers no ``pl.pallas_call`` lowering for Mosaic GPU params (kernels
-  must use ``plgpu.kernel``), so that backend is reported unavailable there.
+* Mosaic GPU: only jax 0.10 still lowers a ``pl.pallas_call`` through it;
+  jax 0.11 requires ``plgpu.kernel``. The Mosaic kernels
+  (:mod:`pallas_kernels.rms_norm_mosaic`) are ``plgpu.kernel`` bodies, which
+  both versions lower (:func:`mosaic_gpu_kernel`). Its interpreter params are
+  ``plgpu.InterpretGPUParams`` in 0.11 and private
+  (``jax._src.pallas.mosaic_gpu.interpret.params``) in 0.10.
 * Kernel choice per lowering platform (:func:`platform_dependent`),
   ``jax.experimental.topologies.get_topology_desc(platform="cuda",
   target_config=...)`` and the Triton custom-call target are the same in
@@ -118,36 +118,68 @@ def pallas_api(backend: str) -> PallasAPI:
 
         return PallasAPI(backend, True, "", compiler_params, load, store)
 
-    # backend == "mosaic_gpu"
+    # backend == "mosaic_gpu": the kernels are plgpu.kernel bodies (rms_norm_mosaic),
+    # which both 0.10 and 0.11 lower; pl.pallas_call via Mosaic GPU is not used.
+    problem = mosaic_gpu_problem()
+    if problem is not None:
+        return _unavailable(backend, problem)
+
+    def mgpu_params(num_warps=None, num_stages=None):
+        del num_warps, num_stages  # plgpu.kernel bodies schedule their own copies.
+        return None
+
+    return PallasAPI(backend, True, "", mgpu_params, load, store)
+
+
+# --------------------------------------------------------------------------
+# Mosaic GPU (plgpu.kernel)
+# --------------------------------------------------------------------------
+@functools.cache
+def mosaic_gpu_problem() -> str | None:
+    """Why ``plgpu.kernel`` bodies cannot be built with this jax, or None.
+
+    Needs ``plgpu.kernel`` with ``kernel_name``/``interpret`` (0.10.2, 0.11.2)
+    and the GPU interpreter's params class (public as
+    ``plgpu.InterpretGPUParams`` from 0.11 on, private in 0.10).
+    """
     try:
         from jax.experimental.pallas import mosaic_gpu as plgpu
 
-        cls = getattr(plgpu, "CompilerParams", None) or plgpu.GPUCompilerParams
-    except (ImportError, AttributeError) as e:
-        return _unavailable(backend, f"jax.experimental.pallas.mosaic_gpu not importable: {e}")
-    # jax <= 0.10 dispatches pl.pallas_call to Mosaic GPU by params type (the
-    # config flag below exists exactly in those versions); jax >= 0.11 only
-    # dispatches through a registry that Mosaic GPU does not register in.
-    if not hasattr(jax.config, "jax_pallas_use_mosaic_gpu"):
-        try:
-            from jax._src.pallas import core as pallas_core  # private, guarded
-            from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401
+        for name in ("kernel", "copy_gmem_to_smem", "copy_smem_to_gmem", "Barrier", "SMEM"):
+            getattr(plgpu, name)
+        fields = getattr(plgpu.Mesh, "__dataclass_fields__", {})
+        if "kernel_name" not in fields:
+            return f"jax {jax.__version__}: plgpu.Mesh has no kernel_name"
+        _interpret_params_cls()
+    except Exception as e:  # noqa: BLE001 - any failure means "not supported"
+        return f"jax {jax.__version__} has no usable Mosaic GPU kernel API: {type(e).__name__}: {e}"
+    return None
 
-            registered = pallas_core.get_lowering_rule(cls, "gpu") is not None
-        except Exception:  # noqa: BLE001 - any failure means "not supported"
-            registered = False
-        if not registered:
-            return _unavailable(
-                backend,
-                f"jax {jax.__version__} cannot lower pl.pallas_call with Mosaic GPU "
-                "(it requires plgpu.kernel); use backend='triton'",
-            )
 
-    def mgpu_params(num_warps=None, num_stages=None):
-        del num_warps  # Mosaic GPU schedules warpgroups itself.
-        return cls(max_concurrent_steps=num_stages or 1)
+def _interpret_params_cls():
+    from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    return PallasAPI(backend, True, "", mgpu_params, load, store)
+    cls = getattr(plgpu, "InterpretGPUParams", None)  # jax >= 0.11
+    if cls is None:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as cls  # 0.10, private
+    return cls
+
+
+def mosaic_gpu_kernel(body, *, out_type, scratch_types, grid: int, name: str, interpret: bool):
+    """``plgpu.kernel`` over a 1-D grid named ``"i"``.
+
+    ``interpret=True`` runs the body in Mosaic GPU's interpreter (simulated
+    SMEM, TMA and barriers on the CPU); the generic ``interpret=True`` of
+    Pallas cannot discharge TMA copies (``copy_gmem_to_smem``).
+    """
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    call = plgpu.kernel(
+        body, out_type=out_type, scratch_types=scratch_types, grid=(grid,), grid_names=("i",),
+        kernel_name=name, interpret=_interpret_params_cls()() if interpret else False)
+    if interpret:
+        return call
+    return cuda_only(lambda *a: call(*a))
 
 
 # --------------------------------------------------------------------------

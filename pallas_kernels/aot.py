@@ -26,9 +26,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import glob
+import itertools
 import math
 import os
 import re
@@ -186,6 +188,17 @@ def shape_bytes(shape: str) -> int:
     return int(sum(_DTYPE_BYTES[dt] * math.prod(d) for dt, d in _arrays(shape)))
 
 
+def _element_bytes(shape: str, element: Optional[int]) -> int:
+    """Bytes of ``shape``, or of its tuple element ``element``."""
+    if element is None:
+        return shape_bytes(shape)
+    arrays = _arrays(shape)
+    if element >= len(arrays):
+        return shape_bytes(shape)
+    dt, dims = arrays[element]
+    return int(_DTYPE_BYTES[dt] * math.prod(dims))
+
+
 def _matching(s: str, i: int) -> int:
     """Index of the bracket closing the one at ``s[i]``."""
     pairs = {"(": ")", "{": "}", "[": "]"}
@@ -219,6 +232,9 @@ class Instr:
     operands: list[str]
     attrs: str
     computation: str
+    # Tuple element each operand reads (jax 0.11's HLO text writes "%t#1" for
+    # get-tuple-element(%t), index=1); None = the whole value.
+    elements: list = dataclasses.field(default_factory=list)
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
@@ -257,8 +273,10 @@ def parse_hlo(text: str) -> tuple[dict[str, Instr], dict[str, list[str]], str]:
             continue
         opcode = op_m.group(1)
         close = _matching(rest, op_m.end() - 1)
-        operands = re.findall(r"%([\w.\-]+)", rest[op_m.end(): close])
-        instrs[name] = Instr(name, shape, opcode, operands, rest[close + 1:], comp)
+        refs = re.findall(r"%([\w.\-]+)(?:#(\d+))?", rest[op_m.end(): close])
+        operands = [r for r, _ in refs]
+        instrs[name] = Instr(name, shape, opcode, operands, rest[close + 1:], comp,
+                             [int(e) if e else None for _, e in refs])
         comps[comp].append(name)
     return instrs, comps, entry
 
@@ -381,6 +399,9 @@ class Compilation:
     ptx: dict[str, str]  # kernel name -> PTX text
     dump_dir: str
     compiled: Any = dataclasses.field(repr=False, default=None)
+    # ptxas -v that the Mosaic GPU compiler ran on its own PTX (kernel name -> info): its
+    # PTX ISA can be newer than the nvcc wheel's ptxas accepts.
+    mosaic_ptxas: dict = dataclasses.field(default_factory=dict)
 
     def launches(self, names: Optional[Sequence[str]] = None) -> int:
         """Number of launches (of kernels named in ``names``, if given)."""
@@ -402,8 +423,11 @@ class Compilation:
 
     def ptxas(self, kernel: str) -> "PtxasInfo":
         """ptxas -v of ``kernel``'s PTX for this target (raises if ptxas is missing)."""
+        if kernel in self.mosaic_ptxas:
+            return self.mosaic_ptxas[kernel]
         infos = ptxas_info(self.ptx[kernel], self.target.arch)
-        return next(i for i in infos if i.name == kernel)
+        # A Mosaic GPU kernel's PTX entry is "<name>_mosaic_gpu_kernel".
+        return next(i for i in infos if i.name in (kernel, kernel + MOSAIC_ENTRY_SUFFIX))
 
 
 def compile(fn: Callable[..., Any], *args: Any, target: str = "h100",  # noqa: A001 - mirrors jax's .compile
@@ -420,12 +444,73 @@ def compile(fn: Callable[..., Any], *args: Any, target: str = "h100",  # noqa: A
     placed = on_target(args, target)
     tmp = dump_dir or tempfile.mkdtemp(prefix=f"aot_{target}_")
     try:
-        compiled = jax.jit(fn).lower(*placed).compile(
-            compiler_options={**(compiler_options or {}), "xla_dump_to": tmp})
+        with _mosaic_dump(os.path.join(tmp, "mosaic")):
+            compiled = jax.jit(fn).lower(*placed).compile(
+                compiler_options={**(compiler_options or {}), "xla_dump_to": tmp})
         return _read_dump(t, tmp, compiled)
     finally:
         if dump_dir is None and not keep_dump:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------
+# Mosaic GPU kernels
+# --------------------------------------------------------------------------
+# A Mosaic GPU kernel is an XLA custom call holding an MLIR module; the CUDA
+# plugin turns it into PTX and a cubin while XLA compiles (deviceless too: the
+# module's arch is fixed at lowering, sm_90a when no GPU is attached) and
+# writes PTX, ptxas -v and its MLIR passes to MOSAIC_GPU_DUMP_TO. The launch
+# (grid, 128-thread warpgroups, dynamic SMEM) is the host-side gpu.launch there.
+MOSAIC_CUSTOM_CALL_TARGET = "mosaic_gpu_v2"
+MOSAIC_ENTRY_SUFFIX = "_mosaic_gpu_kernel"
+_MOSAIC_SEEN: dict = {}  # kernel_hash (as printed in HLO) -> (PTX, gpu.launch line, ptxas info)
+_MOSAIC_ENV = ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_PTX", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_MLIR_PASSES")
+
+
+@contextlib.contextmanager
+def _mosaic_dump(d: str):
+    os.makedirs(d, exist_ok=True)
+    prev = {k: os.environ.get(k) for k in _MOSAIC_ENV}
+    os.environ.update({"MOSAIC_GPU_DUMP_TO": d, "MOSAIC_GPU_DUMP_PTX": "1", "MOSAIC_GPU_DUMP_PTXAS": "1",
+                       "MOSAIC_GPU_DUMP_MLIR_PASSES": "1"})
+    try:
+        yield
+    finally:
+        for k, v in prev.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+_LAUNCH = re.compile(r"gpu\.launch .*?blocks\(.*?\) in \(%\w+ = %c(\d+)\w*, %\w+ = %c(\d+)\w*, %\w+ = %c(\d+)\w*\)"
+                     r" threads\(.*?\) in \(%\w+ = %c(\d+)\w*, %\w+ = %c(\d+)\w*, %\w+ = %c(\d+)\w*\)"
+                     r"(?: dynamic_shared_memory_size %c(\d+)_i32)?")
+
+
+def _mosaic_dumps(d: str, arch: str) -> dict[str, list[tuple[str, str, Optional["PtxasInfo"]]]]:
+    """kernel name -> [(PTX, first gpu.launch line, ptxas info)] in compilation order."""
+    out: dict[str, list[tuple]] = {}
+    for path in glob.glob(os.path.join(d, "mosaic", "*.ptx")):
+        base = os.path.basename(path)[: -len(".ptx")]
+        name, _, n = base.rpartition("_")
+        with open(path) as f:
+            ptx = f.read()
+        info = None
+        if os.path.exists(path + "as"):
+            with open(path + "as") as f:
+                infos = _parse_ptxas(f.read(), arch)
+            info = next((i for i in infos if i.name == name + MOSAIC_ENTRY_SUFFIX), None)
+        launch = ""
+        log = os.path.join(d, "mosaic", base + ".mlir-passes.log")
+        if os.path.exists(log):
+            with open(log) as f:
+                for line in f:
+                    if "gpu.launch " in line and _LAUNCH.search(line):
+                        launch = line
+                        break
+        out.setdefault(name, []).append((int(n) if n.isdigit() else 0, ptx, launch, info))
+    return {k: [e[1:] for e in sorted(v, key=lambda e: e[0])] for k, v in out.items()}
 
 
 def _read_dump(t: Target, d: str, compiled: Any) -> Compilation:
@@ -457,7 +542,8 @@ def _read_dump(t: Target, d: str, compiled: Any) -> Compilation:
                 total, dtype, reduces = total + f, dtype or dt, reduces + r
         return total, dtype, reduces
 
-    kernels = []
+    mosaic = _mosaic_dumps(d, t.arch)
+    kernels, ptx, mosaic_ptxas = [], {}, {}
     for _, kind, rest, annot in _parse_thunks(seq, meta):
         if kind in _NON_LAUNCH:
             continue
@@ -469,22 +555,45 @@ def _read_dump(t: Target, d: str, compiled: Any) -> Compilation:
             if ins.opcode == "custom-call":
                 m = re.search(r'custom_call_target="([^"]*)"', ins.attrs)
                 cc_target = m.group(1) if m else ""
-            operand_bytes = sum(shape_bytes(instrs[o].shape) for o in ins.operands if o in instrs)
+            operand_bytes = sum(_element_bytes(instrs[o].shape, e)
+                                for o, e in zip(ins.operands, ins.elements or [None] * len(ins.operands))
+                                if o in instrs)
             result_bytes = shape_bytes(ins.shape) - _scratch_bytes(ins.shape, cc_target)
             flops, fdt, reduces = flops_of(annot, set())
         if name in FWD_KERNELS:
             reduces = 1
         sm = re.search(r"shared_memory:\s*(\d+)", rest)
-        kernels.append(Kernel(name, kind, annot, _ints(rest, "grid"), _ints(rest, "threads"),
-                              int(sm.group(1)) if sm else 0, operand_bytes, result_bytes, flops, fdt, reduces,
-                              cc_target))
-    ptx = {}
+        grid, threads, smem = _ints(rest, "grid"), _ints(rest, "threads"), int(sm.group(1)) if sm else 0
+        if cc_target == MOSAIC_CUSTOM_CALL_TARGET:
+            # plgpu.kernel's name is the scope just above its mpmd_map/pallas_call.
+            m = re.search(r'op_name="[^"]*?([\w.\-]+)/(?:mpmd_map|pallas_call)[^/"]*"', ins.attrs)
+            name = m.group(1) if m else name
+            # The plugin compiles a module once per process (keyed by its hash) and
+            # dumps only then; later compilations reuse what the first one read.
+            hm = re.search(r'kernel_hash\s*=\s*"((?:[^"\\]|\\.)*)"', ins.attrs)
+            key = hm.group(1) if hm else None
+            if mosaic.get(name):
+                _MOSAIC_SEEN[key] = mosaic[name].pop(0)
+            if key in _MOSAIC_SEEN:
+                text, launch, info = _MOSAIC_SEEN[key]
+                ptx[name] = text
+                if info is not None:
+                    mosaic_ptxas[name] = info
+                lm = _LAUNCH.search(launch)
+                if lm:
+                    grid = tuple(int(v) for v in lm.groups()[:3])
+                    threads = tuple(int(v) for v in lm.groups()[3:6])
+                    smem = int(lm.group(7) or 0)
+            if name in FWD_KERNELS:
+                reduces = 1
+        kernels.append(Kernel(name, kind, annot, grid, threads, smem, operand_bytes, result_bytes, flops, fdt,
+                              reduces, cc_target))
     for path in glob.glob(os.path.join(d, "*.ptx")):
         with open(path) as f:
             text = f.read()
         for entry in re.findall(r"\.entry\s+([\w$.]+)\s*\(", text):
             ptx[entry] = text
-    return Compilation(t, hlo, kernels, ptx, d, compiled)
+    return Compilation(t, hlo, kernels, ptx, d, compiled, mosaic_ptxas)
 
 
 # --------------------------------------------------------------------------
@@ -528,8 +637,12 @@ def ptxas_info(ptx: str, arch: str) -> list[PtxasInfo]:
                            capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         raise RuntimeError(f"ptxas failed ({r.returncode}): {r.stderr[-2000:]}")
+    return _parse_ptxas(r.stderr, arch)
+
+
+def _parse_ptxas(text: str, arch: str) -> list[PtxasInfo]:
     out, cur = [], None
-    for line in r.stderr.splitlines():
+    for line in text.splitlines():
         m = re.search(r"Compiling entry function '([^']+)'", line)
         if m:
             cur = dict(name=m.group(1), registers=0, spill_stores=0, spill_loads=0, stack_frame=0, shared_memory=0)
@@ -554,6 +667,86 @@ def abstract(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
 
 
+# --------------------------------------------------------------------------
+# Triton vs Mosaic GPU
+# --------------------------------------------------------------------------
+COMPARE_SHAPES = ((4096, 768), (16384, 4096), (8, 768))
+
+
+def _norm_program(variant: str, grad: bool, backend: str):
+    import pallas_kernels as pk
+
+    def norm(x, r, s, b):
+        if variant == "rms_norm":
+            return pk.rms_norm(x, s, b, eps=1e-6, interpret=False, backend=backend)
+        return pk.fused_add_rms_norm(x, r, s, b, eps=1e-6, interpret=False, backend=backend)
+
+    def f(x, r, s, b, dy, dh):
+        if not grad:
+            return norm(x, r, s, b)
+        out, vjp = jax.vjp(norm, x, r, s, b)
+        return out, vjp(dy if variant == "rms_norm" else (dy, dh))
+
+    return f
+
+
+def compare_backends(shapes: Sequence[tuple[int, int]] = COMPARE_SHAPES, dtype: str = "bfloat16",
+                     target: str = "h100", backends: Sequence[str] = ("triton", "mosaic_gpu")) -> list[dict]:
+    """Per shape x variant x pass x backend: launches, the norm kernels' launch/registers/
+    shared memory/spills and the compilation's modelled bytes and time at peak bandwidth.
+
+    ``pass`` "fwd" is the primal alone; "fwd+bwd" is the forward as differentiated plus
+    the backward (and XLA's reductions of the partial dscale/dbias rows, and any copies).
+    """
+    t = _lookup(target)
+    rows = []
+    for (n, h), variant, grad, backend in itertools.product(
+            shapes, ("rms_norm", "fused_add_rms_norm"), (False, True), backends):
+        a = jax.ShapeDtypeStruct((n, h), np.dtype(jnp_dtype(dtype)))
+        v = jax.ShapeDtypeStruct((h,), np.float32)
+        row = {"shape": f"{n}x{h}", "dtype": dtype, "variant": variant, "pass": "fwd+bwd" if grad else "fwd",
+               "backend": backend}
+        try:
+            c = compile(_norm_program(variant, grad, backend), a, a, v, v, a, a, target=target)
+        except Exception as e:  # noqa: BLE001 - reported in the table (e.g. Triton on jax 0.11 without a GPU)
+            rows.append({**row, "launches": "-", "norm kernels": f"compile failed: {type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:160]}", "MB": "-", "us @ peak BW": "-"})
+            continue
+        names = [k for k in c.kernels if k.name.startswith(variant + "_")]
+        kinfo = []
+        for k in names:
+            info = c.ptxas(k.name) if (k.name in c.mosaic_ptxas or ptxas_path()) else None
+            regs = f"{info.registers}" if info else "n/a"
+            spill = f"{info.spill_stores}/{info.spill_loads}" if info else "n/a"
+            kinfo.append(f"{k.name.rsplit('_', 1)[1]}: {k.grid[0] if k.grid else '?'}x"
+                         f"{math.prod(k.threads) if k.threads else '?'} thr, {regs} regs, "
+                         f"{k.shared_memory} B smem, spill {spill}")
+        rows.append({**row, "launches": c.launches(),
+                     "norm kernels": "; ".join(kinfo), "MB": f"{c.hbm_bytes / 1e6:.2f}",
+                     "us @ peak BW": f"{c.hbm_bytes / t.memory_bandwidth * 1e6:.1f}"})
+    return rows
+
+
+def jnp_dtype(name: str):
+    import jax.numpy as jnp
+
+    return jnp.dtype(name)
+
+
+def markdown(rows: list[dict]) -> str:
+    cols = list(rows[0]) if rows else []
+    out = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    out += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(out)
+
+
 __all__ = ["TARGETS", "Target", "target", "unavailable_reason", "device", "on_target", "compile",
            "Compilation", "Kernel", "PtxasInfo", "ptxas_path", "ptxas_info", "parse_hlo", "shape_bytes",
-           "abstract"]
+           "abstract", "compare_backends", "markdown", "COMPARE_SHAPES", "MOSAIC_CUSTOM_CALL_TARGET"]
+
+
+if __name__ == "__main__":  # python -m pallas_kernels.aot [ROWSxHIDDEN ...]: Triton vs Mosaic GPU table
+    import sys
+
+    shapes = [tuple(int(v) for v in a.split("x")) for a in sys.argv[1:]] or COMPARE_SHAPES
+    print(markdown(compare_backends(shapes)))

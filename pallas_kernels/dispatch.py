@@ -45,6 +45,32 @@ DEFAULT_RULES: tuple[Rule, ...] = (
 _rules: tuple[Rule, ...] = DEFAULT_RULES
 
 
+# Pallas GPU backend of the kernels when a call names none (``backend=None``):
+# None = the first available one, Triton (proven on GPUs). "mosaic_gpu" opts
+# every such call in, e.g. a folded model's norms (``fold(norm_impl="pallas")``).
+_backend: str | None = None
+
+
+def set_backend(backend: str | None) -> None:
+    """Default Pallas backend for calls with ``backend=None`` (None = automatic).
+
+    Example:
+        >>> set_backend("mosaic_gpu"); get_backend()
+        'mosaic_gpu'
+        >>> set_backend(None)
+    """
+    from pallas_kernels._compat import BACKENDS
+
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    global _backend
+    _backend = backend
+
+
+def get_backend() -> str | None:
+    return _backend
+
+
 def set_rules(rules: Sequence[Rule] | None) -> None:
     """Replaces the table (``None`` restores :data:`DEFAULT_RULES`)."""
     global _rules

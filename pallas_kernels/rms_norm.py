@@ -14,10 +14,11 @@ Implementation notes
   ``block_rows x next_pow2(hidden)`` elements (Triton needs power-of-two
   blocks); rows past the end and columns past ``hidden`` are masked, so any
   hidden size and any row count (including 1) work.
-* ``backend="mosaic_gpu"`` selects an unmasked body (blocks exactly tile
-  the array). It runs in interpret mode only: compiling it through Mosaic GPU
-  fails (see ``_NOT_IMPLEMENTED``), so for compiled use it raises a clear
-  ``RuntimeError`` and auto-selection picks Triton.
+* ``backend="mosaic_gpu"`` runs the Mosaic GPU (``plgpu.kernel``) bodies of
+  :mod:`pallas_kernels.rms_norm_mosaic` instead (sm_90a; ``hidden`` a
+  multiple of 128), same custom VJPs. Opt-in: auto-selection keeps Triton,
+  the backend proven on GPUs; the Mosaic kernels are checked in Mosaic GPU's
+  interpreter and compiled deviceless for the H100 only.
 * The kernel is chosen **per lowering platform**, not by
   ``jax.default_backend()``: the kernel path is a
   ``jax.lax.platform_dependent`` whose ``cuda`` branch is the Pallas kernel
@@ -57,7 +58,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _compat, dispatch
+from pallas_kernels import _compat, dispatch, rms_norm_mosaic
 from pallas_kernels._compat import BACKENDS, pallas_api
 
 _F32 = jnp.float32
@@ -138,7 +139,7 @@ class _Static:
     """Hashable, shape-independent settings passed as nondiff args."""
 
     eps: float
-    backend: str  # "triton" (masked body) | "mosaic_gpu" (unmasked body)
+    backend: str  # "triton" (pl.pallas_call) | "mosaic_gpu" (plgpu.kernel, rms_norm_mosaic)
     interpret: bool
     x_dtype: str
     r_dtype: Optional[str]  # residual dtype (fused variant only)
@@ -312,8 +313,12 @@ def _forward(x, residual, scale, bias, st: _Static, stats: bool = True):
     ``stats=False`` (the primal, not differentiated): no per-row rstd is
     written, as nothing reads it.
     """
+    if st.backend == "mosaic_gpu":  # recomputes rstd in the backward pass: no stats
+        y, h = rms_norm_mosaic.forward(x, residual, scale, bias, eps=st.eps, h_dtype=st.h_dtype,
+                                       interpret=st.interpret)
+        return y, h, None
     n_rows, hidden = x.shape
-    masked = st.backend == "triton"
+    masked = True
     br, hp = _tiling(n_rows, hidden, masked)
     has_res, has_bias = residual is not None, bias is not None
     tile = pl.BlockSpec((br, hp), lambda i: (i, 0))
@@ -351,8 +356,11 @@ def _backward(xn, scale, rstd, dy, dres, has_bias: bool, dx_dtype, st: _Static):
 
     ``xn`` is the tensor that was normalized; ``dres`` (optional) is added to dx.
     """
+    if st.backend == "mosaic_gpu":
+        return rms_norm_mosaic.backward(xn, scale, dy, dres, has_bias=has_bias, dx_dtype=dx_dtype, eps=st.eps,
+                                        interpret=st.interpret)
     n_rows, hidden = xn.shape
-    masked = st.backend == "triton"
+    masked = True
     br, steps, n_prog = bwd_grid(n_rows, hidden, masked)
     hp = _tiling(n_rows, hidden, masked)[1]
     rpp = br * steps
@@ -431,18 +439,11 @@ _fused_core.defvjp(_fused_core_fwd, _fused_core_bwd)
 # --------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------
-# Backends whose *compiled* lowering of these kernels is implemented.
-# Mosaic GPU is not: checked by cross-lowering for CUDA on CPU with jax 0.10,
-# its pl.pallas_call lowering rejects TMA blocks wider than 256 elements
-# ("Async copies only support copying <=256 elements along each dimension")
-# and axis reductions ("No support for axes yet"); jax 0.11 removed that
-# lowering altogether (plgpu.kernel required). A Mosaic GPU RMSNorm needs a
-# separate plgpu.kernel design (chunked TMA + warpgroup reductions).
-_COMPILED_KERNEL_BACKENDS = ("triton",)
-_NOT_IMPLEMENTED = {
-    "mosaic_gpu": "the RMSNorm kernels have no Mosaic GPU implementation yet (pl.pallas_call "
-    "via Mosaic GPU rejects >256-wide blocks and axis reductions; jax>=0.11 needs plgpu.kernel)",
-}
+# Auto-selection order: Triton first (the kernels proven on GPUs); Mosaic GPU
+# (plgpu.kernel, rms_norm_mosaic) only on request. A pl.pallas_call body cannot
+# go through Mosaic GPU: jax 0.10's lowering rejects >256-element TMA blocks and
+# axis reductions, and 0.11 has no such lowering.
+_COMPILED_KERNEL_BACKENDS = ("triton", "mosaic_gpu")
 
 
 def _backend_problem(backend: str) -> Optional[str]:
@@ -450,8 +451,6 @@ def _backend_problem(backend: str) -> Optional[str]:
     api = pallas_api(backend)
     if not api.available:
         return api.reason
-    if backend not in _COMPILED_KERNEL_BACKENDS:
-        return _NOT_IMPLEMENTED.get(backend, "not implemented")
     return None
 
 
@@ -459,8 +458,8 @@ def available_backends() -> tuple[str, ...]:
     """GPU Pallas backends that can compile these kernels with this jax.
 
     Example:
-        >>> available_backends()
-        ('triton',)
+        >>> available_backends()[0]
+        'triton'
     """
     return tuple(b for b in BACKENDS if _backend_problem(b) is None)
 
@@ -468,10 +467,11 @@ def available_backends() -> tuple[str, ...]:
 def resolve_backend(backend: Optional[str], interpret: bool) -> str:
     """Validates ``backend`` (None = auto) and returns the concrete name.
 
-    Auto = first of :func:`available_backends` (today Triton: the kernels
-    are Triton-style and Mosaic GPU cannot compile them, see
-    ``_NOT_IMPLEMENTED``). In interpret mode the backend only picks the
-    kernel body (masked vs. exactly tiled), so any known name is accepted.
+    Auto = :func:`pallas_kernels.dispatch.set_backend`'s choice if any, else
+    the first of :func:`available_backends`: Triton, the backend checked on
+    GPUs; ``"mosaic_gpu"`` is opt-in. In interpret mode the backend picks
+    the kernel body (``pl.pallas_call`` or ``plgpu.kernel``); ``"mosaic_gpu"``
+    must then be available too (its interpreter ships with ``plgpu``).
 
     Example:
         >>> resolve_backend(None, interpret=True)
@@ -479,7 +479,8 @@ def resolve_backend(backend: Optional[str], interpret: bool) -> str:
     """
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
-    if interpret:
+    backend = backend or dispatch.get_backend()
+    if interpret and backend != "mosaic_gpu":
         return backend or "triton"
     if backend is None:
         avail = available_backends()
@@ -501,8 +502,8 @@ SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 MAX_HIDDEN = 8192
 
 
-def unsupported_reason(shape: Sequence[int], dtype) -> Optional[str]:
-    """Why the compiled kernel cannot handle ``shape``/``dtype``, or None.
+def unsupported_reason(shape: Sequence[int], dtype, backend: Optional[str] = None) -> Optional[str]:
+    """Why the compiled kernel (of ``backend``; None = auto) cannot handle ``shape``/``dtype``, or None.
 
     Example:
         >>> unsupported_reason((8, 768), "bfloat16") is None
@@ -517,10 +518,12 @@ def unsupported_reason(shape: Sequence[int], dtype) -> Optional[str]:
         return f"shape {tuple(shape)} is empty or has no hidden axis"
     if int(shape[-1]) > MAX_HIDDEN:
         return f"hidden size {int(shape[-1])} > {MAX_HIDDEN} (a row must fit on chip)"
+    if backend == "mosaic_gpu":
+        return rms_norm_mosaic.unsupported_reason(int(shape[-1]))
     return None
 
 
-def supports(shape: Sequence[int], dtype) -> bool:
+def supports(shape: Sequence[int], dtype, backend: Optional[str] = None) -> bool:
     """Whether the compiled kernel can handle an input of ``shape``/``dtype`` at all.
 
     Cheap (no tracing). ``interpret=False`` uses the kernel exactly where this
@@ -531,14 +534,16 @@ def supports(shape: Sequence[int], dtype) -> bool:
         >>> supports((4, 128, 768), "bfloat16"), supports((4, 16384), "float32")
         (True, False)
     """
-    return unsupported_reason(shape, dtype) is None
+    return unsupported_reason(shape, dtype, backend) is None
 
 
-def _mode(shape, dtype, interpret: Optional[bool]) -> str:
+def _mode(shape, dtype, interpret: Optional[bool], backend: Optional[str] = None) -> str:
     """"interpret" | "kernel" (CUDA: kernel, elsewhere: XLA) | "xla"."""
     if interpret:
+        if backend == "mosaic_gpu" and (why := unsupported_reason(shape, dtype, backend)):
+            raise ValueError(f"backend='mosaic_gpu': {why}")
         return "interpret"
-    if not supports(shape, dtype):
+    if not supports(shape, dtype, backend):
         return "xla"
     if interpret is None and dispatch.choose(shape, dtype) != "pallas":
         return "xla"
@@ -577,7 +582,9 @@ def rms_norm(
         :func:`rms_norm_reference` for CPU/TPU/ROCm; ``None`` (auto) = like
         ``False`` where :func:`pallas_kernels.choose` picks the kernel, else
         the XLA expression on every platform.
-      backend: "triton" | "mosaic_gpu" | None (auto, Triton preferred).
+      backend: "triton" | "mosaic_gpu" | None (auto = Triton). "mosaic_gpu"
+        needs sm_90a and ``hidden % 128 == 0`` (other shapes take the XLA
+        expression when compiled; interpret mode raises ``ValueError``).
 
     Gradients: the kernel path has a custom VJP (Pallas backward kernel); the
     XLA path is differentiated by JAX. Forward-mode AD (``jax.jvp``) is not
@@ -591,7 +598,7 @@ def rms_norm(
         True
     """
     _check(x, scale, bias)
-    mode = _mode(x.shape, x.dtype, interpret)
+    mode = _mode(x.shape, x.dtype, interpret, backend or dispatch.get_backend())
     if mode == "xla":
         return rms_norm_reference(x, scale, bias, eps=eps)
     st = _Static(float(eps), resolve_backend(backend, mode == "interpret"), mode == "interpret",
@@ -634,7 +641,7 @@ def fused_add_rms_norm(
     _check(x, scale, bias)
     if residual.shape != x.shape:
         raise ValueError(f"residual shape {residual.shape} != x shape {x.shape}")
-    mode = _mode(x.shape, x.dtype, interpret)
+    mode = _mode(x.shape, x.dtype, interpret, backend or dispatch.get_backend())
     if mode == "xla":
         return fused_add_rms_norm_reference(x, residual, scale, bias, eps=eps)
     h_dtype = jnp.result_type(x.dtype, residual.dtype)
