@@ -33,7 +33,7 @@ import numpy as np
 from jaxfold._src import algebra as A
 from jaxfold._src import compat, display, kernels
 from jaxfold._src.analysis import Analyzer, Level
-from jaxfold._src.program import Program, Val
+from jaxfold._src.program import Node, Program, Val
 from jaxfold._src.report import param_label
 from jaxfold._src.rewrite import Plan, evaluate
 from jaxfold._src.rules import Block, rule_for
@@ -218,12 +218,24 @@ def _reach(level: Level, start: Val, stops: set, limit: int = 256) -> Optional[s
   return seen
 
 
+_CASTS = ("convert_element_type", "reduce_precision")
+# Casts to fewer bits of precision than bfloat16 (float8) quantize: the model
+# was calibrated for that rounding of γ ⊙ K + β, and moving γ across it changes
+# the function by more than a rounding. Such casts block.
+_MIN_BITS = 7
+
+
 def _real_cast(node) -> bool:
-  """A float-to-float cast: the identity map in real arithmetic."""
-  if rule_for(node.prim).name not in ("convert_element_type", "reduce_precision"):
+  """A float-to-float cast (a Node or a jaxpr equation) to at least bfloat16's
+  precision: the identity map in real arithmetic."""
+  if isinstance(node, Node):
+    prim, ins, outs = node.prim, node.ins, node.outs
+  else:
+    prim, ins, outs = node.primitive, [a.aval for a in node.invars], [v.aval for v in node.outvars]
+  if rule_for(prim).name not in _CASTS or len(ins) != 1:
     return False
-  return len(node.ins) == 1 and all(jnp.issubdtype(a.dtype, jnp.floating)
-                                    for a in (node.ins[0], node.outs[0]))
+  return all(jnp.issubdtype(a.dtype, jnp.floating) and jnp.finfo(a.dtype).nmant >= _MIN_BITS
+             for a in (ins[0], outs[0]))
 
 
 def _expr(level: Level, v: Any, depth: int = 4) -> A.Expr:
@@ -370,6 +382,9 @@ def _readers(level: Level, aff: _Affine) -> list:
         out.append(_Reader(node, 1 - k, leaf, e, chain, _single_use(level, leaf, chain,
                                                                     (node, 1 - k)), d, casts))
       else:
+        if rule.name in _CASTS and not _real_cast(node):
+          raise Block(f"a cast to {np.dtype(node.outs[0].dtype).name} quantizes it: γ would move "
+                      "across the quantizer" + where)
         ins = [None] * len(node.ins)
         ins[k] = Lin(frozenset({d}))
         try:
@@ -542,26 +557,41 @@ def _host(x) -> np.ndarray:
   return np.asarray(x, np.float64) if jnp.issubdtype(x.dtype, jnp.floating) else np.asarray(x)
 
 
-def _fused_params(an: FuseAnalysis, leaves: list, tree) -> FusedParams:
+def _rounded(v: np.ndarray, dtype, what: str):
+  """``v`` in ``dtype``; an overflow (γ·W past float16's range, say) would be a
+  wrong model, not a rounding: refused."""
+  with np.errstate(over="ignore", invalid="ignore"):
+    r = v.astype(jnp.dtype(dtype))
+  if np.all(np.isfinite(v)) and not np.all(np.isfinite(np.asarray(r, np.float64))):
+    raise FuseError(f"{what} overflows {jnp.dtype(dtype).name}: fuse the model in a wider dtype")
+  return jnp.asarray(r)
+
+
+def _fused_params(an: FuseAnalysis, leaves: list, tree, bias_dtype=None) -> FusedParams:
+  """The fused parameters from the folded ones; new biases are rounded once to
+  the contraction's dtype (``bias_dtype``: another one, e.g. float64 in tests)."""
   removed = dict(an.removed)
   out = list(leaves)
   for w, g, dim in an.scaled:
     x = leaves[w]
-    out[w] = jnp.asarray((_host(x) * _along(_host(leaves[g]).ravel(), x.ndim, dim)).astype(x.dtype))
+    out[w] = _rounded(_host(x) * _along(_host(leaves[g]).ravel(), x.ndim, dim), x.dtype,
+                      f"γ·W (parameter leaf {w})")
   extras = {}
   for name, w, g, dim in an.copies:
     x = leaves[w]
-    extras[name] = jnp.asarray(
-        (_host(x) * _along(_host(leaves[g]).ravel(), x.ndim, dim)).astype(x.dtype))
+    extras[name] = _rounded(_host(x) * _along(_host(leaves[g]).ravel(), x.ndim, dim), x.dtype,
+                            name)
   for name, b, w, side, dn, y_rank, y_dim, dtype, chain in an.biases:
     wx = leaves[w]
     for eqn in chain:  # re-indexing steps between the parameter and its use
-      wx = compat.bind_eqn(eqn, [wx])[0]
+      if not _real_cast(eqn):   # (β·W in real arithmetic: its casts are rounded once, below)
+        wx = compat.bind_eqn(eqn, [wx])[0]
     wx = _host(wx)
     yb = _along(_host(leaves[b]).ravel(), y_rank, y_dim)
     (lc, rc), _ = dn
     lhs, rhs = (yb, wx) if side == 1 else (wx, yb)
-    extras[name] = jnp.asarray(np.tensordot(lhs, rhs, axes=(tuple(lc), tuple(rc))).astype(jnp.dtype(dtype)))
+    extras[name] = _rounded(np.tensordot(lhs, rhs, axes=(tuple(lc), tuple(rc))),
+                            bias_dtype or dtype, name)
   for i in removed:
     out[i] = None
   return FusedParams(jax.tree_util.tree_unflatten(tree, out), extras)
