@@ -526,10 +526,10 @@ def _with_kernel(level: Level, site: AffineSite, y: Val, epilogues: list) -> Aff
     v = out
     for _ in range(4):
       if v is y:
-        how = " fused with its residual add" if ep.add_path is not None else ""
         params = "without γ, β" if site.fused else "with its γ, β"
+        how = " (fused with its residual add)" if ep.add_path is not None else ""
         return dataclasses.replace(
-            site, reason=f"{site.reason}; the norm runs as the RMSNorm kernel{how} {params}")
+            site, reason=f"{site.reason}; the norm runs as the RMSNorm kernel {params}{how}")
       node = v.producer
       if node is None or node.subs or len(node.ins) != 1 or not isinstance(node.ins[0], Val):
         break
