@@ -232,8 +232,12 @@ def _real_cast(node) -> bool:
     prim, ins, outs = node.prim, node.ins, node.outs
   else:
     prim, ins, outs = node.primitive, [a.aval for a in node.invars], [v.aval for v in node.outvars]
-  if rule_for(prim).name not in _CASTS or len(ins) != 1:
+  name = rule_for(prim).name
+  if name not in _CASTS or len(ins) != 1:
     return False
+  if name == "reduce_precision" and (node.params["mantissa_bits"] < _MIN_BITS
+                                     or node.params["exponent_bits"] < 5):
+    return False   # a float8 format emulated in a wider dtype
   return all(jnp.issubdtype(a.dtype, jnp.floating) and jnp.finfo(a.dtype).nmant >= _MIN_BITS
              for a in (ins[0], outs[0]))
 

@@ -294,18 +294,25 @@ def _bf16(tree):
 
 
 class Quantized(nn.Module):
+  emulated: bool = False
+
   @nn.compact
   def __call__(self, x):
     y = nn.LayerNorm()(nn.Dense(D)(x))
+    if self.emulated:   # float8 e4m3 rounding emulated in float32
+      return nn.Dense(3)(jax.lax.reduce_precision(y, exponent_bits=4, mantissa_bits=3))
     return nn.Dense(3)(y.astype(jnp.float8_e4m3fn).astype(jnp.float32))
 
 
-def test_float8_cast_is_a_quantizer_not_fused(x64):
+@pytest.mark.parametrize("emulated", [False, True])
+def test_float8_cast_is_a_quantizer_not_fused(x64, emulated):
   x = _x(3, 4).astype(jnp.float32)
-  p = randomize_np(jax.eval_shape(Quantized().init, jax.random.PRNGKey(0), x))
+  m = Quantized(emulated)
+  p = randomize_np(jax.eval_shape(m.init, jax.random.PRNGKey(0), x))
   p = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), p)
-  fu = jaxfold.fuse_affine(jaxfold.fold(p, Quantized().apply, x))
-  assert fu.report.num_fused == 0 and "quantizes" in fu.report.sites[0].reason
+  fu = jaxfold.fuse_affine(jaxfold.fold(p, m.apply, x))
+  assert len(fu.report.sites) == 1 and fu.report.num_fused == 0
+  assert "quantizes" in fu.report.sites[0].reason, fu.report.sites[0].reason
 
 
 def test_float16_overflow_of_fused_weights_is_refused(x64):
