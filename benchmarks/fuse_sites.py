@@ -7,6 +7,18 @@ the RMSNorm kernel (``pallas``: when lowered for CUDA). Random weights with
 non-trivial γ, β (``models.random_params``); the counts do not depend on them.
 
     python benchmarks/fuse_sites.py gpt2-tiny opt-tiny phi-tiny vit-tiny gpt2
+
+Measured 2026-11-25 (CPU host; "fused" = fused/affine sites found, "kernels" =
+norms the fused program runs as the RMSNorm kernel), before → after issue 20.3:
+
+    gpt2 (small)  float32  pallas   0/0  → 25/25, 25 kernels
+    gpt2 (small)  bfloat16 xla      0/25 → 25/25
+    gpt2 (small)  bfloat16 pallas   0/0  → 25/25, 25 kernels
+    gpt2/opt-tiny bfloat16 xla      0/5  → 5/5 (pallas: 0/0 → 5/5, 5 kernels)
+    phi-tiny      bfloat16 xla      0/3  → 3/3 (pallas: 0/0 → 3/3, 3 kernels)
+    vit-tiny      bfloat16 xla      0/5  → 5/5 (pallas: 0/1 → 5/5, 4 kernels: the
+                                           final norm's class-token row stays in XLA)
+    float32 with norm_impl="xla": unchanged (every folded site fused).
 """
 
 from __future__ import annotations
