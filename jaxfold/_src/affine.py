@@ -31,9 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfold._src import algebra as A
-from jaxfold._src import compat, display
+from jaxfold._src import compat, display, kernels
 from jaxfold._src.analysis import Analyzer, Level
-from jaxfold._src.program import Program, Val
+from jaxfold._src.program import Node, Program, Val
 from jaxfold._src.report import param_label
 from jaxfold._src.rewrite import Plan, evaluate
 from jaxfold._src.rules import Block, rule_for
@@ -65,6 +65,8 @@ class FuseReport:
   """What ``fuse_affine`` did, per affine site."""
   sites: tuple
   extra_bytes: int = 0    # untied weight copies and new biases
+  kernels: int = 0        # norms the RMSNorm kernel computes in the fused program
+  norm_impl: str = "xla"  # the fold's, kept for the fused program
 
   @property
   def num_fused(self) -> int:
@@ -77,7 +79,9 @@ class FuseReport:
       beta = param_label(s.beta) if s.beta else None
       lines.append(f"{i}  {status:5}  {s.where}  γ={param_label(s.gamma)} β={beta}: {s.reason}")
     lines.append(f"{self.num_fused}/{len(self.sites)} affine sites fused into their readers"
-                 + (f"; {self.extra_bytes} extra bytes" if self.extra_bytes else ""))
+                 + (f"; {self.extra_bytes} extra bytes" if self.extra_bytes else "")
+                 + (f"; {self.kernels} norm(s) as the RMSNorm kernel (norm_impl={self.norm_impl!r})"
+                    if self.kernels else ""))
     return "\n".join(lines)
 
 
@@ -110,6 +114,7 @@ class _Reader:
   chain: tuple         # identity nodes from the leaf to the use (leaf first)
   in_place: bool
   y_dim: int           # d at the contraction's operand
+  casts: tuple = ()    # float casts between the norm's output and the contraction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,12 +218,41 @@ def _reach(level: Level, start: Val, stops: set, limit: int = 256) -> Optional[s
   return seen
 
 
+_CASTS = ("convert_element_type", "reduce_precision")
+# Casts to fewer bits of precision than bfloat16 (float8) quantize: the model
+# was calibrated for that rounding of γ ⊙ K + β, and moving γ across it changes
+# the function by more than a rounding. Such casts block.
+_MIN_BITS = 7
+
+
+def _real_cast(node) -> bool:
+  """A float-to-float cast (a Node or a jaxpr equation) to at least bfloat16's
+  precision: the identity map in real arithmetic."""
+  if isinstance(node, Node):
+    prim, ins, outs = node.prim, node.ins, node.outs
+  else:
+    prim, ins, outs = node.primitive, [a.aval for a in node.invars], [v.aval for v in node.outvars]
+  name = rule_for(prim).name
+  if name not in _CASTS or len(ins) != 1:
+    return False
+  if name == "reduce_precision" and (node.params["mantissa_bits"] < _MIN_BITS
+                                     or node.params["exponent_bits"] < 5):
+    return False   # a float8 format emulated in a wider dtype
+  return all(jnp.issubdtype(a.dtype, jnp.floating) and jnp.finfo(a.dtype).nmant >= _MIN_BITS
+             for a in (ins[0], outs[0]))
+
+
 def _expr(level: Level, v: Any, depth: int = 4) -> A.Expr:
-  """``v``'s canonical form, recomputed through its last ``depth`` producers
-  so that the analysis's size cap on long sums does not hide γ and β."""
+  """``v``'s canonical form in real arithmetic, recomputed through its last
+  ``depth`` producers: so that the analysis's size cap on long sums does not
+  hide γ and β, and a float cast is the identity even where the analysis
+  keeps it opaque (a cast coarser than the program's outputs: the fold's
+  tolerance, not this transform's)."""
   if depth == 0 or not isinstance(v, Val) or v.producer is None or v.producer.subs:
     return level.canon(v)
   node = v.producer
+  if _real_cast(node):
+    return _expr(level, node.ins[0], depth - 1)
   try:
     outs = rule_for(node.prim).canon(node, [_expr(level, a, depth - 1) for a in node.ins], level)
   except Exception:  # noqa: BLE001 - the analysis's own form is always sound
@@ -329,9 +363,9 @@ def _single_use(level: Level, leaf: int, chain: tuple, use) -> bool:
 def _readers(level: Level, aff: _Affine) -> list:
   """The contractions reading ``y``; raises Block naming any other use."""
   prog = level.program
-  out, frontier = [], [(aff.y, aff.dim)]
+  out, frontier = [], [(aff.y, aff.dim, ())]
   while frontier:
-    v, d = frontier.pop()
+    v, d, casts = frontier.pop()
     if v in prog.output_positions:
       raise Block("the value is a program output")
     for node, k in prog.consumers.get(v, ()):
@@ -350,8 +384,11 @@ def _readers(level: Level, aff: _Affine) -> list:
                                                                 jnp.inexact):
           raise Block("a contraction with γ, β or a non-float parameter" + where)
         out.append(_Reader(node, 1 - k, leaf, e, chain, _single_use(level, leaf, chain,
-                                                                    (node, 1 - k)), d))
+                                                                    (node, 1 - k)), d, casts))
       else:
+        if rule.name in _CASTS and not _real_cast(node):
+          raise Block(f"a cast to {np.dtype(node.outs[0].dtype).name} quantizes it: γ would move "
+                      "across the quantizer" + where)
         ins = [None] * len(node.ins)
         ins[k] = Lin(frozenset({d}))
         try:
@@ -359,11 +396,15 @@ def _readers(level: Level, aff: _Affine) -> list:
         except Block as err:
           raise Block(f"`{node.prim.name}` reads it, which is not a contraction over the "
                       "normalized dim" + where) from err
+        # A float cast on the way (a bf16 model's f32 norm output cast for its
+        # matmul) is the identity in real arithmetic: the matmul's operand is
+        # still γ ⊙ K + β, checked below on its canonical form.
+        step = (np.dtype(node.outs[0].dtype).name,) if _real_cast(node) else ()
         for o, st in zip(node.outs, outs):
           if st is not None:
             if not isinstance(st, Lin) or len(st.dims) != 1:
               raise Block(f"`{node.prim.name}` reads it" + where)
-            frontier.append((o, next(iter(st.dims))))
+            frontier.append((o, next(iter(st.dims)), casts + step))
   if not out:
     raise Block("no contraction reads it")
   # What each contraction reads is still γ ⊙ K' + β along its contracted dim
@@ -385,12 +426,19 @@ def _readers(level: Level, aff: _Affine) -> list:
 
 
 def analyse(fn: Callable, params: Any, args: tuple) -> FuseAnalysis:
-  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(params, *args)
+  # A fold's RMSNorm kernel call hides the norm's γ and β: read the folded
+  # program's XLA expression, and choose the kernels again once γ and β are
+  # fused (the kernel then runs without them).
+  # (A new function object: jax caches traces per function, and ``fn``'s own
+  # entry must keep its kernels.)
+  with kernels.xla_level() as asked:
+    closed, out_shape = jax.make_jaxpr(lambda p, *a: fn(p, *a), return_shape=True)(params, *args)
+  norm_impl = next(iter(asked)) if len(asked) == 1 else "xla"
   jaxpr, consts = compat.open_jaxpr(closed)
   paths = jax.tree_util.tree_flatten_with_path(params)[0]
   names = [jax.tree_util.keystr(p) for p, _ in paths]
   removed, scaled, copies, biases, untied, plan_biases, sites = {}, [], [], [], [], [], []
-  extra = 0
+  extra, ys, changed, epilogues = 0, [], [], ()
   with A.scope():
     an = Analyzer(Program(closed))
     an.num_leaves = len(names)
@@ -410,6 +458,7 @@ def analyse(fn: Callable, params: Any, args: tuple) -> FuseAnalysis:
       where = aff.y.producer.where()
       gname = names[aff.gamma]
       bname = names[aff.beta] if aff.beta is not None else None
+      ys.append(aff.y)
       try:
         readers = _readers(level, aff)
         for r in readers:
@@ -422,6 +471,7 @@ def analyse(fn: Callable, params: Any, args: tuple) -> FuseAnalysis:
       if aff.beta is not None:
         removed[aff.beta] = 0
       for r in readers:
+        changed.append(r.node.outs[0])
         wname = names[r.leaf]
         wv = level.program.invars[r.leaf]
         nbytes = int(np.prod(wv.shape)) * np.dtype(wv.dtype).itemsize
@@ -437,7 +487,7 @@ def analyse(fn: Callable, params: Any, args: tuple) -> FuseAnalysis:
           bias = f"{wname}@bias{bname}"
           z = r.node.outs[0]
           biases.append((bias, aff.beta, r.leaf, r.w_side, r.node.params["dimension_numbers"],
-                         len(r.node.ins[1 - r.w_side].shape), r.y_dim, np.dtype(z.dtype).str,
+                         len(r.node.ins[1 - r.w_side].shape), r.y_dim, _dtype_tag(z.dtype),
                          tuple(c.eqn for c in r.chain)))
           plan_biases.append((z.key, bias))
           extra += int(np.prod(wv.shape)) // wv.shape[r.dim] * np.dtype(z.dtype).itemsize
@@ -445,12 +495,50 @@ def analyse(fn: Callable, params: Any, args: tuple) -> FuseAnalysis:
           param_label(names[r.leaf]) + ("" if r.in_place else " (untied copy)") for r in readers)
       if aff.beta is not None:
         reason += "; β·W into new biases"
+      casts = sorted({c for r in readers for c in r.casts})
+      if casts:
+        reason += (f" (through a cast to {', '.join(casts)}: exact in real arithmetic, rounded at "
+                   "another point)")
       sites.append(AffineSite(where, gname, bname, tuple(names[r.leaf] for r in readers), True,
                               reason))
-  plan = Plan(untied=tuple(untied), biases=tuple(plan_biases), norm_impl="xla")
+    if kernels.may_use_kernel(norm_impl):
+      epilogues = _kernel_epilogues(level, removed, changed)
+      sites = [_with_kernel(level, site, y, epilogues) for site, y in zip(sites, ys)]
+      epilogues = tuple(ep for ep, _ in epilogues)
+  plan = Plan(untied=tuple(untied), biases=tuple(plan_biases), epilogues=epilogues,
+              norm_impl=norm_impl)
   return FuseAnalysis(jaxpr, consts, jax.tree_util.tree_structure(out_shape), plan,
                       tuple(sorted(removed.items())), tuple(scaled), tuple(copies),
-                      tuple(biases), FuseReport(tuple(sites), extra))
+                      tuple(biases), FuseReport(tuple(sites), extra, len(epilogues), norm_impl))
+
+
+def _kernel_epilogues(level: Level, removed: dict, changed: list) -> list:
+  """``[(Epilogue, output)]``: the norms of the fused program that the RMSNorm
+  kernel computes, proved on the folded program with what fusing changes:
+  fused γ and β are the constants 1 and 0 the fused program passes, and a
+  reader's output (W' and a new bias) is no longer what its equation says."""
+  assume = {level.program.invars[i]: A.ONE if fill else A.ZERO for i, fill in removed.items()}
+  for z in changed:
+    assume[z] = A.atom(("fused-reader", z), tuple(z.shape))
+  return kernels.prove_epilogues(level, assume)
+
+
+def _with_kernel(level: Level, site: AffineSite, y: Val, epilogues: list) -> AffineSite:
+  """``site`` with its norm's implementation in the reason: the kernel when
+  one replaces ``y`` or a cast of it."""
+  for ep, out in epilogues:
+    v = out
+    for _ in range(4):
+      if v is y:
+        params = "without γ, β" if site.fused else "with its γ, β"
+        how = " (fused with its residual add)" if ep.add_path is not None else ""
+        return dataclasses.replace(
+            site, reason=f"{site.reason}; the norm runs as the RMSNorm kernel {params}{how}")
+      node = v.producer
+      if node is None or node.subs or len(node.ins) != 1 or not isinstance(node.ins[0], Val):
+        break
+      v = node.ins[0]
+  return dataclasses.replace(site, reason=f"{site.reason}; XLA computes the norm (no kernel proof)")
 
 
 # ----------------------------------------------------------------------------
@@ -463,30 +551,51 @@ def _along(vec: np.ndarray, rank: int, dim: int) -> np.ndarray:
   return vec.reshape(shape)
 
 
+def _dtype_tag(dtype) -> str:
+  # numpy's ``str`` of bfloat16/float8 is an anonymous void ('<V2'): name those.
+  dt = np.dtype(dtype)
+  return dt.name if dt.kind == "V" else dt.str
+
+
 def _host(x) -> np.ndarray:
   return np.asarray(x, np.float64) if jnp.issubdtype(x.dtype, jnp.floating) else np.asarray(x)
 
 
-def _fused_params(an: FuseAnalysis, leaves: list, tree) -> FusedParams:
+def _rounded(v: np.ndarray, dtype, what: str):
+  """``v`` in ``dtype``; an overflow (γ·W past float16's range, say) would be a
+  wrong model, not a rounding: refused."""
+  with np.errstate(over="ignore", invalid="ignore"):
+    r = v.astype(jnp.dtype(dtype))
+  if np.all(np.isfinite(v)) and not np.all(np.isfinite(np.asarray(r, np.float64))):
+    raise FuseError(f"{what} overflows {jnp.dtype(dtype).name}: fuse the model in a wider dtype")
+  return jnp.asarray(r)
+
+
+def _fused_params(an: FuseAnalysis, leaves: list, tree, bias_dtype=None) -> FusedParams:
+  """The fused parameters from the folded ones; new biases are rounded once to
+  the contraction's dtype (``bias_dtype``: another one, e.g. float64 in tests)."""
   removed = dict(an.removed)
   out = list(leaves)
   for w, g, dim in an.scaled:
     x = leaves[w]
-    out[w] = jnp.asarray((_host(x) * _along(_host(leaves[g]).ravel(), x.ndim, dim)).astype(x.dtype))
+    out[w] = _rounded(_host(x) * _along(_host(leaves[g]).ravel(), x.ndim, dim), x.dtype,
+                      f"γ·W (parameter leaf {w})")
   extras = {}
   for name, w, g, dim in an.copies:
     x = leaves[w]
-    extras[name] = jnp.asarray(
-        (_host(x) * _along(_host(leaves[g]).ravel(), x.ndim, dim)).astype(x.dtype))
+    extras[name] = _rounded(_host(x) * _along(_host(leaves[g]).ravel(), x.ndim, dim), x.dtype,
+                            name)
   for name, b, w, side, dn, y_rank, y_dim, dtype, chain in an.biases:
     wx = leaves[w]
     for eqn in chain:  # re-indexing steps between the parameter and its use
-      wx = compat.bind_eqn(eqn, [wx])[0]
+      if not _real_cast(eqn):   # (β·W in real arithmetic: its casts are rounded once, below)
+        wx = compat.bind_eqn(eqn, [wx])[0]
     wx = _host(wx)
     yb = _along(_host(leaves[b]).ravel(), y_rank, y_dim)
     (lc, rc), _ = dn
     lhs, rhs = (yb, wx) if side == 1 else (wx, yb)
-    extras[name] = jnp.asarray(np.tensordot(lhs, rhs, axes=(tuple(lc), tuple(rc))).astype(dtype))
+    extras[name] = _rounded(np.tensordot(lhs, rhs, axes=(tuple(lc), tuple(rc))),
+                            bias_dtype or dtype, name)
   for i in removed:
     out[i] = None
   return FusedParams(jax.tree_util.tree_unflatten(tree, out), extras)

@@ -21,6 +21,8 @@ add) for every downstream use, and the normalized output.
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import dataclasses
 from fractions import Fraction
 from typing import Any, Optional
@@ -31,6 +33,7 @@ import numpy as np
 from jaxfold._src import algebra as A
 from jaxfold._src.analysis import Site
 from jaxfold._src.program import Lit, Val
+from jaxfold._src.rules import rule_for
 
 IMPLS = ("auto", "xla", "pallas", "interpret")
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
@@ -253,22 +256,29 @@ def prove_epilogue(site: Site, changed: frozenset = frozenset()) -> tuple:
   ``changed``: keys of values the rewrite replaces (auxiliary centerings);
   the kernel reads the norm's source only if all its widenings are read
   unchanged (else it reads the norm's input, as the program does)."""
+  ep, why, _ = _prove(site, changed, {})
+  return ep, why
+
+
+def _prove(site: Site, changed: frozenset, assume: dict) -> tuple:
+  """prove_epilogue with canonical forms under ``assume`` (Val -> Expr), plus
+  the output value the kernel replaces."""
   level = site.level
   top = level.an.top.program
   shape = tuple(site.input.shape)
   rank = len(shape)
   if level.program is not top:
-    return None, "the norm is inside a loop body"
+    return None, "the norm is inside a loop body", None
   if site.axes != (rank - 1,) or not all(isinstance(d, int) for d in shape):
-    return None, "the kernel normalizes the last axis of a fixed shape only"
+    return None, "the kernel normalizes the last axis of a fixed shape only", None
   x, aliases = _source(level, site.input)
   if any(a.key in changed for a in aliases[1:]):
     x, aliases = site.input, (site.input,)
   prog = level.program
   zero = {r.outs[0]: A.ZERO for r in site.reduces}
   X = A.atom(("kernel-x", x), shape)
-  best, why = None, ""
-  with A.scope(), level.assuming({**zero, x: X}):
+  best, why, best_out = None, "", None
+  with A.scope(), level.assuming({**assume, **zero, x: X}):
     frontier = collections.deque([(a, 0) for a in aliases])
     seen = set()
     while frontier:
@@ -303,15 +313,63 @@ def prove_epilogue(site: Site, changed: frozenset = frozenset()) -> tuple:
             frontier.append((o, d + 1))
   if best is None:
     return None, why or ("no value after the norm equals x·rsqrt(Σx²/n + ε)·γ + β exactly (e.g. "
-                         "a Bessel-corrected or rescaled variance); XLA's expression is kept")
+                         "a Bessel-corrected or rescaled variance); XLA's expression is kept"), None
   if _partly_read(level, best_out):
     return None, ("only a part of the norm's output is read (a class token, say): XLA computes "
-                  "just those rows, the kernel would write them all")
+                  "just those rows, the kernel would write them all"), None
   if best.x == x.key:
     add_path, _ = prove_fused_add(level, x, best_out)
     if add_path is not None:
       best = dataclasses.replace(best, add_path=add_path)
-  return best, ""
+  return best, "", best_out
+
+
+def _candidates(u: Val, depth: int = 3) -> list:
+  """Values of ``u``'s shape that ``u`` is computed from (``u`` first, nearest
+  first): where a norm's input may be, given the operand of its sum of squares."""
+  shape = tuple(u.shape)
+  out, frontier = [u], [u]
+  for _ in range(depth):
+    nxt = []
+    for v in frontier:
+      node = v.producer
+      if node is None or node.subs:
+        continue
+      for a in node.ins:
+        if isinstance(a, Val) and tuple(a.shape) == shape and a not in out:
+          out.append(a)
+          nxt.append(a)
+    frontier = nxt
+  return out
+
+
+def prove_epilogues(level, assume: dict) -> list:
+  """``[(Epilogue, output Val)]``: every norm of ``level`` whose output equals the
+  kernel's formula, proved with canonical forms under ``assume``.
+
+  For a program that no longer has its norms' mean reductions (a folded one):
+  each sum over the last axis (a sum of squares, say) names candidates for the
+  norm's input, and a candidate counts only when ``prove_epilogue``'s exact
+  proof holds for it, so a wrong candidate costs time, never soundness."""
+  found, paths = [], set()
+  for node in level.program.nodes:
+    if node.subs:
+      continue
+    summed = rule_for(node.prim).sums(node, level)
+    if summed is None:
+      continue
+    k, axes = summed
+    u = node.ins[k]
+    if not isinstance(u, Val) or tuple(axes) != (len(u.shape) - 1,):
+      continue
+    for x in _candidates(u):
+      ep, _, out = _prove(Site((), x, (len(x.shape) - 1,), level), frozenset(), assume)
+      if ep is not None:
+        if ep.out_path not in paths:
+          paths.add(ep.out_path)
+          found.append((ep, out))
+        break
+  return found
 
 
 def may_use_kernel(impl: str) -> bool:
@@ -319,6 +377,32 @@ def may_use_kernel(impl: str) -> bool:
   ``"auto"`` uses the kernel only on a GPU host, see ``use_kernel``)."""
   import jax
   return impl in ("pallas", "interpret") or (impl == "auto" and jax.default_backend() == "gpu")
+
+
+_XLA_LEVEL: contextvars.ContextVar = contextvars.ContextVar("jaxfold_xla_level", default=None)
+
+
+@contextlib.contextmanager
+def xla_level():
+  """Within it no kernel is substituted (``use_kernel`` keeps XLA's expression)
+  and the yielded set collects the ``norm_impl`` of every plan that asked for
+  one. ``fuse_affine`` traces a folded program under it: the kernel call would
+  hide the norm's γ and β, so the analysis reads the XLA expression and the
+  kernels are chosen again on the fused program.
+
+  Example:
+    >>> with xla_level() as asked:
+    ...   use_kernel("interpret", (2, 8), "float32") is None
+    True
+    >>> sorted(asked)
+    ['interpret']
+  """
+  asked: set = set()
+  token = _XLA_LEVEL.set(asked)
+  try:
+    yield asked
+  finally:
+    _XLA_LEVEL.reset(token)
 
 
 def use_kernel(impl: str, shape, dtype) -> Optional[bool]:
@@ -331,6 +415,10 @@ def use_kernel(impl: str, shape, dtype) -> Optional[bool]:
   """
   import jax
   if impl == "xla":
+    return None
+  asked = _XLA_LEVEL.get()
+  if asked is not None:
+    asked.add(impl)
     return None
   if impl == "interpret":
     return True

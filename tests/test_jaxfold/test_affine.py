@@ -7,7 +7,9 @@ two input shapes. Sites whose output has another reader are refused, by name.
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+import real_eval
 from conftest import rel_err
 from zoo_fused import ZOO, ZOO_TOL, errors, fused, randomize_np
 
@@ -168,3 +170,219 @@ def test_dense_general_and_einsum_readers(x64):
   _, fu = _fuse(Readers(), x, other=[(_x(3, 4, 3, seed=2),)])
   assert fu.report.num_fused == 2
   assert len(fu.report.sites[0].readers) == 2
+
+
+# --------------------------------------------------------------------------
+# Deployed models: bf16/f16 programs (a cast between the norm and its matmul)
+# and folds whose norms run as the Pallas RMSNorm kernel.
+
+
+class Cast(nn.Module):
+  """A pre-LN block as a deployed model writes it: flax computes the norm in
+  float32 and casts its output to the compute dtype for the matmul."""
+  dtype: object = jnp.bfloat16
+  bias: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    dense = lambda n: nn.Dense(n, dtype=self.dtype, param_dtype=self.dtype)
+    norm = lambda: nn.LayerNorm(epsilon=1e-5, use_bias=self.bias, dtype=self.dtype,
+                                param_dtype=self.dtype)
+    h = dense(D)(x)
+    h = h + dense(D)(nn.gelu(dense(2 * D)(norm()(h))))
+    return dense(5)(norm()(h))
+
+
+def _low(module, shape, dtype, seed=0):
+  x = _x(*shape).astype(dtype)
+  p = randomize_np(jax.eval_shape(module.init, jax.random.PRNGKey(0), x), seed)
+  return jax.tree_util.tree_map(lambda a: a.astype(dtype), p), x
+
+
+def _real_fold_fuse(folded, fu, p, xs):
+  """The fold's and the fusion's parameters re-made from ``p``'s values in
+  float64 (exact: they are bf16/f16 values), with the analyses the low-precision
+  program was given: what real arithmetic says the deployed parameters are."""
+  from jaxfold import FoldedParams
+  from jaxfold._src import affine, layout
+  leaves, tree = jax.tree_util.tree_flatten(p)
+  wide = [np.asarray(w, np.float64) for w in leaves]
+  fan = folded.apply_fn.analysis_for(xs)
+  specs = dict(fan.leaf_specs)
+  centered = [jnp.asarray(layout.center(w, dict(specs[i])) if i in specs else w)
+              for i, w in enumerate(wide)]
+  untied = {name: jnp.asarray(layout.center(wide[i], dict(spec))) for name, i, spec in fan.untied}
+  folded64 = FoldedParams(jax.tree_util.tree_unflatten(tree, centered), untied)
+  leaves64, tree64 = jax.tree_util.tree_flatten(folded64)
+  return affine._fused_params(fu.apply_fn.analysis_for(xs), leaves64, tree64, np.float64)
+
+
+def _real(fn, params, params_real, *xs):
+  closed = jax.make_jaxpr(fn)(params, *xs)
+  outs = real_eval.run(closed, jax.tree_util.tree_leaves((params_real, xs)))
+  return outs
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_low_precision_fuses_exactly_in_real_arithmetic(x64, dtype, bias):
+  m = Cast(dtype, bias)
+  p, x = _low(m, (3, 7, 4), dtype)
+  folded = jaxfold.fold(p, m.apply, x, norm_impl="xla")
+  fu = jaxfold.fuse_affine(folded)
+  name = jnp.dtype(dtype).name
+  assert folded.report.num_folded == 2 and fu.report.num_fused == 2, str(fu.report)
+  assert all(f"cast to {name}" in s.reason for s in fu.report.sites)
+  # The program still holds the casts (it is the bf16 program), and the float64
+  # re-evaluation of both programs (every cast the identity) agrees to ~1e-12 at
+  # two shapes: the fusion is exact in real arithmetic.
+  assert "convert_element_type" in str(jax.make_jaxpr(fu.apply_fn)(fu.params, x))
+  for xs in [(x,), (_x(2, 5, 4, seed=2).astype(dtype),)]:
+    p64 = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), p)
+    ref = _real(m.apply, p, p64, *xs)
+    got = _real(fu.apply_fn, fu.params, _real_fold_fuse(folded, fu, p, xs), *xs)
+    assert rel_err(ref, got) < 1e-9
+    # and the real check can fail: the same fused program without its β·W biases
+    if bias:
+      broken = _real_fold_fuse(folded, fu, p, xs)
+      broken = broken._replace(extras={k: 0 * v if "@bias" in k else v
+                                       for k, v in broken.extras.items()})
+      assert rel_err(ref, _real(fu.apply_fn, fu.params, broken, *xs)) > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_rounds_like_the_unfused_model(x64, dtype):
+  """Fusing moves γ's and β's rounding from the activation into W' = γ·W and the
+  bias β·W: one rounding per operand, as in the unfused model. So against the
+  exact function (the real-arithmetic evaluation), the fused model is as
+  accurate as the unfused one — within a factor 2 of its error (measured
+  0.6-1.4× over seeds) — and the two differ by at most 4 ulps of 1 in the
+  compute dtype (measured ≤ 1.1 ulp: bf16 ≤ 0.0080, f16 ≤ 0.0010)."""
+  m = Cast(dtype)
+  p, x = _low(m, (3, 7, 4), dtype, seed=1)
+  fu = jaxfold.fuse_affine(jaxfold.fold(p, m.apply, x, norm_impl="xla"))
+  p64 = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), p)
+  eps = float(jnp.finfo(dtype).eps)
+  for xs in [(x,), (_x(2, 5, 4, seed=2).astype(dtype),)]:
+    exact = _real(m.apply, p, p64, *xs)
+    orig, new = m.apply(p, *xs), fu.apply_fn(fu.params, *xs)
+    assert rel_err(exact, new) <= 2 * rel_err(exact, orig)
+    assert rel_err(orig, new) <= 4 * eps
+
+
+@pytest.mark.parametrize("name", [ZOO[0]] + [pytest.param(n, marks=pytest.mark.slow) for n in ZOO[1:]])
+def test_zoo_bf16_fuses_every_folded_site_exactly(x64, name):
+  from zoo_fused import inputs, original, shapes
+  apply, p = original(name)
+  p = _bf16(p)
+  folded = jaxfold.fold(p, apply, *_bf16(inputs(name, *shapes(name)[0])), tied_weights="copy")
+  fu = jaxfold.fuse_affine(folded)
+  assert fu.report.num_fused == folded.report.num_folded == len(fu.report.sites) > 0
+  p64 = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64) if _is_float(a) else a, p)
+  for b, s in shapes(name):
+    xs = tuple(_bf16(inputs(name, b, s)))
+    exact = _real(apply, p, p64, *xs)
+    assert rel_err(exact, _real(fu.apply_fn, fu.params, _real_fold_fuse(folded, fu, p, xs), *xs)) < 1e-9
+
+
+def _is_float(a):
+  return jnp.issubdtype(a.dtype, jnp.floating)
+
+
+def _bf16(tree):
+  return jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16) if _is_float(a) else a, tree)
+
+
+class Quantized(nn.Module):
+  emulated: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    y = nn.LayerNorm()(nn.Dense(D)(x))
+    if self.emulated:   # float8 e4m3 rounding emulated in float32
+      return nn.Dense(3)(jax.lax.reduce_precision(y, exponent_bits=4, mantissa_bits=3))
+    return nn.Dense(3)(y.astype(jnp.float8_e4m3fn).astype(jnp.float32))
+
+
+@pytest.mark.parametrize("emulated", [False, True])
+def test_float8_cast_is_a_quantizer_not_fused(x64, emulated):
+  x = _x(3, 4).astype(jnp.float32)
+  m = Quantized(emulated)
+  p = randomize_np(jax.eval_shape(m.init, jax.random.PRNGKey(0), x))
+  p = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), p)
+  fu = jaxfold.fuse_affine(jaxfold.fold(p, m.apply, x))
+  assert len(fu.report.sites) == 1 and fu.report.num_fused == 0
+  assert "quantizes" in fu.report.sites[0].reason, fu.report.sites[0].reason
+
+
+def test_float16_overflow_of_fused_weights_is_refused(x64):
+  m = Cast(jnp.float16)
+  p, x = _low(m, (3, 7, 4), jnp.float16)
+  big = jax.tree_util.tree_map_with_path(
+      lambda path, a: a * 1000 if "LayerNorm_1" in jax.tree_util.keystr(path) or "Dense_3" in
+      jax.tree_util.keystr(path) else a, p)
+  with pytest.raises(jaxfold.FuseError, match="overflows float16"):
+    jaxfold.fuse_affine(jaxfold.fold(big, m.apply, x, norm_impl="xla"))
+
+
+# Folds whose norms run as the Pallas RMSNorm kernel ("interpret": the kernel
+# itself, on the CPU; "pallas": the kernel when lowered for CUDA).
+
+
+def _pallas_names(fn, *args):
+  from test_kernels import _kernel_calls
+  return _kernel_calls(fn, *args)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_fold_fuses_and_runs_the_kernel_without_gamma_beta(dtype):
+  m = Cast(dtype)
+  x = _x(3, 7, 4).astype(dtype)
+  p = jax.tree_util.tree_map(lambda a: a.astype(dtype),
+                             randomize_np(jax.eval_shape(m.init, jax.random.PRNGKey(0), x)))
+  ker = jaxfold.fold(p, m.apply, x, norm_impl="interpret")
+  fu = jaxfold.fuse_affine(ker)
+  fx = jaxfold.fuse_affine(jaxfold.fold(p, m.apply, x, norm_impl="xla"))
+  assert fu.report.num_fused == fx.report.num_fused == 2 and fu.report.kernels == 2
+  assert all("RMSNorm kernel" in s.reason and "without γ, β" in s.reason for s in fu.report.sites)
+  eps = fu.apply_fn.analysis_for((x,)).plan.epilogues
+  assert len(eps) == 2 and all(e.gamma is None and e.beta is None for e in eps)
+  assert [e.add_path is not None for e in eps] == [False, True]
+  # The fused program runs the fold's kernels (the residual add fused), with
+  # the fold's own program untouched by fuse_affine's XLA-level trace.
+  names = ["rms_norm_fwd", "fused_add_rms_norm_fwd"]
+  assert _pallas_names(ker.apply_fn, ker.params, x) == names
+  assert _pallas_names(fu.apply_fn, fu.params, x) == names
+  assert "pallas_call" not in str(jax.make_jaxpr(fx.apply_fn)(fx.params, x))
+  tol = 2e-6 if dtype == jnp.float32 else 4 * float(jnp.finfo(dtype).eps)
+  for xs in [(x,), (_x(2, 5, 4, seed=2).astype(dtype),)]:
+    assert rel_err(fx.apply_fn(fx.params, *xs), fu.apply_fn(fu.params, *xs)) < tol
+    if dtype == jnp.float32:
+      assert rel_err(m.apply(p, *xs), fu.apply_fn(fu.params, *xs)) < 2e-5
+
+
+def test_pallas_fold_fuses_as_the_xla_fold():
+  """norm_impl="pallas" on a CPU host: the same fusions, the kernels proved
+  (they run when lowered for CUDA; here the XLA expression)."""
+  m, x = Cast(jnp.float32), _x(3, 7, 4).astype(jnp.float32)
+  p = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32),
+                             randomize_np(jax.eval_shape(m.init, jax.random.PRNGKey(0), x)))
+  fu = jaxfold.fuse_affine(jaxfold.fold(p, m.apply, x, norm_impl="pallas"))
+  assert fu.report.num_fused == 2 and fu.report.kernels == 2 and fu.report.norm_impl == "pallas"
+  plan = fu.apply_fn.analysis_for((x,)).plan
+  assert plan.norm_impl == "pallas" and all(e.gamma is None for e in plan.epilogues)
+  assert rel_err(m.apply(p, x), fu.apply_fn(fu.params, x)) < 2e-5
+
+
+def test_kept_site_keeps_its_kernel_with_gamma_beta():
+  x = _x(3, 7, 4).astype(jnp.float32)
+  p = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32),
+                             randomize_np(jax.eval_shape(Gelu().init, jax.random.PRNGKey(0), x)))
+  ker = jaxfold.fold(p, Gelu().apply, x, norm_impl="interpret")
+  fu = jaxfold.fuse_affine(ker)
+  (site,) = fu.report.sites
+  assert not site.fused and "not a contraction" in site.reason and "with its γ, β" in site.reason
+  (ep,) = fu.apply_fn.analysis_for((x,)).plan.epilogues
+  assert ep.gamma is not None and ep.beta is not None
+  assert _pallas_names(fu.apply_fn, fu.params, x) == ["rms_norm_fwd"]
+  assert rel_err(Gelu().apply(p, x), fu.apply_fn(fu.params, x)) < 2e-5

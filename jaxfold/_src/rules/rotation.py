@@ -68,9 +68,9 @@ def _rotated(ins) -> list:
 
 
 def _identity(node, ins, ctx):
-  import numpy as np
+  import jax.numpy as jnp  # numpy does not know bfloat16/float8 as inexact
   new = node.params.get("new_dtype")
-  if new is not None and not np.issubdtype(np.dtype(new), np.inexact):
+  if new is not None and not jnp.issubdtype(new, jnp.inexact):
     raise Block("a rotated value is converted to a non-float type")
   return list(ins[:len(node.outs)])
 
