@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfold._src import algebra as A
-from jaxfold._src.analysis import Site
+from jaxfold._src.analysis import MeanSite
 from jaxfold._src.program import Lit, Val
 
 IMPLS = ("auto", "xla", "pallas", "interpret")
@@ -246,7 +246,7 @@ def _size(v) -> int:
     return 1 << 62
 
 
-def prove_epilogue(site: Site, changed: frozenset = frozenset()) -> tuple:
+def prove_epilogue(site: MeanSite, changed: frozenset = frozenset()) -> tuple:
   """(Epilogue or None, reason): the kernel may replace a folded site's
   output only when its canonical form equals the kernel's formula.
 

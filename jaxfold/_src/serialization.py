@@ -204,10 +204,10 @@ def _chain_of(result: Any) -> Optional[list]:
   while True:
     if isinstance(fn, RotatedApply):
       steps.append(("rotate", fn))
-      fn = fn._fn
+      fn = fn.inner
     elif isinstance(fn, FusedApply):
       steps.append(("fuse_affine", fn))
-      fn = fn._inner
+      fn = fn.inner
     elif isinstance(fn, FoldedApply) and not fn._center and getattr(fn, "options", None) is not None:
       steps.append(("fold", fn))
       return steps[::-1]
