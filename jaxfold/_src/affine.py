@@ -549,15 +549,8 @@ def fuse_affine(model: Any, *example_args: Any) -> Fused:
     >>> bool(jnp.allclose(fused.apply_fn(fused.params, x), m.apply(p, x), atol=1e-5))
     True
   """
-  params, fn = getattr(model, "params", None), getattr(model, "apply_fn", None)
-  if params is None or not callable(fn):
-    raise FuseError(f"fuse_affine takes a jaxfold.Folded (params, apply_fn), got "
-                    f"{type(model).__name__}")
-  if not example_args:
-    example_args = getattr(fn, "example_args", None)
-    if example_args is None:
-      raise FuseError("pass example_args: the model's apply_fn does not record them")
-    example_args = tuple(example_args)
+  params, fn, example_args = pipeline.model_parts(
+      model, example_args, "fuse_affine takes a jaxfold.Folded (params, apply_fn)", FuseError)
   leaves, tree = jax.tree_util.tree_flatten(params)
   abstract = pipeline.abstract_tree(params, FuseError)
   an = analyse(fn, abstract, pipeline.abstract_tree(tuple(example_args), FuseError))

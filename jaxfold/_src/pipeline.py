@@ -207,6 +207,21 @@ def analyzer(traced: Traced, *, cbwc: bool = False, through_dropout: bool = Fals
     yield an
 
 
+def model_parts(model: Any, example_args: tuple, takes: str, error: type) -> tuple:
+  """``(params, apply_fn, example_args)`` of a transform's input (a
+  ``Folded``, ``Fused``, ...: anything with ``params`` and ``apply_fn``); the
+  example arguments default to those its apply function recorded. ``takes``
+  says what the transform expects, for the message."""
+  params, fn = getattr(model, "params", None), getattr(model, "apply_fn", None)
+  if params is None or not callable(fn):
+    raise error(f"{takes}, got {type(model).__name__}")
+  if not example_args:
+    example_args = getattr(fn, "example_args", None)
+    if example_args is None:
+      raise error("pass example_args: the model's apply_fn does not record them")
+  return params, fn, tuple(example_args)
+
+
 # ----------------------------------------------------------------------------
 # The apply wrapper.
 
@@ -283,5 +298,5 @@ class PipelineApply:
 
 
 __all__ = ["Call", "PipelineApply", "Traced", "abstract", "abstract_tree", "analyzer", "bind",
-           "dtype_of", "is_array", "kwargs_text", "leaves_signature", "no_gc", "shapes_text",
+           "dtype_of", "is_array", "kwargs_text", "leaves_signature", "model_parts", "no_gc", "shapes_text",
            "signature", "trace"]

@@ -160,8 +160,8 @@ def _solve(fn: Callable, params: Any, args: tuple, n: int):
     sites = _norm_inputs(level, n)
     if not sites:
       raise RotateError(f"no sum of squares over an axis of size {n} (a parameter-free RMS norm "
-                      f"of a stream of width {n}): nothing to rotate; q must match the stream "
-                      "width, and the model must be folded and fused (jaxfold.fuse_affine)")
+                        f"of a stream of width {n}): nothing to rotate; q must match the stream "
+                        "width, and the model must be folded and fused (jaxfold.fuse_affine)")
     seeds: dict = {}
     for x, axis in sites:  # proposal: what writes each norm's input
       for need in level.needs(x, ((axis, n),)):
@@ -183,11 +183,11 @@ def _solve(fn: Callable, params: Any, args: tuple, n: int):
       if hit is None:
         src = f"the output of `{a.producer.prim.name}`" if getattr(a, "producer", None) else "it"
         raise RotateError(f"the rotation is not provably exact: {want} and {src} is not a "
-                        f"parameter seen through re-indexing [at {node.where()}]")
+                          f"parameter seen through re-indexing [at {node.where()}]")
       i, dims = hit
       if i in seeds and seeds[i] != set(dims):
         raise RotateError(f"{param_label(names[i])} would have to be rotated along dims {sorted(seeds[i])} "
-                        f"and {sorted(dims)} [at {node.where()}]")
+                          f"and {sorted(dims)} [at {node.where()}]")
       seeds[i] = set(dims)
     else:
       raise RotateError("the rotation did not settle on a set of parameters")
@@ -268,22 +268,16 @@ def rotate(model: Any, q: Any, *example_args: Any) -> Rotated:
     >>> bool(jnp.allclose(r.apply_fn(r.params, x), m.apply(p, x), atol=1e-5))
     True
   """
-  params, fn = getattr(model, "params", None), getattr(model, "apply_fn", None)
-  if params is None or not callable(fn):
-    raise RotateError(f"rotate takes a model with params and apply_fn (jaxfold.Fused), got "
-                    f"{type(model).__name__}")
+  params, fn, example_args = pipeline.model_parts(
+      model, example_args, "rotate takes a model with params and apply_fn (jaxfold.Fused)", RotateError)
   q = np.asarray(q, np.float64)
   if q.ndim != 2 or q.shape[0] != q.shape[1]:
     raise RotateError(f"q must be a square matrix, got shape {q.shape}")
   if not np.allclose(q.T @ q, np.eye(len(q)), atol=1e-6):
     err = np.abs(q.T @ q - np.eye(len(q))).max()
     raise RotateError(f"q is not orthogonal (max |qᵀq - I| = {err:.2e}); an RMS norm commutes "
-                    "only with orthogonal maps")
-  if not example_args:
-    example_args = getattr(fn, "example_args", None)
-    if example_args is None:
-      raise RotateError("pass example_args: the model's apply_fn does not record them")
-  args = pipeline.abstract_tree(tuple(example_args), RotateError)
+                      "only with orthogonal maps")
+  args = pipeline.abstract_tree(example_args, RotateError)
   abstract = pipeline.abstract_tree(params, RotateError)
   try:
     key, norms, names = _solve(fn, abstract, args, len(q))
