@@ -489,6 +489,7 @@ class FusedApply(PipelineApply):
   (and per value of static keyword arguments, as the fold's does)."""
 
   error = FuseError
+  transform = "fuse_affine"
 
   def __init__(self, inner: Callable, params_abstract: Any, base: FuseAnalysis, args: tuple):
     super().__init__(inner, params_abstract, args)

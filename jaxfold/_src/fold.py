@@ -265,6 +265,7 @@ class FoldedApply(PipelineApply):
   arguments (``rngs={"dropout": key}``) are traced like positional ones."""
 
   error = FoldError
+  transform = "fold"
 
   def __init__(self, apply_fn, params_abstract, params_tree, opts, base: Analysis, call: Call,
                center_in_forward: bool, example_args: tuple = (), example_kwargs: Optional[dict] = None):

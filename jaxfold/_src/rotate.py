@@ -230,6 +230,7 @@ class RotatedApply(PipelineApply):
   (the program is the model's: only its parameters are rotated)."""
 
   error = RotateError
+  transform = "rotate"
 
   def __init__(self, fn: Callable, params_abstract: Any, key: tuple, n: int, args: tuple):
     super().__init__(fn, params_abstract, args)

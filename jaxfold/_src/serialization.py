@@ -193,26 +193,26 @@ def _check_folded(folded: Any) -> None:
                     f"applied to one, or of jaxfold.load_fold(...), got {got}; nothing was written")
 
 
+_CHAIN_STEPS = ("fuse_affine", "rotate")   # what _transforms_info and _load_chain know
+
+
 def _chain_of(result: Any) -> Optional[list]:
   """``[(transform name, its apply object), ...]`` from the fold outwards, when
   ``result`` was made by fold, then fuse_affine, then rotate (any number of
   times); None for anything else (e.g. fuse_affine of an unfolded model)."""
-  from jaxfold._src.affine import FusedApply
-  from jaxfold._src.fold import FoldedApply
-  from jaxfold._src.rotate import RotatedApply
+  from jaxfold._src.pipeline import PipelineApply
   fn, steps = getattr(result, "apply_fn", None), []
-  while True:
-    if isinstance(fn, RotatedApply):
-      steps.append(("rotate", fn))
-      fn = fn.inner
-    elif isinstance(fn, FusedApply):
-      steps.append(("fuse_affine", fn))
-      fn = fn.inner
-    elif isinstance(fn, FoldedApply) and not fn._center and getattr(fn, "options", None) is not None:
+  while isinstance(fn, PipelineApply):
+    if fn.transform == "fold":
+      if fn._center or getattr(fn, "options", None) is None:   # a CBWC apply_fn is no fold
+        return None
       steps.append(("fold", fn))
       return steps[::-1]
-    else:
+    if fn.transform not in _CHAIN_STEPS:   # a transform save_fold cannot redo on load
       return None
+    steps.append((fn.transform, fn))
+    fn = fn.inner
+  return None
 
 
 def _key_digest(key: Any) -> str:
