@@ -7,6 +7,7 @@ Public API:
   export(folded, *example_args, meta=...) -> bytes; load_exported(bytes | path) -> callable
   save_fold(folded, directory); load_fold(directory, apply_fn)   (atomic; content-hashed)
   IntegrityError: a saved fold or an artifact is damaged, truncated or foreign
+  JaxfoldError (a ValueError): every refusal; FoldError, FuseError and RotateError (a FuseError)
   fuse_affine(folded) -> Fused(params, apply_fn, report)   (γ/β into the readers; or fold(..., fuse_affine=True))
   rotate(fused, q) -> Rotated(params, apply_fn, report)     (orthogonal q on the residual stream)
   keras_params(model) -> (params, apply_fn)   (a Keras 3 model, JAX backend; keras imported lazily)
@@ -21,7 +22,8 @@ from jaxfold._src.export import export, load_exported
 from jaxfold._src.fold import Folded, FoldedParams, FoldError, FoldOptions, Reparameterized, cbwc, fold
 from jaxfold._src.integrity import IntegrityError
 from jaxfold._src.report import Auxiliary, Centering, Changes, Report, Site
-from jaxfold._src.affine import Fused, FusedParams, FuseError, FuseReport, fuse_affine
+from jaxfold._src.affine import Fused, FusedParams, FuseReport, fuse_affine
+from jaxfold._src.errors import FuseError, JaxfoldError, RotateError
 from jaxfold._src.rotate import Rotated, RotateReport, rotate
 from jaxfold._src.frameworks.keras import KerasParams, keras_assign, keras_params
 from jaxfold._src.serialization import load_fold, save_fold
@@ -31,5 +33,5 @@ __all__ = ["fold", "cbwc", "Folded", "FoldedParams", "FoldOptions", "Reparameter
            "save_fold", "load_fold", "IntegrityError", "optax_transforms", "exporting",
            "serialization", "benchmarking"]
 __all__ += ["fuse_affine", "Fused", "FusedParams", "FuseError", "FuseReport", "rotate", "Rotated",
-            "RotateReport", "keras_params", "keras_assign", "KerasParams"]
+            "RotateReport", "RotateError", "JaxfoldError", "keras_params", "keras_assign", "KerasParams"]
 __version__ = "0.1.0"

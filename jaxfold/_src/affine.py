@@ -23,7 +23,6 @@ Anything else is refused with the construct named.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -31,19 +30,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfold._src import algebra as A
-from jaxfold._src import compat, display, kernels
-from jaxfold._src.analysis import Analyzer, Level
-from jaxfold._src.program import Node, Program, Val
+from jaxfold._src import compat, display, kernels, pipeline
+from jaxfold._src.analysis import Level
+from jaxfold._src.errors import FuseError
+from jaxfold._src.pipeline import Call, PipelineApply
+from jaxfold._src.program import Node, Val
 from jaxfold._src.report import param_label
 from jaxfold._src.rewrite import Plan, evaluate
 from jaxfold._src.rules import Block, rule_for
 from jaxfold._src.rules import dims as D
 from jaxfold._src.rules.rotation import Lin
-
-
-class FuseError(ValueError):
-  """Bad input to ``fuse_affine``/``rotate``; the message says what to pass."""
-
 
 # ----------------------------------------------------------------------------
 # Results.
@@ -432,16 +428,12 @@ def analyse(fn: Callable, params: Any, args: tuple) -> FuseAnalysis:
   # (A new function object: jax caches traces per function, and ``fn``'s own
   # entry must keep its kernels.)
   with kernels.xla_level() as asked:
-    closed, out_shape = jax.make_jaxpr(lambda p, *a: fn(p, *a), return_shape=True)(params, *args)
+    traced = pipeline.trace(lambda p, *a: fn(p, *a), params, args)
   norm_impl = next(iter(asked)) if len(asked) == 1 else "xla"
-  jaxpr, consts = compat.open_jaxpr(closed)
-  paths = jax.tree_util.tree_flatten_with_path(params)[0]
-  names = [jax.tree_util.keystr(p) for p, _ in paths]
+  names = traced.names
   removed, scaled, copies, biases, untied, plan_biases, sites = {}, [], [], [], [], [], []
   extra, ys, changed, epilogues = 0, [], [], ()
-  with A.scope():
-    an = Analyzer(Program(closed))
-    an.num_leaves = len(names)
+  with pipeline.analyzer(traced) as an:
     level = an.top
     found = {}
     for node in level.program.nodes:
@@ -507,7 +499,7 @@ def analyse(fn: Callable, params: Any, args: tuple) -> FuseAnalysis:
       epilogues = tuple(ep for ep, _ in epilogues)
   plan = Plan(untied=tuple(untied), biases=tuple(plan_biases), epilogues=epilogues,
               norm_impl=norm_impl)
-  return FuseAnalysis(jaxpr, consts, jax.tree_util.tree_structure(out_shape), plan,
+  return FuseAnalysis(traced.jaxpr, traced.consts, traced.out_tree, plan,
                       tuple(sorted(removed.items())), tuple(scaled), tuple(copies),
                       tuple(biases), FuseReport(tuple(sites), extra, len(epilogues), norm_impl))
 
@@ -601,46 +593,35 @@ def _fused_params(an: FuseAnalysis, leaves: list, tree, bias_dtype=None) -> Fuse
   return FusedParams(jax.tree_util.tree_unflatten(tree, out), extras)
 
 
-def _signature(args: tuple) -> tuple:
-  leaves, tree = jax.tree_util.tree_flatten(args)
-  return (tree, tuple((tuple(np.shape(x)), str(jnp.result_type(x))) for x in leaves))
+class FusedApply(PipelineApply):
+  """The fused apply function; re-analyses (and caches) per input signature
+  (and per value of static keyword arguments, as the fold's does)."""
 
-
-def _abstract(x):
-  return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
-
-
-class FusedApply:
-  """The fused apply function; re-analyses (and caches) per input signature."""
+  error = FuseError
+  transform = "fuse_affine"
 
   def __init__(self, inner: Callable, params_abstract: Any, base: FuseAnalysis, args: tuple):
-    self._inner = inner
-    self._params = params_abstract
+    super().__init__(inner, params_abstract, args)
     self._leaves, self._tree = jax.tree_util.tree_flatten(params_abstract)
     self._base = base
-    self._cache = {_signature(args): base}
-    self._example = jax.tree_util.tree_map(_abstract, args)
-    functools.update_wrapper(self, inner, updated=())
+    self.seed(self.bind(args), base)
 
-  @property
-  def example_args(self) -> tuple:
-    return self._example
+  def analysis_for(self, args: tuple, kwargs: Optional[dict] = None) -> FuseAnalysis:
+    return self.analysed(self.bind(args, kwargs))
 
-  def analysis_for(self, args: tuple) -> FuseAnalysis:
-    sig = _signature(args)
-    if sig not in self._cache:
-      an = analyse(self._inner, self._params, jax.tree_util.tree_map(_abstract, args))
-      if an.key != self._base.key:
-        raise FuseError(f"inputs of these shapes ({[s for s in sig[1]]}) fuse differently from "
-                        "the example fuse_affine was given; call fuse_affine again for them")
-      self._cache[sig] = an
-    return self._cache[sig]
+  def _analyse(self, call: Call) -> FuseAnalysis:
+    an = analyse(call.fn, self._params, pipeline.abstract_tree(call.args, FuseError))
+    if an.key != self._base.key:
+      raise FuseError(f"inputs of these shapes ({pipeline.shapes_text(call.args)}) fuse differently from "
+                      "the example fuse_affine was given; call fuse_affine again for them")
+    return an
 
-  def __call__(self, params: FusedParams, *args):
+  def __call__(self, params: FusedParams, *args, **kwargs):
     if not isinstance(params, FusedParams):
       raise FuseError(f"a fused apply_fn takes fused.params (a FusedParams), got "
                       f"{type(params).__name__}")
-    an = self.analysis_for(args)
+    call = self.bind(args, kwargs)
+    an = self.analysed(call)
     removed = dict(an.removed)
     given = jax.tree_util.tree_flatten(params.base, is_leaf=lambda x: x is None)[0]
     if len(given) != len(self._leaves):
@@ -651,7 +632,7 @@ class FusedApply:
         flat.append(jnp.full(ref.shape, removed[i], ref.dtype))
       else:
         flat.append(x)
-    flat += jax.tree_util.tree_leaves(args)
+    flat += jax.tree_util.tree_leaves(call.args)
     outs = evaluate(an.jaxpr, an.consts, flat, an.plan, params.extras)
     return jax.tree_util.tree_unflatten(an.out_tree, outs)
 
@@ -678,18 +659,11 @@ def fuse_affine(model: Any, *example_args: Any) -> Fused:
     >>> bool(jnp.allclose(fused.apply_fn(fused.params, x), m.apply(p, x), atol=1e-5))
     True
   """
-  params, fn = getattr(model, "params", None), getattr(model, "apply_fn", None)
-  if params is None or not callable(fn):
-    raise FuseError(f"fuse_affine takes a jaxfold.Folded (params, apply_fn), got "
-                    f"{type(model).__name__}")
-  if not example_args:
-    example_args = getattr(fn, "example_args", None)
-    if example_args is None:
-      raise FuseError("pass example_args: the model's apply_fn does not record them")
-    example_args = tuple(example_args)
+  params, fn, example_args = pipeline.model_parts(
+      model, example_args, "fuse_affine takes a jaxfold.Folded (params, apply_fn)", FuseError)
   leaves, tree = jax.tree_util.tree_flatten(params)
-  abstract = jax.tree_util.tree_map(_abstract, params)
-  an = analyse(fn, abstract, tuple(jax.tree_util.tree_map(_abstract, example_args)))
+  abstract = pipeline.abstract_tree(params, FuseError)
+  an = analyse(fn, abstract, pipeline.abstract_tree(tuple(example_args), FuseError))
   new = _fused_params(an, leaves, tree)
   apply = FusedApply(fn, abstract, an, example_args)
   return Fused(new, apply, an.report)

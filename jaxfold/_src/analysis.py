@@ -59,8 +59,9 @@ class Blocker:
 
 
 @dataclasses.dataclass(frozen=True)
-class Site:
-  """A mean reduction whose result is subtracted from the value it averages."""
+class MeanSite:
+  """A mean reduction whose result is subtracted from the value it averages
+  (a normalization site; ``report.Site`` is its row in the report)."""
   reduces: tuple          # reduce_sum nodes computing the site's mean
   input: Val              # the averaged value
   axes: tuple
@@ -69,6 +70,18 @@ class Site:
   @property
   def node(self) -> Node:
     return self.reduces[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Walk:
+  """The state of one zero-sum walk (``Level.needs``): the (value, spec, use)
+  keys it has passed (coinductive assumptions for loop carries), the values
+  where an auxiliary centering ends it, and the optional list it records its
+  path in. Made per call and set on the Analyzer only while the walk runs
+  (the walk crosses levels, which share the Analyzer)."""
+  seen: set
+  stops: dict
+  visited: Optional[list]
 
 
 CANON_TERMS = 8
@@ -83,6 +96,7 @@ class Analyzer:
     self.cbwc = cbwc
     self.through_dropout = through_dropout
     self.random_uses = 0
+    self.walk: Optional[_Walk] = None   # the zero-sum walk in progress (Level.needs)
     self.tolerance = _tolerance(program)
     self.levels: dict = {}
     self.top = self.level(program)
@@ -517,17 +531,19 @@ class Level:
     ``visited`` collects the (value, spec) pairs the walk passes through
     (candidate places for an auxiliary centering).
     """
-    self.an._seen = set()
-    self.an._stops = stops or {}
-    self.an._visited = visited
-    out: list = []
-    self._walk(v, spec, None, (), out, v, spec)
+    an, out = self.an, []
+    outer, an.walk = an.walk, _Walk(set(), stops or {}, visited)
+    try:
+      self._walk(v, spec, None, (), out, v, spec)
+    finally:
+      an.walk = outer
     return out
 
   def _walk(self, v, spec, use, chain, out, top_var, top_spec) -> None:
     an = self.an
     key = (id(self), v if isinstance(v, Val) else id(v), spec, id(use[0]) if use else None, use[1] if use else None)
-    seen = an._seen
+    walk = an.walk
+    seen = walk.seen
     if key in seen:
       return
     seen.add(key)
@@ -536,11 +552,11 @@ class Level:
     if isinstance(v, Lit):
       out.append(Blocker(v, spec, "a non-zero literal"))
       return
-    if an._stops and an._stops.get(v) == spec:
+    if walk.stops and walk.stops.get(v) == spec:
       out.append(Blocker(v, spec, "centered by an auxiliary centering"))
       return
-    if an._visited is not None and spec:
-      an._visited.append((v, spec))
+    if walk.visited is not None and spec:
+      walk.visited.append((v, spec))
     prog = self.program
     if prog.is_top and (v.kind == "in" and v.index < an.num_leaves or v.kind == "const"):
       out.append(LeafNeed(v, spec, use, top_var, top_spec, chain))
@@ -760,7 +776,7 @@ def find_sites(level: Level) -> list:
     if key in sites:
       sites[key] = dataclasses.replace(sites[key], reduces=sites[key].reduces + (node,))
     else:
-      sites[key] = Site((node,), u, tuple(axes), level)
+      sites[key] = MeanSite((node,), u, tuple(axes), level)
   return list(sites.values())
 
 
@@ -879,5 +895,5 @@ def where(v: Any) -> str:
   return "a constant"
 
 
-__all__ = ["Analyzer", "Blocker", "LeafNeed", "Level", "Site", "call_note", "find_sites",
+__all__ = ["Analyzer", "Blocker", "LeafNeed", "Level", "MeanSite", "call_note", "find_sites",
            "nested_sites", "scan_levels", "where"]

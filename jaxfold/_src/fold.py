@@ -3,46 +3,49 @@
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
-import gc
 import weakref
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Literal, NamedTuple, Optional, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfold._src import algebra, compat, display, kernels, layout
-from jaxfold._src.analysis import Analyzer
-from jaxfold._src.planner import PlanConflict, Planner
-from jaxfold._src.program import Program
+from jaxfold._src import display, kernels, layout, pipeline
+from jaxfold._src.errors import FoldError
+from jaxfold._src.pipeline import Call, PipelineApply, abstract, kwargs_text, leaves_signature, shapes_text
+from jaxfold._src.planner import Outcome, PlanConflict, Planner
 from jaxfold._src.report import Report
 from jaxfold._src.rewrite import Plan, evaluate
 
+# The options' values, as types: a type checker sees a misspelt value, and
+# FoldOptions refuses it naming the allowed ones.
+TiedWeights = Literal["auto", "copy", "auxiliary"]
+NormImpl = Literal["auto", "xla", "pallas", "interpret"]   # == kernels.IMPLS
 
-class FoldError(ValueError):
-  """Bad input to fold/cbwc; the message names the problem and the fix."""
+
+def _check_choice(name: str, value: Any, choices: Any) -> None:
+  allowed = get_args(choices)
+  if not isinstance(value, str) or value not in allowed:
+    raise FoldError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class FoldOptions:
   """The options of one fold (persisted whole with a saved fold)."""
   auxiliary_centering: bool = True
-  tied_weights: str = "auto"     # "auto" | "copy" | "auxiliary"
+  tied_weights: TiedWeights = "auto"
   through_dropout: bool = False  # CBWC only: fold across dropout masks (inexact)
-  norm_impl: str = "auto"        # folded norms: "auto" | "xla" | "pallas" | "interpret"
+  norm_impl: NormImpl = "auto"   # how folded norms run
 
   def __post_init__(self):
     # The one validation of options: fold, cbwc, load_fold and the CLI all build these.
     for name in ("auxiliary_centering", "through_dropout"):
       if not isinstance(getattr(self, name), bool):
         raise FoldError(f"{name} must be True or False, got {getattr(self, name)!r}")
-    if self.tied_weights not in ("auto", "copy", "auxiliary"):
-      raise FoldError(f"tied_weights must be 'auto', 'copy' or 'auxiliary', got {self.tied_weights!r}")
-    if self.norm_impl not in kernels.IMPLS:
-      raise FoldError(f"norm_impl must be one of {kernels.IMPLS}, got {self.norm_impl!r}")
+    _check_choice("tied_weights", self.tied_weights, TiedWeights)
+    _check_choice("norm_impl", self.norm_impl, NormImpl)
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -65,15 +68,6 @@ class FoldOptions:
 # Tracing and input checks.
 
 
-def _abstract(x: Any) -> jax.ShapeDtypeStruct:
-  if isinstance(x, jax.ShapeDtypeStruct):
-    return x
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise FoldError(f"expected an array or jax.ShapeDtypeStruct, got {type(x).__name__}: {x!r:.80}")
-  return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None)
-                              if isinstance(x, jax.Array) else None)
-
-
 def _check_params(params: Any) -> list:
   paths_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   if not paths_leaves:
@@ -85,21 +79,6 @@ def _check_params(params: Any) -> list:
                       f"({leaf!r:.60}), not an array: params must be a pytree of arrays or "
                       "jax.ShapeDtypeStruct.")
   return paths_leaves
-
-
-def _trace(apply_fn: Callable, params: Any, args: tuple):
-  try:
-    return jax.make_jaxpr(apply_fn, return_shape=True)(params, *args)
-  except FoldError:
-    raise
-  except Exception as e:  # noqa: BLE001 - re-raised with context below
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    raise FoldError(
-        f"could not trace apply_fn(params, *example_args): {type(e).__name__}: {first}\n"
-        "jaxfold analyses the function's jaxpr, so apply_fn must be traceable by jax "
-        "(no Python control flow on array values, no numpy conversion of inputs) and "
-        "params/example_args must be what apply_fn expects (same pytree structure and shapes)."
-    ) from e
 
 
 # ----------------------------------------------------------------------------
@@ -126,26 +105,21 @@ def analyse(apply_fn: Callable, params: Any, args: tuple, opts: FoldOptions,
   """Traces ``apply_fn`` at abstract params/args and plans the fold; with
   ``fixed`` (another analysis' ``param_key``) the plan keeps exactly those
   centered parameters or raises ``PlanConflict``."""
-  paths_leaves = _check_params(params)
-  abstract_params = jax.tree_util.tree_map(_abstract, params)
-  abstract_args = jax.tree_util.tree_map(_abstract, args)
-  with _no_gc():
-    closed, out_shape = _trace(apply_fn, abstract_params, abstract_args)
-  names = [jax.tree_util.keystr(p) for p, _ in paths_leaves]
-  key = (opts, cbwc, tuple(names), fixed)
-  cached = _ANALYSES.get(closed, key)
+  _check_params(params)
+  traced = pipeline.trace(apply_fn, pipeline.abstract_tree(params), pipeline.abstract_tree(args),
+                          error=FoldError)
+  key = (opts, cbwc, traced.names, fixed)
+  cached = _ANALYSES.get(traced.closed, key)
   if cached is not None:
     return cached
-  jaxpr, consts = compat.open_jaxpr(closed)
-  with algebra.scope(), _no_gc():
-    an = Analyzer(Program(closed), cbwc=cbwc, through_dropout=opts.through_dropout)
-    an.num_leaves = len(names)
-    planner = Planner(an, names, opts, fixed=fixed).run()
-    plan, kernel_sites = _plan(planner, opts)
+  with pipeline.analyzer(traced, cbwc=cbwc, through_dropout=opts.through_dropout) as an:
+    planner = Planner(an, list(traced.names), opts, fixed=fixed).run()
+    outcome = planner.outcome()
+    plan, kernel_sites = _plan(outcome, opts)
     report = planner.report(kernel_sites).on_platform(jax.default_backend(), kernels.may_use_kernel(opts.norm_impl))
-  result = Analysis(jaxpr, consts, jax.tree_util.tree_structure(out_shape), plan,
-                    planner.leaf_specs(), planner.untied_specs(), report)
-  _ANALYSES.put(closed, key, result)
+  result = Analysis(traced.jaxpr, traced.consts, traced.out_tree, plan,
+                    outcome.leaf_specs, outcome.untied_specs, report)
+  _ANALYSES.put(traced.closed, key, result)
   return result
 
 
@@ -179,41 +153,22 @@ class _AnalysisCache:
 _ANALYSES = _AnalysisCache()
 
 
-@contextlib.contextmanager
-def _no_gc():
-  """Tracing and the analysis allocate many small, short-lived objects and no
-  cycles worth collecting mid-way: the collector's pauses are pure overhead
-  (a third of a cold fold)."""
-  enabled = gc.isenabled()
-  gc.disable()
-  try:
-    yield
-  finally:
-    if enabled:
-      gc.enable()
-
-
-def _plan(planner: Planner, opts: FoldOptions) -> tuple:
-  """The rewrite's instructions, keyed by call-site paths, and the indices of
-  the sites whose epilogue the kernel may run."""
-  sites = planner.folded_sites()
-  zero = frozenset(r.path for s in sites for r in s.reduces)
-  aux = tuple((v.key, s) for v, s in planner.aux_commit.items())
-  consts = tuple((v.key, s) for v, s in planner.leaf_commit.items() if v.kind == "const")
-  untied = tuple((n.use[0].path, n.use[1], planner.untied_name(n),
-                  tuple(c.eqn for c in reversed(n.chain)))
-                 for n in planner.untie_commit.values())
+def _plan(outcome: Outcome, opts: FoldOptions) -> tuple:
+  """The rewrite's instructions, built from the planner's frozen outcome and
+  keyed by call-site paths, and the indices of the sites whose epilogue the
+  kernel may run."""
+  folded = outcome.folded
+  zero = frozenset(r.path for e in folded for r in e.site.reduces)
   epilogues, kernel_sites = [], set()
   if kernels.may_use_kernel(opts.norm_impl):
-    changed = frozenset(k for k, _ in aux)
-    for i, s in enumerate(planner.sites):
-      if planner.decisions[i].folded:
-        ep, _ = kernels.prove_epilogue(s, changed=changed)
-        if ep is not None:
-          epilogues.append(ep)
-          kernel_sites.add(i)
-  return Plan(zero=zero, aux=aux, consts=consts, untied=untied, epilogues=tuple(epilogues),
-              norm_impl=opts.norm_impl), frozenset(kernel_sites)
+    changed = frozenset(k for k, _ in outcome.aux)
+    for e in folded:
+      ep, _ = kernels.prove_epilogue(e.site, changed=changed)
+      if ep is not None:
+        epilogues.append(ep)
+        kernel_sites.add(e.index)
+  return Plan(zero=zero, aux=outcome.aux, consts=outcome.consts, untied=outcome.untied,
+              epilogues=tuple(epilogues), norm_impl=opts.norm_impl), frozenset(kernel_sites)
 
 
 # ----------------------------------------------------------------------------
@@ -243,11 +198,7 @@ def _probe_args(args: tuple) -> Optional[tuple]:
   if not any(1 in np.shape(x) for x in leaves):
     return None
   return jax.tree_util.tree_unflatten(tree, [
-      jax.ShapeDtypeStruct(tuple(2 if n == 1 else n for n in np.shape(x)), _dtype(x)) for x in leaves])
-
-
-def _shapes_text(args: Any) -> str:
-  return ", ".join(str(tuple(np.shape(x))).replace("'", "") for x in jax.tree_util.tree_leaves(args)) or "()"
+      jax.ShapeDtypeStruct(tuple(2 if n == 1 else n for n in np.shape(x)), pipeline.dtype_of(x)) for x in leaves])
 
 
 def _param_diff(a: Analysis, b: Analysis, params: Any, a_name: str, b_name: str) -> str:
@@ -266,7 +217,7 @@ def _param_diff(a: Analysis, b: Analysis, params: Any, a_name: str, b_name: str)
   return "; ".join(parts) or "the same parameters"
 
 
-def _reconcile(call: "_Call", params: Any, opts: FoldOptions, an: Analysis) -> Analysis:
+def _reconcile(call: Call, params: Any, opts: FoldOptions, an: Analysis) -> Analysis:
   """The example's analysis with parameters that its shape with no size-1
   axes proves too (batch 1 and one token are where broadcasts and real axes
   look alike)."""
@@ -296,7 +247,7 @@ def _reconcile(call: "_Call", params: Any, opts: FoldOptions, an: Analysis) -> A
     return analyse(call.fn, params, call.args, opts, fixed=common)
   except PlanConflict:
     pass
-  ex, ge = f"the example's shapes ({_shapes_text(call.args)})", f"shapes ({_shapes_text(gargs)})"
+  ex, ge = f"the example's shapes ({shapes_text(call.args)})", f"shapes ({shapes_text(gargs)})"
   raise FoldError(
       f"no one fold serves every input shape: {ex} and {ge} need different folded parameters "
       f"({_param_diff(an, gan, params, 'the example', 'the other shapes')}). The example's plan "
@@ -308,89 +259,23 @@ def _reconcile(call: "_Call", params: Any, opts: FoldOptions, an: Analysis) -> A
 # Public entry points.
 
 
-def _signature(args: tuple) -> tuple:
-  leaves, tree = jax.tree_util.tree_flatten(args)
-  return (tree, _leaves_sig(leaves))
-
-
-def _leaves_sig(leaves: list) -> tuple:
-  return tuple((tuple(np.shape(x)), str(_dtype(x))) for x in leaves)
-
-
-def _dtype(x):
-  # Never jnp.dtype(x.dtype): typed PRNG keys (key<fry>) have no numpy dtype.
-  return x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
-
-
-def _is_array(x: Any) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Call:
-  """One call's arguments: array leaves of the keyword arguments (PRNG keys,
-  masks) are traced like positional ones, the rest (``train=True``) are
-  static: a new value is a new analysis."""
-  key: tuple
-  fn: Callable
-  args: tuple        # positional args, then the list of array kwargs (when any)
-
-
-def _bind(apply_fn: Callable, args: tuple, kwargs: dict) -> _Call:
-  if not kwargs:
-    return _Call(_signature(args), apply_fn, tuple(args))
-  leaves, tree = jax.tree_util.tree_flatten(kwargs)
-  dyn = tuple(_is_array(x) for x in leaves)
-  static = tuple(x for x, d in zip(leaves, dyn) if not d)
-  try:
-    hash(static)
-  except TypeError:
-    bad = next(x for x in static if not _hashable(x))
-    raise FoldError(f"keyword argument value {bad!r:.60} is neither an array nor hashable: "
-                    "a folded apply_fn traces array keyword arguments and re-analyses per value "
-                    "of the others") from None
-  arrays = [x for x, d in zip(leaves, dyn) if d]
-  n = len(args)
-
-  def bound(params, *a):
-    it = iter(a[n])
-    full = [next(it) if d else x for x, d in zip(leaves, dyn)]
-    return apply_fn(params, *a[:n], **jax.tree_util.tree_unflatten(tree, full))
-
-  call_args = (*args, arrays)
-  return _Call((_signature(call_args), tree, dyn, static), bound, call_args)
-
-
-def _hashable(x: Any) -> bool:
-  try:
-    hash(x)
-    return True
-  except TypeError:
-    return False
-
-
-def _kwargs_text(kwargs: dict) -> str:
-  return ", ".join(f"{k}={'<array>' if _is_array(v) else repr(v)}" for k, v in kwargs.items())
-
-
-class FoldedApply:
+class FoldedApply(PipelineApply):
   """The folded apply function; re-analyses (and caches) per input signature
   and per value of static keyword arguments (``train=True``); array keyword
   arguments (``rngs={"dropout": key}``) are traced like positional ones."""
 
-  def __init__(self, apply_fn, params_abstract, params_tree, opts, base: Analysis, call: _Call,
+  error = FoldError
+  transform = "fold"
+
+  def __init__(self, apply_fn, params_abstract, params_tree, opts, base: Analysis, call: Call,
                center_in_forward: bool, example_args: tuple = (), example_kwargs: Optional[dict] = None):
-    self._apply_fn = apply_fn
-    self._params = params_abstract
+    super().__init__(apply_fn, params_abstract, example_args, example_kwargs)
     self._tree = params_tree
     self._opts = opts
     self._base = base
-    self._cache = {(call.key, None): base}
-    self._param_sig = _leaves_sig(jax.tree_util.tree_leaves(params_abstract))
+    self._param_sig = leaves_signature(jax.tree_util.tree_leaves(params_abstract))
     self._center = center_in_forward
-    self._example = jax.tree_util.tree_map(lambda v: _abstract(v) if _is_array(v) else v,
-                                           (tuple(example_args), dict(example_kwargs or {})))
-    functools.update_wrapper(self, apply_fn, updated=())
+    self.seed(call, base)
 
   @property
   def options(self) -> FoldOptions:
@@ -401,55 +286,41 @@ class FoldedApply:
     """The tree structure of the parameters this function takes."""
     return self._tree
 
-  @property
-  def original_fn(self) -> Callable:
-    return self._apply_fn
-
-  @property
-  def example_args(self) -> Any:
-    """The abstract example arguments the fold was traced with."""
-    return self._example[0]
-
-  @property
-  def example_kwargs(self) -> dict:
-    """The abstract example keyword arguments the fold was traced with."""
-    return self._example[1]
-
   def analysis_for(self, args: tuple, leaves: Optional[list] = None,
                    kwargs: Optional[dict] = None) -> Analysis:
     """The analysis at these arguments (and parameter avals, when given)."""
-    return self._analysis(_bind(self._apply_fn, tuple(args), kwargs or {}), leaves, kwargs)
+    return self._analysis(self.bind(args, kwargs), leaves, kwargs)
 
-  def _analysis(self, call: _Call, leaves: Optional[list], kwargs: Optional[dict]) -> Analysis:
+  def _analysis(self, call: Call, leaves: Optional[list], kwargs: Optional[dict]) -> Analysis:
     psig = None
     if leaves is not None:
-      psig = _leaves_sig(leaves)
+      psig = leaves_signature(leaves)
       if psig == self._param_sig:
         psig = None
-    key = (call.key, psig)
-    if key not in self._cache:
-      params = self._params
-      if psig is not None:
-        params = jax.tree_util.tree_unflatten(self._tree, [_abstract(x) for x in leaves])
-      an = analyse(call.fn, params, call.args, self._opts, cbwc=self._center)
-      # CBWC centers in the forward pass, per analysis; a fold's parameters are fixed.
-      if not self._center and not _compatible(an, self._base):
-        try:   # the fold's parameters, proved at these shapes
-          an = analyse(call.fn, params, call.args, self._opts, fixed=self._base.param_key)
-        except PlanConflict as e:
-          what = "parameters of these shapes/dtypes" if psig is not None else "inputs of these shapes"
-          if kwargs:
-            what += f" with keyword arguments {_kwargs_text(kwargs)}"
-          raise FoldError(
-              f"{what} ({_shapes_text(call.args)}) need different folded parameters than the "
-              f"example that fold() was given ({_shapes_text(self._example)}): "
-              f"{_param_diff(self._base, an, self._params, 'the example', 'these inputs')}; the fold's "
-              f"parameters fail here: {e}. (A different set of parameters or axes can be "
-              "centered; e.g. in training mode dropout makes centering visible.) Call "
-              "jaxfold.fold again with these arguments (example_kwargs= for keyword ones), or "
-              "use jaxfold.cbwc, whose apply_fn takes the original parameters, for training.") from None
-      self._cache[key] = an
-    return self._cache[key]
+    return self.analysed(call, psig, lambda: self._analyse_at(call, leaves, psig, kwargs))
+
+  def _analyse_at(self, call: Call, leaves: Optional[list], psig: Any, kwargs: Optional[dict]) -> Analysis:
+    params = self._params
+    if psig is not None:
+      params = jax.tree_util.tree_unflatten(self._tree, [abstract(x) for x in leaves])
+    an = analyse(call.fn, params, call.args, self._opts, cbwc=self._center)
+    # CBWC centers in the forward pass, per analysis; a fold's parameters are fixed.
+    if not self._center and not _compatible(an, self._base):
+      try:   # the fold's parameters, proved at these shapes
+        an = analyse(call.fn, params, call.args, self._opts, fixed=self._base.param_key)
+      except PlanConflict as e:
+        what = "parameters of these shapes/dtypes" if psig is not None else "inputs of these shapes"
+        if kwargs:
+          what += f" with keyword arguments {kwargs_text(kwargs)}"
+        raise FoldError(
+            f"{what} ({shapes_text(call.args)}) need different folded parameters than the "
+            f"example that fold() was given ({shapes_text(self._example)}): "
+            f"{_param_diff(self._base, an, self._params, 'the example', 'these inputs')}; the fold's "
+            f"parameters fail here: {e}. (A different set of parameters or axes can be "
+            "centered; e.g. in training mode dropout makes centering visible.) Call "
+            "jaxfold.fold again with these arguments (example_kwargs= for keyword ones), or "
+            "use jaxfold.cbwc, whose apply_fn takes the original parameters, for training.") from None
+    return an
 
   def __call__(self, params, *args, **kwargs):
     extras = {}
@@ -465,7 +336,7 @@ class FoldedApply:
     leaves, tree_def = jax.tree_util.tree_flatten(tree)
     if tree_def != self._tree:
       raise FoldError(f"params has structure {tree_def}, but the fold was made for {self._tree}")
-    call = _bind(self._apply_fn, args, kwargs)
+    call = self.bind(args, kwargs)
     an = self._analysis(call, leaves, kwargs)
     if self._center:
       # CBWC: the stored parameters stay W; the forward pass uses P·W.
@@ -544,8 +415,8 @@ def _refuse_traced(params: Any) -> None:
 
 
 def fold(params: Any, apply_fn: Callable, *example_args: Any,
-         auxiliary_centering: bool = True, tied_weights: str = "auto",
-         norm_impl: str = "auto", example_kwargs: Optional[dict] = None,
+         auxiliary_centering: bool = True, tied_weights: TiedWeights = "auto",
+         norm_impl: NormImpl = "auto", example_kwargs: Optional[dict] = None,
          fuse_affine: bool = False) -> Folded:
   """Folds every provably foldable LayerNorm/GroupNorm of ``apply_fn`` into an RMSNorm.
 
@@ -595,7 +466,7 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
   if not callable(apply_fn):
     raise FoldError(f"apply_fn must be callable, got {type(apply_fn).__name__}")
   _refuse_traced(params)
-  call = _bind(apply_fn, example_args, example_kwargs or {})
+  call = pipeline.bind(apply_fn, example_args, example_kwargs)
   an = _reconcile(call, params, opts, analyse(call.fn, params, call.args, opts))
   leaves, tree = jax.tree_util.tree_flatten(params)
   specs = dict(an.leaf_specs)
@@ -603,8 +474,8 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
   new_params = jax.tree_util.tree_unflatten(tree, new_leaves)
   extras = {name: _center_leaf(leaves[i], spec) for name, i, spec in an.untied}
   new_params = FoldedParams(new_params, extras)
-  abstract = jax.tree_util.tree_map(_abstract, params)
-  fn = FoldedApply(apply_fn, abstract, tree, opts, an, call, False, example_args, example_kwargs)
+  fn = FoldedApply(apply_fn, pipeline.abstract_tree(params), tree, opts, an, call, False, example_args,
+                   example_kwargs)
   if fuse_affine:
     from jaxfold._src.affine import fuse_affine as fuse  # noqa: PLC0415 - composes after the fold
     return fuse(Folded(new_params, fn, an.report))
@@ -612,7 +483,7 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
 
 
 def cbwc(params: Any, apply_fn: Callable, *example_args: Any,
-         auxiliary_centering: bool = True, tied_weights: str = "auto",
+         auxiliary_centering: bool = True, tied_weights: TiedWeights = "auto",
          through_dropout: bool = False, example_kwargs: Optional[dict] = None) -> Reparameterized:
   """Column-centered weights for training (CBWC): same function, cheaper norms.
 
@@ -637,9 +508,9 @@ def cbwc(params: Any, apply_fn: Callable, *example_args: Any,
   opts = FoldOptions(auxiliary_centering, tied_weights, through_dropout)
   if not callable(apply_fn):
     raise FoldError(f"apply_fn must be callable, got {type(apply_fn).__name__}")
-  call = _bind(apply_fn, example_args, example_kwargs or {})
+  call = pipeline.bind(apply_fn, example_args, example_kwargs)
   an = analyse(call.fn, params, call.args, opts, cbwc=True)
   _, tree = jax.tree_util.tree_flatten(params)
-  abstract = jax.tree_util.tree_map(_abstract, params)
-  fn = FoldedApply(apply_fn, abstract, tree, opts, an, call, True, example_args, example_kwargs)
+  fn = FoldedApply(apply_fn, pipeline.abstract_tree(params), tree, opts, an, call, True, example_args,
+                   example_kwargs)
   return Reparameterized(fn, an.report, an)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfold._src import algebra as A
-from jaxfold._src.analysis import Site
+from jaxfold._src.analysis import MeanSite
 from jaxfold._src.program import Lit, Val
 from jaxfold._src.rules import rule_for
 
@@ -249,7 +249,7 @@ def _size(v) -> int:
     return 1 << 62
 
 
-def prove_epilogue(site: Site, changed: frozenset = frozenset()) -> tuple:
+def prove_epilogue(site: MeanSite, changed: frozenset = frozenset()) -> tuple:
   """(Epilogue or None, reason): the kernel may replace a folded site's
   output only when its canonical form equals the kernel's formula.
 
@@ -260,7 +260,7 @@ def prove_epilogue(site: Site, changed: frozenset = frozenset()) -> tuple:
   return ep, why
 
 
-def _prove(site: Site, changed: frozenset, assume: dict) -> tuple:
+def _prove(site: MeanSite, changed: frozenset, assume: dict) -> tuple:
   """prove_epilogue with canonical forms under ``assume`` (Val -> Expr), plus
   the output value the kernel replaces."""
   level = site.level
@@ -363,7 +363,7 @@ def prove_epilogues(level, assume: dict) -> list:
     if not isinstance(u, Val) or tuple(axes) != (len(u.shape) - 1,):
       continue
     for x in _candidates(u):
-      ep, _, out = _prove(Site((), x, (len(x.shape) - 1,), level), frozenset(), assume)
+      ep, _, out = _prove(MeanSite((), x, (len(x.shape) - 1,), level), frozenset(), assume)
       if ep is not None:
         if ep.out_path not in paths:
           paths.add(ep.out_path)

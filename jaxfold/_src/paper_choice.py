@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import jax
 
-from jaxfold._src import algebra, compat, layout
-from jaxfold._src.analysis import Analyzer, LeafNeed
+from jaxfold._src import layout, pipeline
+from jaxfold._src.analysis import LeafNeed
 from jaxfold._src.fold import FoldOptions
 from jaxfold._src.planner import Planner
-from jaxfold._src.program import Program
 from jaxfold._src.rewrite import Plan, evaluate
 from jaxfold._src.rules.base import freeze
 
@@ -31,14 +30,11 @@ def paper_choice(params, apply_fn, *args):
     2
   """
   # Walk each site and center every parameter it needs, visible or not.
-  closed, out_shape = jax.make_jaxpr(apply_fn, return_shape=True)(params, *args)
-  jaxpr, consts = compat.open_jaxpr(closed)
-  n = len(jax.tree_util.tree_leaves(params))
+  traced = pipeline.trace(apply_fn, params, args)
+  n = len(traced.names)
   specs: dict = {}
   zero = set()
-  with algebra.scope():
-    an = Analyzer(Program(closed))
-    an.num_leaves = n
+  with pipeline.analyzer(traced) as an:
     planner = Planner(an, [str(i) for i in range(n)], FoldOptions())
     for site in planner.sites:
       zero |= {r.path for r in site.reduces}
@@ -50,5 +46,5 @@ def paper_choice(params, apply_fn, *args):
   leaves, tree = jax.tree_util.tree_flatten(params)
   leaves = [layout.center(x, dict(specs[i])) if i in specs else x for i, x in enumerate(leaves)]
   flat = leaves + jax.tree_util.tree_leaves(args)
-  out = evaluate(jaxpr, consts, flat, Plan(zero=frozenset(zero)), {})
-  return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), out), num_sites
+  out = evaluate(traced.jaxpr, traced.consts, flat, Plan(zero=frozenset(zero)), {})
+  return jax.tree_util.tree_unflatten(traced.out_tree, out), num_sites

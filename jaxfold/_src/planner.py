@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import jax.numpy as jnp
 import numpy as np
@@ -23,7 +23,7 @@ from jaxfold._src.analysis import (
   Blocker,
   LeafNeed,
   Level,
-  Site,
+  MeanSite,
   find_sites,
   nested_sites,
   scan_levels,
@@ -70,6 +70,36 @@ class Decision:
   auxiliary: bool = False
   exact: bool = True
   aux_vars: tuple = ()          # the auxiliary centerings (Vals) it relies on
+
+
+class SiteEntry(NamedTuple):
+  """One site and the frozen decision the planner made for it."""
+  index: int
+  site: MeanSite
+  decision: Decision
+
+
+class UntiedUse(NamedTuple):
+  """One use that reads an untied centered copy (the rewrite's entry)."""
+  path: tuple             # call-site path of the using equation
+  operand: int
+  name: str               # the copy's name in FoldedParams.untied
+  chain: tuple            # the re-indexing equations from the parameter to the use
+
+
+class Outcome(NamedTuple):
+  """What the planner decided, frozen: the plan and the fold's parameters
+  are built from this alone (``Planner.outcome()``)."""
+  sites: tuple            # SiteEntry per site, in program order
+  aux: tuple              # ((value key, spec), ...): auxiliary centerings
+  consts: tuple           # ((value key, spec), ...): captured constants centered
+  untied: tuple           # UntiedUse, ...
+  leaf_specs: tuple       # ((leaf index, spec), ...): parameters centered in place
+  untied_specs: tuple     # ((copy name, leaf index, spec), ...)
+
+  @property
+  def folded(self) -> tuple:
+    return tuple(e for e in self.sites if e.decision.folded)
 
 
 class PlanConflict(Exception):
@@ -165,7 +195,7 @@ class Planner:
 
   # -- site decision -----------------------------------------------------------
 
-  def decide(self, site: Site, assume_aux: dict, visited: Optional[list] = None) -> tuple:
+  def decide(self, site: MeanSite, assume_aux: dict, visited: Optional[list] = None) -> tuple:
     """(actions, blockers) for one site given the commitments so far."""
     before = self.an.random_uses
     self._inexact = False
@@ -561,6 +591,17 @@ class Planner:
 
   def folded_sites(self) -> list:
     return [s for i, s in enumerate(self.sites) if self.decisions[i].folded]
+
+  def outcome(self) -> Outcome:
+    """The decisions of ``run()``, frozen (what ``fold`` builds the plan from)."""
+    return Outcome(
+        sites=tuple(SiteEntry(i, s, self.decisions[i]) for i, s in enumerate(self.sites)),
+        aux=tuple((v.key, s) for v, s in self.aux_commit.items()),
+        consts=tuple((v.key, s) for v, s in self.leaf_commit.items() if v.kind == "const"),
+        untied=tuple(UntiedUse(n.use[0].path, n.use[1], self.untied_name(n),
+                               tuple(c.eqn for c in reversed(n.chain)))
+                     for n in self.untie_commit.values()),
+        leaf_specs=self.leaf_specs(), untied_specs=self.untied_specs())
 
 
 def _distinct(wheres: list, nodes: list) -> list:

@@ -15,18 +15,18 @@ facet asks for a rotated operand (``Want``); the forward pass alone decides.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfold._src import algebra as A
-from jaxfold._src import display
-from jaxfold._src.affine import FuseError, _abstract, _factor_leaf, _leaf_of, _signature
-from jaxfold._src.analysis import Analyzer, LeafNeed, Level
-from jaxfold._src.program import Program, Val
+from jaxfold._src import display, pipeline
+from jaxfold._src.affine import _factor_leaf, _leaf_of
+from jaxfold._src.analysis import LeafNeed, Level
+from jaxfold._src.errors import RotateError
+from jaxfold._src.pipeline import Call, PipelineApply
+from jaxfold._src.program import Val
 from jaxfold._src.report import param_label
 from jaxfold._src.rules import Block, rule_for
 from jaxfold._src.rules.rotation import Lin, Quad, Want
@@ -152,19 +152,16 @@ def _propagate(level: Level, seeds: dict):
 
 
 def _solve(fn: Callable, params: Any, args: tuple, n: int):
-  """``(leaf dims, norms, names)`` of a proven rotation, or raises FuseError."""
-  closed = jax.make_jaxpr(fn)(params, *args)
-  paths = jax.tree_util.tree_flatten_with_path(params)[0]
-  names = [jax.tree_util.keystr(p) for p, _ in paths]
-  with A.scope():
-    an = Analyzer(Program(closed))
-    an.num_leaves = len(names)
+  """``(leaf dims, norms, names)`` of a proven rotation, or raises RotateError."""
+  traced = pipeline.trace(fn, params, args)
+  names = traced.names
+  with pipeline.analyzer(traced) as an:
     level = an.top
     sites = _norm_inputs(level, n)
     if not sites:
-      raise FuseError(f"no sum of squares over an axis of size {n} (a parameter-free RMS norm "
-                      f"of a stream of width {n}): nothing to rotate; q must match the stream "
-                      "width, and the model must be folded and fused (jaxfold.fuse_affine)")
+      raise RotateError(f"no sum of squares over an axis of size {n} (a parameter-free RMS norm "
+                        f"of a stream of width {n}): nothing to rotate; q must match the stream "
+                        "width, and the model must be folded and fused (jaxfold.fuse_affine)")
     seeds: dict = {}
     for x, axis in sites:  # proposal: what writes each norm's input
       for need in level.needs(x, ((axis, n),)):
@@ -179,24 +176,24 @@ def _solve(fn: Callable, params: Any, args: tuple, n: int):
       if isinstance(res, dict):
         break
       if isinstance(res, str):
-        raise FuseError(f"the rotation is not provably exact: {res}")
+        raise RotateError(f"the rotation is not provably exact: {res}")
       want, node = res
       a = node.ins[want.operand]
       hit = _leaf_dims(level, a, want.dims)
       if hit is None:
         src = f"the output of `{a.producer.prim.name}`" if getattr(a, "producer", None) else "it"
-        raise FuseError(f"the rotation is not provably exact: {want} and {src} is not a "
-                        f"parameter seen through re-indexing [at {node.where()}]")
+        raise RotateError(f"the rotation is not provably exact: {want} and {src} is not a "
+                          f"parameter seen through re-indexing [at {node.where()}]")
       i, dims = hit
       if i in seeds and seeds[i] != set(dims):
-        raise FuseError(f"{param_label(names[i])} would have to be rotated along dims {sorted(seeds[i])} "
-                        f"and {sorted(dims)} [at {node.where()}]")
+        raise RotateError(f"{param_label(names[i])} would have to be rotated along dims {sorted(seeds[i])} "
+                          f"and {sorted(dims)} [at {node.where()}]")
       seeds[i] = set(dims)
     else:
-      raise FuseError("the rotation did not settle on a set of parameters")
+      raise RotateError("the rotation did not settle on a set of parameters")
     norms = sum(1 for x, axis in sites if res.get(x) == Lin(frozenset({axis})))
     if not norms:
-      raise FuseError("no norm reads the rotated stream")
+      raise RotateError("no norm reads the rotated stream")
   return tuple(sorted((i, tuple(sorted(d))) for i, d in seeds.items())), norms, names
 
 
@@ -228,24 +225,28 @@ def _apply(x, dims: tuple, q: np.ndarray):
   return jnp.asarray(y.astype(x.dtype))
 
 
-class RotatedApply:
-  """The model's apply function, re-proving the rotation per input signature."""
+class RotatedApply(PipelineApply):
+  """The model's apply function, re-proving the rotation per input signature
+  (the program is the model's: only its parameters are rotated)."""
+
+  error = RotateError
+  transform = "rotate"
 
   def __init__(self, fn: Callable, params_abstract: Any, key: tuple, n: int, args: tuple):
-    self._fn, self._params, self._key, self._n = fn, params_abstract, key, n
-    self._seen = {_signature(args)}
-    self.example_args = args
+    super().__init__(fn, params_abstract, args)
+    self._key, self._n = key, n
     self.q: Optional[np.ndarray] = None   # the rotation, kept so that save_fold records it
-    functools.update_wrapper(self, fn, updated=())
+    self.seed(self.bind(args), key)
 
-  def __call__(self, params, *args):
-    sig = _signature(args)
-    if sig not in self._seen:
-      key, _, _ = _solve(self._fn, self._params, jax.tree_util.tree_map(_abstract, args), self._n)
-      if key != self._key:
-        raise FuseError("inputs of these shapes rotate different parameters; call rotate again")
-      self._seen.add(sig)
-    return self._fn(params, *args)
+  def _analyse(self, call: Call) -> tuple:
+    key, _, _ = _solve(call.fn, self._params, pipeline.abstract_tree(call.args, RotateError), self._n)
+    if key != self._key:
+      raise RotateError("inputs of these shapes rotate different parameters; call rotate again")
+    return key
+
+  def __call__(self, params, *args, **kwargs):
+    self.analysed(self.bind(args, kwargs))
+    return self._inner(params, *args, **kwargs)
 
 
 def rotate(model: Any, q: Any, *example_args: Any) -> Rotated:
@@ -256,7 +257,7 @@ def rotate(model: Any, q: Any, *example_args: Any) -> Rotated:
   the program is unchanged. Exactness is proved on the traced program:
   everything touching the stream must be a contraction, a sum, a
   re-indexing, or a parameter-free RMS norm over the rotated axis — so fold
-  and ``fuse_affine`` first. Raises ``FuseError`` with the reason otherwise.
+  and ``fuse_affine`` first. Raises ``RotateError`` with the reason otherwise.
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, flax.linen as nn, jaxfold
@@ -268,27 +269,21 @@ def rotate(model: Any, q: Any, *example_args: Any) -> Rotated:
     >>> bool(jnp.allclose(r.apply_fn(r.params, x), m.apply(p, x), atol=1e-5))
     True
   """
-  params, fn = getattr(model, "params", None), getattr(model, "apply_fn", None)
-  if params is None or not callable(fn):
-    raise FuseError(f"rotate takes a model with params and apply_fn (jaxfold.Fused), got "
-                    f"{type(model).__name__}")
+  params, fn, example_args = pipeline.model_parts(
+      model, example_args, "rotate takes a model with params and apply_fn (jaxfold.Fused)", RotateError)
   q = np.asarray(q, np.float64)
   if q.ndim != 2 or q.shape[0] != q.shape[1]:
-    raise FuseError(f"q must be a square matrix, got shape {q.shape}")
+    raise RotateError(f"q must be a square matrix, got shape {q.shape}")
   if not np.allclose(q.T @ q, np.eye(len(q)), atol=1e-6):
     err = np.abs(q.T @ q - np.eye(len(q))).max()
-    raise FuseError(f"q is not orthogonal (max |qᵀq - I| = {err:.2e}); an RMS norm commutes "
-                    "only with orthogonal maps")
-  if not example_args:
-    example_args = getattr(fn, "example_args", None)
-    if example_args is None:
-      raise FuseError("pass example_args: the model's apply_fn does not record them")
-  args = tuple(jax.tree_util.tree_map(_abstract, tuple(example_args)))
-  abstract = jax.tree_util.tree_map(_abstract, params)
+    raise RotateError(f"q is not orthogonal (max |qᵀq - I| = {err:.2e}); an RMS norm commutes "
+                      "only with orthogonal maps")
+  args = pipeline.abstract_tree(example_args, RotateError)
+  abstract = pipeline.abstract_tree(params, RotateError)
   try:
     key, norms, names = _solve(fn, abstract, args, len(q))
-  except FuseError as e:
-    raise FuseError(f"{e}{_hints(model)}") from None
+  except RotateError as e:
+    raise RotateError(f"{e}{_hints(model)}") from None
   leaves, tree = jax.tree_util.tree_flatten(params)
   dims = dict(key)
   new = [_apply(x, dims[i], q) if i in dims else x for i, x in enumerate(leaves)]

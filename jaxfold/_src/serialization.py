@@ -193,26 +193,26 @@ def _check_folded(folded: Any) -> None:
                     f"applied to one, or of jaxfold.load_fold(...), got {got}; nothing was written")
 
 
+_CHAIN_STEPS = ("fuse_affine", "rotate")   # what _transforms_info and _load_chain know
+
+
 def _chain_of(result: Any) -> Optional[list]:
   """``[(transform name, its apply object), ...]`` from the fold outwards, when
   ``result`` was made by fold, then fuse_affine, then rotate (any number of
   times); None for anything else (e.g. fuse_affine of an unfolded model)."""
-  from jaxfold._src.affine import FusedApply
-  from jaxfold._src.fold import FoldedApply
-  from jaxfold._src.rotate import RotatedApply
+  from jaxfold._src.pipeline import PipelineApply
   fn, steps = getattr(result, "apply_fn", None), []
-  while True:
-    if isinstance(fn, RotatedApply):
-      steps.append(("rotate", fn))
-      fn = fn._fn
-    elif isinstance(fn, FusedApply):
-      steps.append(("fuse_affine", fn))
-      fn = fn._inner
-    elif isinstance(fn, FoldedApply) and not fn._center and getattr(fn, "options", None) is not None:
+  while isinstance(fn, PipelineApply):
+    if fn.transform == "fold":
+      if fn._center or getattr(fn, "options", None) is None:   # a CBWC apply_fn is no fold
+        return None
       steps.append(("fold", fn))
       return steps[::-1]
-    else:
+    if fn.transform not in _CHAIN_STEPS:   # a transform save_fold cannot redo on load
       return None
+    steps.append((fn.transform, fn))
+    fn = fn.inner
+  return None
 
 
 def _key_digest(key: Any) -> str:
@@ -645,8 +645,7 @@ def _check_format(directory: str, manifest: dict) -> None:
 def _load_from(copy: str, directory: str, apply_fn: Callable, *, target: Any,
                verify: bool) -> LoadedFold:
   """Loads the fold whose files are in ``copy`` (messages name ``directory``)."""
-  from jaxfold._src.fold import FoldedParams, FoldError, FoldOptions
-  from jaxfold._src.fold import fold as _fold
+  from jaxfold._src.fold import FoldedParams, FoldError
 
   info_path = os.path.join(copy, "fold.json")
   if not os.path.exists(info_path):
@@ -682,13 +681,7 @@ def _load_from(copy: str, directory: str, apply_fn: Callable, *, target: Any,
   params = FoldedParams(params["params"], dict(params.get("untied") or {}))
   abstract = jax.tree_util.tree_map(
       lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params.params)
-  opts.pop("through_dropout", None)  # a CBWC-only option; a saved fold never sets it
-  opts = FoldOptions.from_dict(opts).to_dict()
-  opts.pop("through_dropout", None)
-  if verify and os.path.exists(os.path.join(copy, "program.json")):
-    _check_program(directory, _read_json(os.path.join(copy, "program.json")), apply_fn, abstract,
-                   args, kwargs)
-  refold = _fold(abstract, apply_fn, *args, example_kwargs=kwargs, **opts)
+  refold = _refold(copy, directory, apply_fn, abstract, args, kwargs, opts, verify=verify)
   saved = load_report(copy, integrity=False)
   if verify:
     got = [(s.folded, s.shape, s.axes) for s in refold.report.sites]
@@ -700,6 +693,22 @@ def _load_from(copy: str, directory: str, apply_fn: Callable, *, target: Any,
           f"{sum(w[0] for w in want)}/{len(want)} when saved): pass the apply_fn of the "
           "model the fold was made from, or fold the model again")
   return LoadedFold(params, refold.apply_fn, refold.report, load_meta(copy))
+
+
+def _refold(copy: str, directory: str, apply_fn: Callable, abstract: Any, args: Any, kwargs: dict,
+            opts: dict, *, verify: bool) -> Any:
+  """The fold redone on abstract parameters with the saved options, after
+  checking (``verify``) that ``apply_fn`` is the program that was saved."""
+  from jaxfold._src.fold import FoldOptions
+  from jaxfold._src.fold import fold as _fold
+  opts = dict(opts)
+  opts.pop("through_dropout", None)  # a CBWC-only option; a saved fold never sets it
+  opts = FoldOptions.from_dict(opts).to_dict()
+  opts.pop("through_dropout", None)
+  if verify and os.path.exists(os.path.join(copy, "program.json")):
+    _check_program(directory, _read_json(os.path.join(copy, "program.json")), apply_fn, abstract,
+                   args, kwargs)
+  return _fold(abstract, apply_fn, *args, example_kwargs=kwargs, **opts)
 
 
 def _fused_treedef(an: Any, folded_abstract: Any) -> Any:
@@ -719,8 +728,7 @@ def _load_chain(copy: str, directory: str, apply_fn: Callable, info: dict, args:
   parameters (no weights touched), checks that each makes the saved decisions,
   and puts the saved leaves into the tree the last step takes."""
   from jaxfold._src import affine, rotate
-  from jaxfold._src.fold import FoldError, FoldOptions
-  from jaxfold._src.fold import fold as _fold
+  from jaxfold._src.fold import FoldError
 
   def refuse(what: str) -> FoldError:
     return FoldError(f"re-analysing apply_fn does not reproduce the saved {what} in {directory}: "
@@ -741,13 +749,7 @@ def _load_chain(copy: str, directory: str, apply_fn: Callable, info: dict, args:
     raise IntegrityError(f"cannot restore the parameters in {os.path.join(directory, 'params')} "
                          f"({type(e).__name__}: {first}); re-create the fold") from None
   leaves = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in leaves]
-  opts.pop("through_dropout", None)
-  opts = FoldOptions.from_dict(opts).to_dict()
-  opts.pop("through_dropout", None)
-  if verify and os.path.exists(os.path.join(copy, "program.json")):
-    _check_program(directory, _read_json(os.path.join(copy, "program.json")), apply_fn, abstract,
-                   args, kwargs)
-  refold = _fold(abstract, apply_fn, *args, example_kwargs=kwargs, **opts)
+  refold = _refold(copy, directory, apply_fn, abstract, args, kwargs, opts, verify=verify)
   if verify and bool(refold.params.untied) != bool(info.get("untied")):
     raise refuse("fold")
   fn, report, treedef, struct = refold.apply_fn, refold.report, None, refold.params

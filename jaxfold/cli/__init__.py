@@ -74,9 +74,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   except Exception as e:  # noqa: BLE001
     if args.debug:
       raise
-    from jaxfold import FoldError, IntegrityError
+    from jaxfold import IntegrityError, JaxfoldError
     msg = str(e).strip() or type(e).__name__
-    if isinstance(e, (FoldError, IntegrityError, FileNotFoundError, FileExistsError,
+    if isinstance(e, (JaxfoldError, IntegrityError, FileNotFoundError, FileExistsError,
                       NotADirectoryError, IsADirectoryError)):
       if isinstance(e, OSError) and e.filename and e.strerror and e.filename not in msg:
         msg = f"{e.filename}: {e.strerror}"
