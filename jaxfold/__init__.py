@@ -8,6 +8,7 @@ Public API:
   save_fold(folded, directory); load_fold(directory, apply_fn)   (atomic; content-hashed)
   IntegrityError: a saved fold or an artifact is damaged, truncated or foreign
   fuse_affine(folded) -> Fused(params, apply_fn, report)   (γ/β into the readers; or fold(..., fuse_affine=True))
+  defer_norms(fused) -> Fused   (readers contract the un-normalized input, scaled per row; or fold(..., defer_norms=True))
   rotate(fused, q) -> Rotated(params, apply_fn, report)     (orthogonal q on the residual stream)
   keras_params(model) -> (params, apply_fn)   (a Keras 3 model, JAX backend; keras imported lazily)
   keras_assign(model, folded_or_params)      (writes parameters back into the Keras model's variables)
@@ -22,6 +23,7 @@ from jaxfold._src.fold import Folded, FoldedParams, FoldError, FoldOptions, Repa
 from jaxfold._src.integrity import IntegrityError
 from jaxfold._src.report import Auxiliary, Centering, Changes, Report, Site
 from jaxfold._src.affine import Fused, FusedParams, FuseError, FuseReport, fuse_affine
+from jaxfold._src.defer import DeferSite, defer_norms
 from jaxfold._src.rotate import Rotated, RotateReport, rotate
 from jaxfold._src.frameworks.keras import KerasParams, keras_assign, keras_params
 from jaxfold._src.serialization import load_fold, save_fold
@@ -30,6 +32,6 @@ __all__ = ["fold", "cbwc", "Folded", "FoldedParams", "FoldOptions", "Reparameter
            "Report", "Site", "Centering", "Auxiliary", "Changes", "export", "load_exported",
            "save_fold", "load_fold", "IntegrityError", "optax_transforms", "exporting",
            "serialization", "benchmarking"]
-__all__ += ["fuse_affine", "Fused", "FusedParams", "FuseError", "FuseReport", "rotate", "Rotated",
+__all__ += ["defer_norms", "DeferSite", "fuse_affine", "Fused", "FusedParams", "FuseError", "FuseReport", "rotate", "Rotated",
             "RotateReport", "keras_params", "keras_assign", "KerasParams"]
 __version__ = "0.1.0"

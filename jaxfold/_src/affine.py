@@ -65,6 +65,7 @@ class FuseReport:
   """What ``fuse_affine`` did, per affine site."""
   sites: tuple
   extra_bytes: int = 0    # untied weight copies and new biases
+  deferred: tuple = ()    # defer.DeferSite per fused site, with defer_norms
 
   @property
   def num_fused(self) -> int:
@@ -78,7 +79,16 @@ class FuseReport:
       lines.append(f"{i}  {status:5}  {s.where}  γ={param_label(s.gamma)} β={beta}: {s.reason}")
     lines.append(f"{self.num_fused}/{len(self.sites)} affine sites fused into their readers"
                  + (f"; {self.extra_bytes} extra bytes" if self.extra_bytes else ""))
+    for i, s in enumerate(self.deferred):
+      lines.append(f"{i}  {'deferred' if s.deferred else 'normed':8}  {s.where}: {s.reason}")
+    if self.deferred:
+      lines.append(f"{self.num_deferred}/{len(self.deferred)} fused norms deferred (readers "
+                   "contract the un-normalized input)")
     return "\n".join(lines)
+
+  @property
+  def num_deferred(self) -> int:
+    return sum(s.deferred for s in self.deferred)
 
 
 class FusedParams(NamedTuple):
@@ -131,10 +141,14 @@ class FuseAnalysis:
   copies: tuple        # ((name, W index, γ index, dim), ...)
   biases: tuple        # ((name, β index, W index, W side, dimension numbers, y rank, y dim, dtype), ...)
   report: FuseReport
+  defer: bool = False  # defer_norms: deferred readers are in plan.deferred
 
   @property
   def key(self) -> tuple:
-    return (self.removed, self.scaled, self.copies, tuple(b[:4] + b[5:8] for b in self.biases))
+    key = (self.removed, self.scaled, self.copies, tuple(b[:4] + b[5:8] for b in self.biases))
+    if self.defer:
+      key += (tuple((e.path, e.operand) for e in self.plan.deferred),)
+    return key
 
 
 def _leaf_of(v: Any, level: Level) -> Optional[int]:
@@ -384,13 +398,13 @@ def _readers(level: Level, aff: _Affine) -> list:
   return out
 
 
-def analyse(fn: Callable, params: Any, args: tuple) -> FuseAnalysis:
+def analyse(fn: Callable, params: Any, args: tuple, defer: bool = False) -> FuseAnalysis:
   closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(params, *args)
   jaxpr, consts = compat.open_jaxpr(closed)
   paths = jax.tree_util.tree_flatten_with_path(params)[0]
   names = [jax.tree_util.keystr(p) for p, _ in paths]
   removed, scaled, copies, biases, untied, plan_biases, sites = {}, [], [], [], [], [], []
-  extra = 0
+  extra, accepted, deferred, dsites = 0, [], (), ()
   with A.scope():
     an = Analyzer(Program(closed))
     an.num_leaves = len(names)
@@ -418,6 +432,7 @@ def analyse(fn: Callable, params: Any, args: tuple) -> FuseAnalysis:
       except Block as err:
         sites.append(AffineSite(where, gname, bname, (), False, f"not fused: {err}"))
         continue
+      accepted.append((aff, readers))
       removed[aff.gamma] = 1
       if aff.beta is not None:
         removed[aff.beta] = 0
@@ -447,10 +462,14 @@ def analyse(fn: Callable, params: Any, args: tuple) -> FuseAnalysis:
         reason += "; β·W into new biases"
       sites.append(AffineSite(where, gname, bname, tuple(names[r.leaf] for r in readers), True,
                               reason))
-  plan = Plan(untied=tuple(untied), biases=tuple(plan_biases), norm_impl="xla")
+    if defer:
+      from jaxfold._src import defer as deferral  # noqa: PLC0415 - defer.py imports this module
+      modified = {r.node.path for _, rs in accepted for r in rs}
+      deferred, dsites = deferral.analyse(level, accepted, names, modified)
+  plan = Plan(untied=tuple(untied), biases=tuple(plan_biases), norm_impl="xla", deferred=deferred)
   return FuseAnalysis(jaxpr, consts, jax.tree_util.tree_structure(out_shape), plan,
                       tuple(sorted(removed.items())), tuple(scaled), tuple(copies),
-                      tuple(biases), FuseReport(tuple(sites), extra))
+                      tuple(biases), FuseReport(tuple(sites), extra, dsites), defer)
 
 
 # ----------------------------------------------------------------------------
@@ -520,7 +539,8 @@ class FusedApply:
   def analysis_for(self, args: tuple) -> FuseAnalysis:
     sig = _signature(args)
     if sig not in self._cache:
-      an = analyse(self._inner, self._params, jax.tree_util.tree_map(_abstract, args))
+      an = analyse(self._inner, self._params, jax.tree_util.tree_map(_abstract, args),
+                   self._base.defer)
       if an.key != self._base.key:
         raise FuseError(f"inputs of these shapes ({[s for s in sig[1]]}) fuse differently from "
                         "the example fuse_affine was given; call fuse_affine again for them")
