@@ -8,7 +8,8 @@ Public API:
   save_fold(folded, directory); load_fold(directory, apply_fn)   (atomic; content-hashed)
   IntegrityError: a saved fold or an artifact is damaged, truncated or foreign
   fuse_affine(folded) -> Fused(params, apply_fn, report)   (γ/β into the readers; or fold(..., fuse_affine=True))
-  defer_norms(fused) -> Fused   (readers contract the un-normalized input, scaled per row; or fold(..., defer_norms=True))
+  defer_norms(fused) -> Fused   (readers contract the un-normalized input, scaled per row;
+                                 or fold(..., defer_norms=True))
   rotate(fused, q) -> Rotated(params, apply_fn, report)     (orthogonal q on the residual stream)
   keras_params(model) -> (params, apply_fn)   (a Keras 3 model, JAX backend; keras imported lazily)
   keras_assign(model, folded_or_params)      (writes parameters back into the Keras model's variables)
@@ -32,6 +33,7 @@ __all__ = ["fold", "cbwc", "Folded", "FoldedParams", "FoldOptions", "Reparameter
            "Report", "Site", "Centering", "Auxiliary", "Changes", "export", "load_exported",
            "save_fold", "load_fold", "IntegrityError", "optax_transforms", "exporting",
            "serialization", "benchmarking"]
-__all__ += ["defer_norms", "DeferSite", "fuse_affine", "Fused", "FusedParams", "FuseError", "FuseReport", "rotate", "Rotated",
+__all__ += ["defer_norms", "DeferSite"]
+__all__ += ["fuse_affine", "Fused", "FusedParams", "FuseError", "FuseReport", "rotate", "Rotated",
             "RotateReport", "keras_params", "keras_assign", "KerasParams"]
 __version__ = "0.1.0"

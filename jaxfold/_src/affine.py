@@ -465,7 +465,7 @@ def analyse(fn: Callable, params: Any, args: tuple, defer: bool = False) -> Fuse
     if defer:
       from jaxfold._src import defer as deferral  # noqa: PLC0415 - defer.py imports this module
       modified = {r.node.path for _, rs in accepted for r in rs}
-      deferred, dsites = deferral.analyse(level, accepted, names, modified)
+      deferred, dsites = deferral.analyse(level, accepted, names, modified, sites)
   plan = Plan(untied=tuple(untied), biases=tuple(plan_biases), norm_impl="xla", deferred=deferred)
   return FuseAnalysis(jaxpr, consts, jax.tree_util.tree_structure(out_shape), plan,
                       tuple(sorted(removed.items())), tuple(scaled), tuple(copies),

@@ -196,9 +196,10 @@ def _chain(level, reader, y, s, dim_y: int) -> tuple:
   return tuple(n.eqn for n in nodes)
 
 
-def analyse(level, accepted: list, names: list, modified: set) -> tuple:
+def analyse(level, accepted: list, names: list, modified: set, fuse_sites: list) -> tuple:
   """``(entries, sites)`` for fused sites ``accepted`` (``(affine, readers)``
-  pairs); ``modified``: paths of the nodes the fused plan changes."""
+  pairs); ``modified``: paths of the nodes the fused plan changes;
+  ``fuse_sites``: every affine site (those not fused are not deferred either)."""
   entries, sites = [], []
   for aff, readers in accepted:
     where = aff.y.producer.where()
@@ -227,7 +228,11 @@ def analyse(level, accepted: list, names: list, modified: set) -> tuple:
     sites.append(DeferSite(where, labels, True,
                            f"deferred: {', '.join(map(param_label, labels))} read the "
                            "un-normalized input, outputs scaled by the per-row statistic"))
-  return tuple(entries), tuple(sites)
+  # One row per affine site, in fuse's order.
+  mine, out = iter(sites), []
+  for f in fuse_sites:
+    out.append(next(mine) if f.fused else DeferSite(f.where, (), False, "not deferred: " + f.reason))
+  return tuple(entries), tuple(out)
 
 
 # ----------------------------------------------------------------------------
