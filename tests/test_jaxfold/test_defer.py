@@ -137,6 +137,10 @@ def test_zoo_deferred_equals_original(x64, name):
   d = jaxfold.defer_norms(fu)
   assert d.report.num_deferred == fu.report.num_fused == folded.report.num_folded
   assert max(errors(name, d)) < 1e-9
+  from zoo_fused import inputs, shapes
+  ids = inputs(name, *shapes(name)[0])
+  assert normalized_reads(fu.apply_fn, fu.params, *ids) > 0
+  assert normalized_reads(d.apply_fn, d.params, *ids) == 0
 
 
 def test_post_ln_bert_nothing_deferred(x64):
@@ -342,3 +346,18 @@ def test_bf16_within_the_originals_own_rounding():
     orig = rel_err(ref, bf16_block(p, jnp.asarray(x)))
     new = rel_err(ref, d.apply_fn(d.params, jnp.asarray(x)))
     assert new <= max(2 * orig, 1e-3) and new <= 2 ** -5, (orig, new)
+
+
+def test_save_load_and_export_keep_the_deferral(x64, tmp_path):
+  from zoo_fused import inputs, original, shapes
+  _, fu = fused("gpt2-tiny")
+  d = jaxfold.defer_norms(fu)
+  jaxfold.save_fold(d, tmp_path / "d")
+  apply, p = original("gpt2-tiny")
+  back = jaxfold.load_fold(tmp_path / "d", apply)
+  assert back.report.num_deferred == d.report.num_deferred == 5
+  ids = inputs("gpt2-tiny", *shapes("gpt2-tiny")[1])
+  assert normalized_reads(back.apply_fn, back.params, *ids) == 0
+  assert max(errors("gpt2-tiny", back)) < 1e-9
+  fn = jaxfold.load_exported(jaxfold.export(d, *ids, symbolic=None))
+  assert rel_err(apply(p, *ids), fn(*ids)) < 1e-9
