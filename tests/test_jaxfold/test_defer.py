@@ -281,7 +281,13 @@ def class_token(p, x):
   return y[:, 0] @ p["w2"] + y[:, 2] @ p["w2"]           # rows sliced before the contraction
 
 
-@pytest.mark.parametrize("fn", [bias_then_gelu, transposed_reader, class_token])
+def rhs_reader(p, x):
+  y = _ln(_stem(p, x), p["g"], p["beta"])
+  out = jax.lax.dot_general(p["w2"], y, (((0,), (2,)), ((), ())))   # y is the right operand
+  return jnp.moveaxis(out, 0, -1) + p["b2"]
+
+
+@pytest.mark.parametrize("fn", [bias_then_gelu, transposed_reader, class_token, rhs_reader])
 def test_deferred_readers(x64, fn):
   rng = np.random.default_rng(1)
   p = _base(rng, {"w5": (D, 5)}.items())
