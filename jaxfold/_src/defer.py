@@ -16,9 +16,10 @@ Proof obligations, each checked on the traced folded program (the one
 ``fuse_affine`` analysed), per reader:
 
 * ``y``'s exact canonical form, with ``x`` and ``s`` as opaque atoms, is
-  ``γ_d · x · s + β_d`` (γ, β this site's parameter vectors along d), and no
-  operation between ``{x, s, γ, β}`` and ``y`` is changed by the fused plan
-  (so the identity still holds at run time, where γ = 1 and β = 0);
+  ``γ_d · x · s + β_d`` (or ``γ_d · x · s⁻¹ + β_d``: ``x / sqrt(var + ε)``;
+  γ, β this site's parameter vectors along d), and no operation between
+  ``{x, s, γ, β}`` and ``y`` is changed by the fused plan (so the identity
+  still holds at run time, where γ = 1 and β = 0);
 * ``s`` is constant along d (the analysis's facts, not its shape);
 * the reader's operand is ``y`` seen through single-operand re-indexing steps
   (reshape, transpose, broadcast, squeeze, slice, rev, copy, dtype converts),
@@ -66,6 +67,7 @@ class Deferred:
   shape: tuple             # y's shape (s broadcasts to it)
   chain: tuple             # re-indexing equations from y to the operand, y first
   dim: int                 # the contracted dim at the operand
+  invert: bool = False     # the norm divides by s (x / s)
 
 
 def _prims(*names):
@@ -106,8 +108,8 @@ def _cone(level, y) -> tuple:
   return order, frontier
 
 
-def _is_form(level, y, aff, x, s) -> bool:
-  """canon(y) == γ_d · x · s + β_d exactly, x and s opaque."""
+def _is_form(level, y, aff, x, s, invert: bool) -> bool:
+  """canon(y) == γ_d · x · s + β_d (``1/s`` with ``invert``) exactly, x and s opaque."""
   e = level.canon(y)
   rest = dict(e.terms)
   if aff.beta is not None:
@@ -122,32 +124,43 @@ def _is_form(level, y, aff, x, s) -> bool:
   gammas = [f for f in m if _leaf_vector(level, f, aff.gamma, aff.dim, y.shape)]
   if c != 1 or len(gammas) != 1 or m.count(gammas[0]) != 1:
     return False
-  want = A.mul(A.mul(A.single(gammas[0]), level.atom(x)), level.atom(s))
+  sv = A.inv(level.atom(s), s.shape) if invert else level.atom(s)
+  want = A.mul(A.mul(A.single(gammas[0]), level.atom(x)), sv)
   return want.terms == {m: c}
 
 
 def _statistic(level, aff) -> tuple:
-  """``(x, s)`` with ``y = γ ⊙ x ⊙ s + β`` and ``s`` constant along d; raises Block."""
+  """``(x, s, invert)`` with ``y = γ ⊙ x ⊙ s + β`` (``x / s`` with ``invert``)
+  and ``s`` constant along d; raises Block."""
+  from jaxfold._src.program import Val
   y, d = aff.y, aff.dim
   order, boundary = _cone(level, y)
-  vals = [v for v in order[1:] + boundary if jnp.issubdtype(v.dtype, jnp.inexact)]
-  full = [v for v in vals if v.shape == y.shape]
-  stats = [v for v in vals if len(v.shape) == len(y.shape)
+  # Only factors of a product or quotient can be x and s (a search, not a
+  # proof: the canonical check below decides).
+  ops: dict = {}
+  for v in order:
+    node = v.producer
+    if node is not None and not node.subs and node.prim.name in ("mul", "div"):
+      for k, a in enumerate(node.ins):
+        if isinstance(a, Val) and jnp.issubdtype(a.dtype, jnp.inexact):
+          ops.setdefault(a, set()).add(node.prim.name == "div" and k == 1)
+  full = [v for v in ops if v.shape == y.shape]
+  stats = [(v, inv) for v in ops for inv in sorted(ops[v]) if len(v.shape) == len(y.shape)
            and all(a in (1, b) for a, b in zip(v.shape, y.shape))
            and level.facts(v).value is None and level.constant_along(v, (d,), y.shape)]
   # Atoms beyond the cone keep every canonical form local to it.
   base = {b: level.atom(b) for b in boundary}
-  for x in reversed(full):        # farthest first: the norm's input
-    for s in stats:
+  for x in full:
+    for s, invert in stats:
       if s is x:
         continue
       with level.assuming({**base, x: level.atom(x), s: level.atom(s)}):
         try:
-          ok = _is_form(level, y, aff, x, s)
+          ok = _is_form(level, y, aff, x, s, invert)
         except A.Unrepresentable:
           ok = False
       if ok:
-        return x, s
+        return x, s, invert
   raise Block("its output is not γ ⊙ x ⊙ s + β with a statistic s constant along the "
               "normalized dim")
 
@@ -206,7 +219,7 @@ def analyse(level, accepted: list, names: list, modified: set, fuse_sites: list)
     labels = tuple(names[r.leaf] for r in readers)
     mine = []
     try:
-      x, s = _statistic(level, aff)
+      x, s, invert = _statistic(level, aff)
       region = _region(level, aff.y, {x, s})
       if region is None or any(n.path in modified for n in region):
         raise Block("the fused plan changes an operation between its input and its output")
@@ -220,7 +233,7 @@ def analyse(level, accepted: list, names: list, modified: set, fuse_sites: list)
         except Block as err:
           raise Block(tag + str(err)) from err
         mine.append(Deferred(r.node.path, 1 - r.w_side, x.key, s.key, aff.y.shape, chain,
-                             r.y_dim))
+                             r.y_dim, invert))
     except Block as err:
       sites.append(DeferSite(where, labels, False, f"not deferred: {err}"))
       continue
@@ -259,7 +272,8 @@ def run(entry: Deferred, eqn: Any, invals: list, values: dict) -> Optional[list]
   other = out.ndim - r.ndim
   r = r.reshape(r.shape + (1,) * other if entry.operand == 0 else (1,) * other + r.shape)
   wide = jnp.promote_types(out.dtype, r.dtype)
-  return [(out.astype(wide) * r.astype(wide)).astype(out.dtype)]
+  r = 1 / r.astype(wide) if entry.invert else r.astype(wide)
+  return [(out.astype(wide) * r).astype(out.dtype)]
 
 
 # ----------------------------------------------------------------------------

@@ -46,7 +46,7 @@ def _live_eqns(jaxpr):
 
 
 def normalized_reads(fn, *args) -> int:
-  """Live contractions with an operand computed from an rsqrt within four
+  """Live contractions with an operand computed from an rsqrt or sqrt within four
   steps: the ones that read a normalized tensor."""
   jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
   made = {v: e for e in jaxpr.eqns for v in e.outvars}
@@ -61,7 +61,7 @@ def normalized_reads(fn, *args) -> int:
         e = made.get(v) if compat.is_var(v) else None
         if e is None:
           continue
-        hit |= e.primitive.name == "rsqrt"
+        hit |= e.primitive.name in ("rsqrt", "sqrt")
         nxt += list(e.invars)
       frontier = nxt
     count += hit
@@ -287,7 +287,15 @@ def rhs_reader(p, x):
   return jnp.moveaxis(out, 0, -1) + p["b2"]
 
 
-@pytest.mark.parametrize("fn", [bias_then_gelu, transposed_reader, class_token, rhs_reader])
+def divided_norm(p, x):
+  h = _stem(p, x)
+  m = h.mean(-1, keepdims=True)
+  y = (h - m) / jnp.sqrt(jnp.square(h - m).mean(-1, keepdims=True) + 1e-5) * p["g"] + p["beta"]
+  return y @ p["w2"]                                    # the statistic divides: x / s
+
+
+@pytest.mark.parametrize("fn", [bias_then_gelu, transposed_reader, class_token, rhs_reader,
+                                divided_norm])
 def test_deferred_readers(x64, fn):
   rng = np.random.default_rng(1)
   p = _base(rng, {"w5": (D, 5)}.items())
