@@ -301,8 +301,11 @@ def defer_norms(model: Any, *example_args: Any) -> Any:
     >>> bool(jnp.allclose(d.apply_fn(d.params, x), m.apply(p, x), atol=1e-5))
     True
   """
-  from jaxfold._src import affine
+  from jaxfold._src import affine, rotate
   fn = getattr(model, "apply_fn", None)
+  if isinstance(fn, rotate.RotatedApply):
+    raise affine.FuseError("defer_norms takes the fused model, before rotate: "
+                           "jaxfold.rotate(jaxfold.defer_norms(fused), q)")
   if not isinstance(fn, affine.FusedApply):
     if not hasattr(model, "params") or not callable(fn):
       raise affine.FuseError(f"defer_norms takes a jaxfold.Fused or jaxfold.Folded, got "

@@ -131,6 +131,16 @@ def test_the_statistic_is_what_makes_it_exact(x64, monkeypatch):
   assert rel_err(ref, d.apply_fn(d.params, x)) > 1e-3
 
 
+def test_composes_with_rotate(x64):
+  from test_rotate import hadamard
+  _, fu = fused("gpt2-tiny")
+  d = jaxfold.defer_norms(fu)
+  rotated = jaxfold.rotate(d, hadamard(32))
+  assert max(errors("gpt2-tiny", rotated)) < 1e-9
+  with pytest.raises(jaxfold.FuseError, match="before rotate"):
+    jaxfold.defer_norms(rotated)
+
+
 @pytest.mark.parametrize("name", ZOO)
 def test_zoo_deferred_equals_original(x64, name):
   folded, fu = fused(name)
