@@ -65,7 +65,7 @@ class FuseReport:
   """What ``fuse_affine`` did, per affine site."""
   sites: tuple
   extra_bytes: int = 0    # untied weight copies and new biases
-  deferred: tuple = ()    # defer.DeferSite per fused site, with defer_norms
+  deferred: tuple = ()    # defer.DeferSite per affine site, with defer_norms
 
   @property
   def num_fused(self) -> int:
