@@ -9,6 +9,8 @@ Public API:
   IntegrityError: a saved fold or an artifact is damaged, truncated or foreign
   JaxfoldError (a ValueError): every refusal; FoldError, FuseError and RotateError (a FuseError)
   fuse_affine(folded) -> Fused(params, apply_fn, report)   (γ/β into the readers; or fold(..., fuse_affine=True))
+  defer_norms(fused) -> Fused   (readers contract the un-normalized input, scaled per row;
+                                 or fold(..., defer_norms=True))
   rotate(fused, q) -> Rotated(params, apply_fn, report)     (orthogonal q on the residual stream)
   keras_params(model) -> (params, apply_fn)   (a Keras 3 model, JAX backend; keras imported lazily)
   keras_assign(model, folded_or_params)      (writes parameters back into the Keras model's variables)
@@ -24,6 +26,7 @@ from jaxfold._src.integrity import IntegrityError
 from jaxfold._src.report import Auxiliary, Centering, Changes, Report, Site
 from jaxfold._src.affine import Fused, FusedParams, FuseReport, fuse_affine
 from jaxfold._src.errors import FuseError, JaxfoldError, RotateError
+from jaxfold._src.defer import DeferSite, defer_norms
 from jaxfold._src.rotate import Rotated, RotateReport, rotate
 from jaxfold._src.frameworks.keras import KerasParams, keras_assign, keras_params
 from jaxfold._src.serialization import load_fold, save_fold
@@ -32,6 +35,7 @@ __all__ = ["fold", "cbwc", "Folded", "FoldedParams", "FoldOptions", "Reparameter
            "Report", "Site", "Centering", "Auxiliary", "Changes", "export", "load_exported",
            "save_fold", "load_fold", "IntegrityError", "optax_transforms", "exporting",
            "serialization", "benchmarking"]
+__all__ += ["defer_norms", "DeferSite"]
 __all__ += ["fuse_affine", "Fused", "FusedParams", "FuseError", "FuseReport", "rotate", "Rotated",
             "RotateReport", "RotateError", "JaxfoldError", "keras_params", "keras_assign", "KerasParams"]
 __version__ = "0.1.0"

@@ -63,6 +63,7 @@ class FuseReport:
   extra_bytes: int = 0    # untied weight copies and new biases
   kernels: int = 0        # norms the RMSNorm kernel computes in the fused program
   norm_impl: str = "xla"  # the fold's, kept for the fused program
+  deferred: tuple = ()    # defer.DeferSite per affine site, with defer_norms
 
   @property
   def num_fused(self) -> int:
@@ -78,7 +79,16 @@ class FuseReport:
                  + (f"; {self.extra_bytes} extra bytes" if self.extra_bytes else "")
                  + (f"; {self.kernels} norm(s) as the RMSNorm kernel (norm_impl={self.norm_impl!r})"
                     if self.kernels else ""))
+    for i, s in enumerate(self.deferred):
+      lines.append(f"{i}  {'deferred' if s.deferred else 'normed':8}  {s.where}: {s.reason}")
+    if self.deferred:
+      lines.append(f"{self.num_deferred}/{len(self.deferred)} fused norms deferred (readers "
+                   "contract the un-normalized input)")
     return "\n".join(lines)
+
+  @property
+  def num_deferred(self) -> int:
+    return sum(s.deferred for s in self.deferred)
 
 
 class FusedParams(NamedTuple):
@@ -132,10 +142,14 @@ class FuseAnalysis:
   copies: tuple        # ((name, W index, γ index, dim), ...)
   biases: tuple        # ((name, β index, W index, W side, dimension numbers, y rank, y dim, dtype), ...)
   report: FuseReport
+  defer: bool = False  # defer_norms: deferred readers are in plan.deferred
 
   @property
   def key(self) -> tuple:
-    return (self.removed, self.scaled, self.copies, tuple(b[:4] + b[5:8] for b in self.biases))
+    key = (self.removed, self.scaled, self.copies, tuple(b[:4] + b[5:8] for b in self.biases))
+    if self.defer:
+      key += (tuple((e.path, e.operand) for e in self.plan.deferred),)
+    return key
 
 
 def _leaf_of(v: Any, level: Level) -> Optional[int]:
@@ -421,7 +435,7 @@ def _readers(level: Level, aff: _Affine) -> list:
   return out
 
 
-def analyse(fn: Callable, params: Any, args: tuple) -> FuseAnalysis:
+def analyse(fn: Callable, params: Any, args: tuple, defer: bool = False) -> FuseAnalysis:
   # A fold's RMSNorm kernel call hides the norm's γ and β: read the folded
   # program's XLA expression, and choose the kernels again once γ and β are
   # fused (the kernel then runs without them).
@@ -433,6 +447,7 @@ def analyse(fn: Callable, params: Any, args: tuple) -> FuseAnalysis:
   names = traced.names
   removed, scaled, copies, biases, untied, plan_biases, sites = {}, [], [], [], [], [], []
   extra, ys, changed, epilogues = 0, [], [], ()
+  accepted, deferred, dsites = [], (), ()
   with pipeline.analyzer(traced) as an:
     level = an.top
     found = {}
@@ -459,6 +474,7 @@ def analyse(fn: Callable, params: Any, args: tuple) -> FuseAnalysis:
       except Block as err:
         sites.append(AffineSite(where, gname, bname, (), False, f"not fused: {err}"))
         continue
+      accepted.append((aff, readers))
       removed[aff.gamma] = 1
       if aff.beta is not None:
         removed[aff.beta] = 0
@@ -493,15 +509,36 @@ def analyse(fn: Callable, params: Any, args: tuple) -> FuseAnalysis:
                    "another point)")
       sites.append(AffineSite(where, gname, bname, tuple(names[r.leaf] for r in readers), True,
                               reason))
+    if defer:
+      from jaxfold._src import defer as deferral  # noqa: PLC0415 - defer.py imports this module
+      modified = {r.node.path for _, rs in accepted for r in rs}
+      deferred, dsites = deferral.analyse(level, accepted, names, modified, sites)
     if kernels.may_use_kernel(norm_impl):
       epilogues = _kernel_epilogues(level, removed, changed)
+      # A deferred norm's output is dead: no kernel computes it.
+      dead = [aff.y for (aff, _), d in zip(accepted, dsites) if d.deferred]
+      epilogues = [(ep, out) for ep, out in epilogues if not any(_reaches(out, y) for y in dead)]
       sites = [_with_kernel(level, site, y, epilogues) for site, y in zip(sites, ys)]
       epilogues = tuple(ep for ep, _ in epilogues)
   plan = Plan(untied=tuple(untied), biases=tuple(plan_biases), epilogues=epilogues,
-              norm_impl=norm_impl)
+              norm_impl=norm_impl, deferred=deferred)
   return FuseAnalysis(traced.jaxpr, traced.consts, traced.out_tree, plan,
                       tuple(sorted(removed.items())), tuple(scaled), tuple(copies),
-                      tuple(biases), FuseReport(tuple(sites), extra, len(epilogues), norm_impl))
+                      tuple(biases), FuseReport(tuple(sites), extra, len(epilogues), norm_impl, dsites),
+                      defer)
+
+
+def _reaches(out: Val, y: Val) -> bool:
+  """``out`` is ``y`` or a single-operand step (a cast) of it, at most 4 deep."""
+  v = out
+  for _ in range(4):
+    if v is y:
+      return True
+    node = v.producer
+    if node is None or node.subs or len(node.ins) != 1 or not isinstance(node.ins[0], Val):
+      return False
+    v = node.ins[0]
+  return False
 
 
 def _kernel_epilogues(level: Level, removed: dict, changed: list) -> list:
@@ -519,17 +556,11 @@ def _with_kernel(level: Level, site: AffineSite, y: Val, epilogues: list) -> Aff
   """``site`` with its norm's implementation in the reason: the kernel when
   one replaces ``y`` or a cast of it."""
   for ep, out in epilogues:
-    v = out
-    for _ in range(4):
-      if v is y:
-        params = "without γ, β" if site.fused else "with its γ, β"
-        how = " (fused with its residual add)" if ep.add_path is not None else ""
-        return dataclasses.replace(
-            site, reason=f"{site.reason}; the norm runs as the RMSNorm kernel {params}{how}")
-      node = v.producer
-      if node is None or node.subs or len(node.ins) != 1 or not isinstance(node.ins[0], Val):
-        break
-      v = node.ins[0]
+    if _reaches(out, y):
+      params = "without γ, β" if site.fused else "with its γ, β"
+      how = " (fused with its residual add)" if ep.add_path is not None else ""
+      return dataclasses.replace(
+          site, reason=f"{site.reason}; the norm runs as the RMSNorm kernel {params}{how}")
   return dataclasses.replace(site, reason=f"{site.reason}; XLA computes the norm (no kernel proof)")
 
 
@@ -610,7 +641,7 @@ class FusedApply(PipelineApply):
     return self.analysed(self.bind(args, kwargs))
 
   def _analyse(self, call: Call) -> FuseAnalysis:
-    an = analyse(call.fn, self._params, pipeline.abstract_tree(call.args, FuseError))
+    an = analyse(call.fn, self._params, pipeline.abstract_tree(call.args, FuseError), self._base.defer)
     if an.key != self._base.key:
       raise FuseError(f"inputs of these shapes ({pipeline.shapes_text(call.args)}) fuse differently from "
                       "the example fuse_affine was given; call fuse_affine again for them")

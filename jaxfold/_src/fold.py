@@ -417,7 +417,7 @@ def _refuse_traced(params: Any) -> None:
 def fold(params: Any, apply_fn: Callable, *example_args: Any,
          auxiliary_centering: bool = True, tied_weights: TiedWeights = "auto",
          norm_impl: NormImpl = "auto", example_kwargs: Optional[dict] = None,
-         fuse_affine: bool = False) -> Folded:
+         fuse_affine: bool = False, defer_norms: bool = False) -> Folded:
   """Folds every provably foldable LayerNorm/GroupNorm of ``apply_fn`` into an RMSNorm.
 
   Args:
@@ -444,6 +444,8 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
       re-analyse once per value.
     fuse_affine: also move the folded norms' γ and β into the layers that
       read them (``jaxfold.fuse_affine`` of the fold; returns its ``Fused``).
+    defer_norms: also defer the fused norms into their readers
+      (``jaxfold.defer_norms``; implies ``fuse_affine``).
 
   Returns:
     ``Folded(params, apply_fn, report)`` (``Fused`` with ``fuse_affine``).
@@ -476,6 +478,9 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
   new_params = FoldedParams(new_params, extras)
   fn = FoldedApply(apply_fn, pipeline.abstract_tree(params), tree, opts, an, call, False, example_args,
                    example_kwargs)
+  if defer_norms:
+    from jaxfold._src.defer import defer_norms as defer  # noqa: PLC0415 - composes after the fold
+    return defer(Folded(new_params, fn, an.report))
   if fuse_affine:
     from jaxfold._src.affine import fuse_affine as fuse  # noqa: PLC0415 - composes after the fold
     return fuse(Folded(new_params, fn, an.report))

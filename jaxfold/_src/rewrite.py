@@ -34,12 +34,14 @@ class Plan:
   epilogues: tuple = ()                       # kernels.Epilogue of proven sites
   norm_impl: str = "auto"                     # see kernels.IMPLS
   biases: tuple = ()                          # ((val key, extras name), ...): added to the value
+  deferred: tuple = ()                        # defer.Deferred: contractions reading x, scaled by s
 
   @property
   def touched(self) -> frozenset:
     paths = set(self.zero) | {k[0] for k, _ in self.aux} | {k[0] for k, _ in self.consts}
     paths |= {u for u, *_ in self.untied}
     paths |= {k[0] for k, _ in self.biases}
+    paths |= {e.path for e in self.deferred} | {k[0] for e in self.deferred for k in (e.x, e.s)}
     if self.norm_impl != "xla":
       paths |= {e.out_path for e in self.epilogues}
       paths |= {e.add_path for e in self.epilogues if e.add_path is not None}
@@ -120,6 +122,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
   biases = dict(plan.biases)
   centered = dict(plan.consts)
   untied = {(u, k): (name, chain) for u, k, name, chain in plan.untied}
+  deferred = {e.path: e for e in plan.deferred}
   touched = plan.touched
 
   def read(a):
@@ -156,6 +159,9 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
     elif path in fused_at and (path, "out", 0) not in aux and (path, "out", 0) not in biases:
       # (the kernel's sum must be the value every consumer reads, unchanged)
       outs = _fused(fused_at[path], eqn, invals, values, plan)
+    if outs is None and path in deferred:
+      from jaxfold._src import defer  # noqa: PLC0415 - defer.py imports this module
+      outs = defer.run(deferred[path], eqn, invals, values)
     if outs is not None:
       pass
     elif path in plan.zero:

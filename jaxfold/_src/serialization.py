@@ -227,6 +227,8 @@ def _transforms_info(chain: list) -> list:
     if name == "fuse_affine":
       an = fn._base
       out.append({"name": name, "num_fused": an.report.num_fused, "key_sha256": _key_digest(an.key)})
+      if an.defer:  # defer_norms: redone on load (an older jaxfold ignores it: same function)
+        out[-1]["defer_norms"] = True
     else:
       out.append({"name": name, "size": fn._n,
                   "rotated": [[int(i), [int(d) for d in dims]] for i, dims in fn._key],
@@ -757,7 +759,7 @@ def _load_chain(copy: str, directory: str, apply_fn: Callable, info: dict, args:
   for k, step in enumerate(steps):
     name = step.get("name")
     if name == "fuse_affine":
-      an = affine.analyse(fn, struct, tuple(args))
+      an = affine.analyse(fn, struct, tuple(args), defer=bool(step.get("defer_norms")))
       if verify and (_key_digest(an.key) != step.get("key_sha256")
                      or an.report.num_fused != step.get("num_fused")):
         raise refuse(f"fuse_affine ({an.report.num_fused} sites fused now, {step.get('num_fused')} "
