@@ -219,6 +219,7 @@ class Instr:
     operands: list[str]
     attrs: str
     computation: str
+    args: str = ""  # the text between the opcode's parentheses (a parameter's number)
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
@@ -258,7 +259,7 @@ def parse_hlo(text: str) -> tuple[dict[str, Instr], dict[str, list[str]], str]:
         opcode = op_m.group(1)
         close = _matching(rest, op_m.end() - 1)
         operands = re.findall(r"%([\w.\-]+)", rest[op_m.end(): close])
-        instrs[name] = Instr(name, shape, opcode, operands, rest[close + 1:], comp)
+        instrs[name] = Instr(name, shape, opcode, operands, rest[close + 1:], comp, rest[op_m.end(): close])
         comps[comp].append(name)
     return instrs, comps, entry
 
@@ -268,6 +269,35 @@ def _called(ins: Instr) -> list[str]:
     for group in re.findall(r"(?:branch_computations|called_computations)=\{([^}]*)\}", ins.attrs):
         out += re.findall(r"%([\w.\-]+)", group)
     return out
+
+
+def _operand_read_bytes(ins: Instr, instrs: dict[str, Instr], comps: dict[str, list[str]]) -> int:
+    """Bytes a launch reads from its operands: each operand once, except that an operand
+    read only by gathers/dynamic slices (an embedding table, a KV-cache slice) is charged
+    for the rows they read (their results), not for the whole array."""
+    def full(o: str) -> int:
+        return shape_bytes(instrs[o].shape) if o in instrs else 0
+
+    def partial_reads(users: list[Instr], param: str) -> Optional[int]:
+        if users and all(u.opcode in ("gather", "dynamic-slice") and u.operands[:1] == [param] for u in users):
+            return sum(shape_bytes(u.shape) for u in users)
+        return None
+
+    if ins.opcode in ("gather", "dynamic-slice"):
+        got = partial_reads([ins], ins.operands[0]) if ins.operands else None
+        return (min(got, full(ins.operands[0])) if got is not None else full(ins.operands[0])) + sum(
+            full(o) for o in ins.operands[1:])
+    called = _called(ins) if ins.opcode == "fusion" else []
+    body = comps.get(called[0], []) if called else []
+    params = {instrs[n].args.strip(): n for n in body if instrs[n].opcode == "parameter"}
+    total = 0
+    for i, o in enumerate(ins.operands):
+        p = params.get(str(i))
+        got = None
+        if p is not None:
+            got = partial_reads([instrs[n] for n in body if p in instrs[n].operands], p)
+        total += full(o) if got is None else min(got, full(o))
+    return total
 
 
 def _dims_attr(attrs: str, key: str) -> list[int]:
@@ -332,8 +362,9 @@ class Kernel:
 
     @property
     def bytes(self) -> int:
-        """Modelled HBM traffic: every operand read once, every result written once
-        (a cuBLAS/cuDNN workspace is not counted)."""
+        """Modelled HBM traffic: every operand read once (an operand read only by
+        gathers/dynamic slices: the rows they read), every result written once (a
+        cuBLAS/cuDNN workspace is not counted)."""
         return self.operand_bytes + self.result_bytes
 
 
@@ -408,19 +439,21 @@ class Compilation:
 
 def compile(fn: Callable[..., Any], *args: Any, target: str = "h100",  # noqa: A001 - mirrors jax's .compile
             dump_dir: Optional[str] = None, keep_dump: bool = False,
-            compiler_options: Optional[dict[str, Any]] = None) -> Compilation:
+            compiler_options: Optional[dict[str, Any]] = None,
+            jit_kwargs: Optional[dict[str, Any]] = None) -> Compilation:
     """``jax.jit(fn).lower(*args).compile()`` for ``target``, with XLA's dump read back.
 
     ``args`` are arrays or ShapeDtypeStructs (pytrees); they are re-placed on
     the target's compile-only device. ``dump_dir`` (default: a temporary
     directory, removed unless ``keep_dump``) receives XLA's dump;
-    ``compiler_options`` are extra XLA debug options.
+    ``compiler_options`` are extra XLA debug options; ``jit_kwargs`` go to
+    ``jax.jit`` (e.g. ``donate_argnums``).
     """
     t = _lookup(target)
     placed = on_target(args, target)
     tmp = dump_dir or tempfile.mkdtemp(prefix=f"aot_{target}_")
     try:
-        compiled = jax.jit(fn).lower(*placed).compile(
+        compiled = jax.jit(fn, **(jit_kwargs or {})).lower(*placed).compile(
             compiler_options={**(compiler_options or {}), "xla_dump_to": tmp})
         return _read_dump(t, tmp, compiled)
     finally:
@@ -469,7 +502,7 @@ def _read_dump(t: Target, d: str, compiled: Any) -> Compilation:
             if ins.opcode == "custom-call":
                 m = re.search(r'custom_call_target="([^"]*)"', ins.attrs)
                 cc_target = m.group(1) if m else ""
-            operand_bytes = sum(shape_bytes(instrs[o].shape) for o in ins.operands if o in instrs)
+            operand_bytes = _operand_read_bytes(ins, instrs, comps)
             result_bytes = shape_bytes(ins.shape) - _scratch_bytes(ins.shape, cc_target)
             flops, fdt, reduces = flops_of(annot, set())
         if name in FWD_KERNELS:
