@@ -469,7 +469,9 @@ def _fractions(rec: dict) -> dict:
         m["fraction_left"] = {}
         for key, _ in BOUND_METRICS:
             over = o[key] - nf[key]
-            m["fraction_left"][key] = (m[key] - nf[key]) / over if over > 0 else None
+            # None where the original's overhead over the bound is below 0.1% of it (or negative):
+            # a ratio of two differences that small says nothing (decode bytes: weights + cache)
+            m["fraction_left"][key] = (m[key] - nf[key]) / over if over > 1e-3 * o[key] else None
         extra = kernel_kinds(m["kernels"]) - bound
         m["extra_over_bound"] = dict(sorted(extra.items(), key=lambda kv: (-kv[1], kv[0])))
     return rec
@@ -606,7 +608,7 @@ def bound_main(args, argv) -> int:
         for path in args.bound_from.split(","):
             with open(path) as f:
                 d = json.load(f)
-            records += d["records"]
+            records += [_fractions(r) for r in d["records"]]
             walls.append(f"{d['wall_s']:.0f} s ({d['command']})")
         log(f"merged {len(records)} records from {args.bound_from}")
     for name in names:
@@ -659,7 +661,10 @@ def bound_main(args, argv) -> int:
         + "; `norm-free` = every flax norm replaced by the identity through `flax.linen.intercept_methods` "
         "(**not a correct model**: the lower bound)",
         "- **left** = (variant - norm-free) / (original - norm-free) per metric: 1 = all of the original's "
-        "norm overhead, 0 = at the bound; `(k of n)` = launches over the bound / the original's",
+        "norm overhead, 0 = at the bound, < 0 = below the identity program (XLA fuses the norm-free program "
+        "differently, e.g. the residual add into a GEMM epilogue, so it is a bound on launches, not exactly "
+        "on bytes); `n/a` = the original's overhead is under 0.1% of it (decode bytes are weights + KV cache); "
+        "`(k of n)` = launches over the bound / the original's",
         f"- shapes: prefill `b x s`; `decode b@{args.cache_len}` = one new token per sequence against a KV "
         f"cache of {args.cache_len} positions (`models.common.kv_cache`: q from the new token, K/V = cache "
         "concatenated with the token's own); `8x1 (no cache)` = eight one-token sequences (issue 20's "

@@ -271,19 +271,23 @@ def _called(ins: Instr) -> list[str]:
     return out
 
 
+_PARTIAL_READS = ("gather", "dynamic-slice", "slice")  # ops that read part of their first operand
+
+
 def _operand_read_bytes(ins: Instr, instrs: dict[str, Instr], comps: dict[str, list[str]]) -> int:
     """Bytes a launch reads from its operands: each operand once, except that an operand
-    read only by gathers/dynamic slices (an embedding table, a KV-cache slice) is charged
-    for the rows they read (their results), not for the whole array."""
+    read only by gathers/slices/dynamic slices (an embedding table, the first rows of a
+    position table) is charged for the elements they read (their results), not for the
+    whole array."""
     def full(o: str) -> int:
         return shape_bytes(instrs[o].shape) if o in instrs else 0
 
     def partial_reads(users: list[Instr], param: str) -> Optional[int]:
-        if users and all(u.opcode in ("gather", "dynamic-slice") and u.operands[:1] == [param] for u in users):
+        if users and all(u.opcode in _PARTIAL_READS and u.operands[:1] == [param] for u in users):
             return sum(shape_bytes(u.shape) for u in users)
         return None
 
-    if ins.opcode in ("gather", "dynamic-slice"):
+    if ins.opcode in _PARTIAL_READS:
         got = partial_reads([ins], ins.operands[0]) if ins.operands else None
         return (min(got, full(ins.operands[0])) if got is not None else full(ins.operands[0])) + sum(
             full(o) for o in ins.operands[1:])
@@ -363,7 +367,7 @@ class Kernel:
     @property
     def bytes(self) -> int:
         """Modelled HBM traffic: every operand read once (an operand read only by
-        gathers/dynamic slices: the rows they read), every result written once (a
+        gathers/slices: the elements they read), every result written once (a
         cuBLAS/cuDNN workspace is not counted)."""
         return self.operand_bytes + self.result_bytes
 
