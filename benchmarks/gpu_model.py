@@ -56,13 +56,15 @@ the last wave's efficiency).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import math
 import os
+import re
 import sys
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as `python benchmarks/gpu_model.py` from a source tree
@@ -276,6 +278,417 @@ def zoo_compile(name: str, batch: int, seq: Optional[int], target: str) -> dict:
 
 
 # --------------------------------------------------------------------------
+# The norm-free bound: how much of the normalization overhead each variant leaves
+# --------------------------------------------------------------------------
+BOUND_MODELS = ("gpt2", "opt-125m", "phi-1.5", "vit-b/16")
+# Prefill: batch x sequence (images: the batch at 224 px, 197 tokens). Decode: one new token
+# per sequence against a KV cache of --cache-len positions (models.common.kv_cache); "8x1"
+# (eight one-token sequences, no cache) is the decode-like shape of issue 20's first numbers.
+BOUND_PREFILL = "2x1024,8x256,32x256"
+BOUND_DECODE = "1,8,64"
+BOUND_VARIANTS = ("original", "folded", "folded+fused", "folded+fused+deferred", "norm-free")
+BOUND_METRICS = (("launches", "launches"), ("bytes", "modelled bytes"), ("seconds", "modelled time"))
+_SUFFIX = re.compile(r"(?:[._]\d+)+$")
+
+
+def norm_free(fn: Callable) -> Callable:
+    """``fn`` with every flax ``LayerNorm``/``RMSNorm``/``GroupNorm`` call replaced by the identity.
+
+    NOT a correct model: the lower bound no normalization implementation can beat (same
+    program, no norm work at all). Built with ``flax.linen.intercept_methods``, so neither the
+    model code nor jaxfold changes; the norms' parameters stay arguments and are never read."""
+    import flax.linen as nn
+
+    norms = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
+
+    def identity(next_fun, args, kwargs, context):
+        if isinstance(context.module, norms) and context.method_name == "__call__":
+            return args[0]
+        return next_fun(*args, **kwargs)
+
+    def apply(params, *args):
+        with nn.intercept_methods(identity):
+            return fn(params, *args)
+
+    return apply
+
+
+def with_kv_cache(fn: Callable) -> Callable:
+    """``fn(params, ids)`` -> ``f(params, ids, keys, values)``: one decode step against a KV
+    cache (``models.common.kv_cache``; ``keys``/``values`` one (b, L, heads, head_dim) array per
+    layer)."""
+    from models.common import kv_cache
+
+    def decode(params, ids, keys, values):
+        with kv_cache(keys, values):
+            return fn(params, ids)
+
+    return decode
+
+
+def _heads(c) -> tuple[int, int, int]:
+    """(layers, heads, head_dim) of a text config."""
+    layers = next(getattr(c, k) for k in ("n_layer", "num_hidden_layers") if hasattr(c, k))
+    heads = next(getattr(c, k) for k in ("n_head", "num_attention_heads") if hasattr(c, k))
+    d = next(getattr(c, k) for k in ("n_embd", "hidden_size") if hasattr(c, k))
+    return layers, heads, d // heads
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    kind: str  # "prefill" | "decode" | "image"
+    batch: int
+    seq: int  # prefill: tokens; decode: new tokens (1); image: unused
+    cache: int = 0  # decode: cached positions
+
+    @property
+    def label(self) -> str:
+        if self.kind == "image":
+            return f"{self.batch}x224px"
+        if self.kind == "decode":
+            return f"decode {self.batch}@{self.cache}" if self.cache else f"{self.batch}x1 (no cache)"
+        return f"{self.batch}x{self.seq}"
+
+
+def bound_programs(name: str, shape: Shape) -> tuple[Callable, Any, tuple]:
+    """(apply_fn, params, args) of the original bf16 program (ShapeDtypeStructs)."""
+    import models
+
+    if shape.kind == "image":
+        return zoo_model(name, shape.batch, None)
+    fn, params, args = zoo_model(name, shape.batch, shape.seq)
+    if shape.kind == "decode" and shape.cache:
+        layers, heads, hd = _heads(models.get(name).config)
+        kv = tuple(jax.ShapeDtypeStruct((shape.batch, shape.cache, heads, hd), jnp.bfloat16) for _ in range(layers))
+        return with_kv_cache(fn), params, (*args, kv, kv)
+    return fn, params, args
+
+
+def _defer(fused, args):
+    """``jaxfold.defer_norms(fused)`` where it exists (None otherwise, with the reason)."""
+    import jaxfold
+
+    if not hasattr(jaxfold, "defer_norms"):
+        return None, "jaxfold.defer_norms not available in this jaxfold"
+    try:
+        try:
+            return jaxfold.defer_norms(fused), ""
+        except TypeError:
+            return jaxfold.defer_norms(fused, *args), ""
+    except Exception as e:  # noqa: BLE001 - a refusal is a result
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+def bound_variants(name: str, shape: Shape) -> tuple[dict, dict]:
+    """{variant: (apply_fn, params)} and per-variant notes (sites folded/fused/deferred, why absent)."""
+    import jaxfold
+
+    fn, params, args = bound_programs(name, shape)
+    out = {"original": (fn, params)}
+    notes: dict[str, str] = {}
+    folded = jaxfold.fold(params, fn, *args, norm_impl="pallas")
+    out["folded"] = (folded.apply_fn, folded.params)
+    notes["folded"] = f"{folded.report.num_folded}/{folded.report.num_sites} sites folded"
+    fused = None
+    try:
+        fused = jaxfold.fuse_affine(folded, *args)
+        out["folded+fused"] = (fused.apply_fn, fused.params)
+        notes["folded+fused"] = f"{fused.report.num_fused}/{len(fused.report.sites)} affine sites fused"
+    except Exception as e:  # noqa: BLE001 - a refusal is a result
+        notes["folded+fused"] = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    if fused is not None:
+        deferred, why = _defer(fused, args)
+        if deferred is not None:
+            out["folded+fused+deferred"] = (deferred.apply_fn, deferred.params)
+            rep = getattr(deferred, "report", None)
+            n = getattr(rep, "num_deferred", None)
+            notes["folded+fused+deferred"] = f"{n} sites deferred" if n is not None else "deferred"
+        else:
+            notes["folded+fused+deferred"] = f"unavailable: {why}"
+    out["norm-free"] = (norm_free(fn), params)
+    notes["norm-free"] = "every norm = identity (not a correct model: the bound)"
+    return {k: (f, p, args) for k, (f, p) in out.items()}, notes
+
+
+def kernel_kinds(names: list[str]) -> collections.Counter:
+    """Launch names without XLA's numeric suffixes (``loop_add_fusion_3`` -> ``loop_add_fusion``)."""
+    return collections.Counter(_SUFFIX.sub("", n) for n in names)
+
+
+def _compile_any(fn, params, args, target: str):
+    try:
+        return aot.compile(fn, params, *args, target=target), "triton"
+    except Exception as e:  # noqa: BLE001 - only the known deviceless tiling failure
+        if "Couldn't find output tile sizes" not in str(e):
+            raise
+        return aot.compile(fn, params, *args, target=target, compiler_options=CUBLAS_OPTIONS), "cublas"
+
+
+def bound_compile(name: str, shape: Shape, target: str) -> dict:
+    """Every variant of ``name`` at ``shape`` compiled for ``target``: metrics, launches, fractions left."""
+    programs, notes = bound_variants(name, shape)
+    rec: dict = {"model": name, "shape": shape.label, "kind": shape.kind, "batch": shape.batch,
+                 "seq": shape.seq, "cache": shape.cache, "target": target, "notes": notes, "variants": {}}
+    gemms = "triton"
+    for v, (fn, params, args) in programs.items():
+        t0 = time.time()
+        if gemms == "cublas":
+            c = aot.compile(fn, params, *args, target=target, compiler_options=CUBLAS_OPTIONS)
+        else:
+            c, g = _compile_any(fn, params, args, target)
+            if g == "cublas" and v != "original":  # keep every variant on the same GEMMs
+                return _bound_all_cublas(name, shape, target, programs, rec)
+            gemms = g
+        rec["variants"][v] = _bound_summary(c, target, time.time() - t0)
+    rec["gemms"] = gemms
+    return _fractions(rec)
+
+
+def _bound_all_cublas(name, shape, target, programs, rec) -> dict:
+    rec["variants"] = {}
+    for v, (fn, params, args) in programs.items():
+        t0 = time.time()
+        c = aot.compile(fn, params, *args, target=target, compiler_options=CUBLAS_OPTIONS)
+        rec["variants"][v] = _bound_summary(c, target, time.time() - t0)
+    rec["gemms"] = "cublas"
+    return _fractions(rec)
+
+
+def _bound_summary(c, target: str, secs: float) -> dict:
+    return {"launches": c.launches(), "bytes": c.hbm_bytes, "seconds": modelled_seconds(c.kernels, target),
+            "flops": c.flops, "reductions": c.reductions(), "norm_kernels": c.launches(pk.FWD_KERNELS),
+            "kernels": [k.name for k in c.kernels], "compile_s": round(secs, 1)}
+
+
+def _fractions(rec: dict) -> dict:
+    """(variant - norm-free) / (original - norm-free) per metric, and the launches left over the bound."""
+    vs = rec["variants"]
+    o, nf = vs["original"], vs["norm-free"]
+    bound = kernel_kinds(nf["kernels"])
+    for m in vs.values():
+        m["fraction_left"] = {}
+        for key, _ in BOUND_METRICS:
+            over = o[key] - nf[key]
+            # None where the original's overhead over the bound is below 0.1% of it (or negative):
+            # a ratio of two differences that small says nothing (decode bytes: weights + cache)
+            m["fraction_left"][key] = (m[key] - nf[key]) / over if over > 1e-3 * o[key] else None
+        mine = kernel_kinds(m["kernels"])
+        extra, instead = mine - bound, bound - mine
+        m["extra_over_bound"] = dict(sorted(extra.items(), key=lambda kv: (-kv[1], kv[0])))
+        m["bound_only"] = dict(sorted(instead.items(), key=lambda kv: (-kv[1], kv[0])))
+    return rec
+
+
+def _frac(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+BOUND_COLUMNS = ["model", "shape", "target", "variant", "launches", "MB", "modelled us",
+                 "left: launches", "left: bytes", "left: time", "notes"]
+
+
+def bound_table(records: list[dict]) -> list[str]:
+    rows = []
+    for r in records:
+        o, nf = r["variants"]["original"], r["variants"]["norm-free"]
+        for v in BOUND_VARIANTS:
+            m = r["variants"].get(v)
+            note = r["notes"].get(v, "")
+            if m is None:
+                rows.append({"model": r["model"], "shape": r["shape"], "target": r["target"], "variant": v,
+                             "notes": note})
+                continue
+            fl = m["fraction_left"]
+            extra = m["launches"] - nf["launches"]
+            rows.append({
+                "model": r["model"], "shape": r["shape"], "target": r["target"], "variant": v,
+                "launches": m["launches"], "MB": _mb(m["bytes"]), "modelled us": f"{m['seconds'] * 1e6:.1f}",
+                "left: launches": (f"{_frac(fl['launches'])} ({extra} of {o['launches'] - nf['launches']})"
+                                   if v not in ("original", "norm-free") else _frac(fl["launches"])),
+                "left: bytes": _frac(fl["bytes"]), "left: time": _frac(fl["seconds"]),
+                "notes": note,
+            })
+    return markdown_table(rows, BOUND_COLUMNS)
+
+
+def bound_leftovers(records: list[dict], threshold: float = 0.10) -> list[str]:
+    """Per record and variant leaving > threshold of the launch overhead: the launches over the bound."""
+    out = []
+    for r in records:
+        for v in ("folded", "folded+fused", "folded+fused+deferred"):
+            m = r["variants"].get(v)
+            f = m and m["fraction_left"]["launches"]
+            if f is None or f <= threshold:
+                continue
+            items = ", ".join(f"{k} x{n}" for k, n in m["extra_over_bound"].items())
+            instead = ", ".join(f"{k} x{n}" for k, n in m.get("bound_only", {}).items()) or "nothing"
+            out.append(f"- {r['model']} {r['shape']} {r['target']} {v} ({_frac(f)} of the launch overhead "
+                       f"left): {items}; the bound has instead: {instead}")
+    return out
+
+
+def plot_bound(path: str, records: list[dict]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib not installed: no PNG written")
+        return
+    targets = list(dict.fromkeys(r["target"] for r in records))
+    fig, axes = plt.subplots(len(BOUND_METRICS), len(targets), figsize=(max(8, 0.55 * len(records) + 3) * len(targets)
+                             / max(len(targets), 1), 3.2 * len(BOUND_METRICS)), squeeze=False)
+    variants = [v for v in BOUND_VARIANTS[1:-1] if any(v in r["variants"] for r in records)]
+    colors = {"folded": "#4c72b0", "folded+fused": "#55a868", "folded+fused+deferred": "#c44e52"}
+    for col, t in enumerate(targets):
+        rs = [r for r in records if r["target"] == t]
+        labels = [f"{r['model']}\n{r['shape']}" for r in rs]
+        for row, (key, title) in enumerate(BOUND_METRICS):
+            ax = axes[row][col]
+            width = 0.8 / max(len(variants), 1)
+            for vi, v in enumerate(variants):
+                vals = [(r["variants"][v]["fraction_left"][key] if v in r["variants"] else None) for r in rs]
+                xs = [i + (vi - (len(variants) - 1) / 2) * width for i in range(len(rs))]
+                ax.bar(xs, [0 if x is None else x for x in vals], width, label=v, color=colors.get(v, "k"))
+            ax.axhline(0.10, color="k", lw=0.8, ls="--")
+            ax.axhline(1.0, color="#8c8c8c", lw=0.8)
+            ax.set_xticks(range(len(rs)))
+            ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=6)
+            ax.set_ylabel("fraction of norm overhead left")
+            ax.set_title(f"{t}: {title} (0 = norm-free bound, 1 = original; dashed: 10%)", fontsize=9)
+            if row == 0 and col == 0:
+                ax.legend(fontsize=7)
+    fig.suptitle("MODEL (not measured): (variant - norm-free) / (original - norm-free), bf16, compiled for the "
+                 "target", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    log(f"wrote {path}")
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+    import subprocess
+
+    out = {}
+    for d in ("jax", "jaxlib", "flax", "jax-cuda12-plugin", "jax-cuda12-pjrt", "nvidia-cuda-nvcc-cu12"):
+        try:
+            out[d] = md.version(d)
+        except md.PackageNotFoundError:
+            out[d] = None
+    try:
+        out["jaxfold_commit"] = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                                               capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        out["jaxfold_commit"] = None
+    out["python"] = sys.version.split()[0]
+    return out
+
+
+def bound_main(args, argv) -> int:
+    import json
+
+    import jaxfold
+    import models
+
+    reason = aot.unavailable_reason()
+    if reason is not None:
+        log(f"--bound needs deviceless CUDA compilation (the gpu-aot extra): {reason}")
+        return 2
+    t_start = time.time()
+    names = [m for m in args.bound_models.split(",") if m]
+    targets = [t for t in args.targets.split(",") if t]
+    prefill = [tuple(int(v) for v in x.lower().split("x")) for x in args.prefill.split(",") if x]
+    decode = [int(b) for b in args.decode.split(",") if b]
+    deferred = hasattr(jaxfold, "defer_norms")
+    if not deferred:
+        log("folded+fused+deferred: unavailable (jaxfold.defer_norms does not exist in this jaxfold); "
+            "the variant is listed as unavailable and lights up once the API lands")
+    records = []
+    if args.bound_from:  # re-render from earlier runs' JSON (several runs merged, in order)
+        names, walls = [], []
+        for path in args.bound_from.split(","):
+            with open(path) as f:
+                d = json.load(f)
+            records += [_fractions(r) for r in d["records"]]
+            walls.append(f"{d['wall_s']:.0f} s ({d['command']})")
+        log(f"merged {len(records)} records from {args.bound_from}")
+    for name in names:
+        image = models.get(name).family in ("vit", "swin", "cnn", "mlp")
+        shapes = ([Shape("image", b, 0) for b, _ in prefill] if image else
+                  [Shape("prefill", b, s) for b, s in prefill] + [Shape("decode", b, 1, args.cache_len) for b in decode]
+                  + ([Shape("decode", 8, 1)] if name == "gpt2" and args.no_cache_8x1 else []))
+        for shape in shapes:
+            for t in targets:
+                t0 = time.time()
+                r = bound_compile(name, shape, t)
+                r["wall_s"] = round(time.time() - t0, 1)
+                records.append(r)
+                vs = r["variants"]
+                log(f"bound {name} {shape.label} {t}: launches " + ", ".join(
+                    f"{v} {m['launches']}" for v, m in vs.items()) + " | left " + ", ".join(
+                    f"{v} {_frac(m['fraction_left']['launches'])}/{_frac(m['fraction_left']['bytes'])}"
+                    for v, m in vs.items() if v not in ("original", "norm-free")) + f" ({r['wall_s']:.0f} s)")
+    wall = time.time() - t_start
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    cmd = "python " + " ".join([os.path.relpath(os.path.abspath(__file__), ROOT)] + list(argv or sys.argv[1:]))
+    wall_text = f"wall time {wall:.0f} s"
+    if args.bound_from:
+        wall_text = "merged from runs of " + "; ".join(walls)
+    versions = _versions()
+    base = args.bound_out
+    os.makedirs(os.path.dirname(os.path.abspath(base)), exist_ok=True)
+    with open(base + ".json", "w") as f:
+        json.dump({"date": now, "command": cmd, "wall_s": round(wall, 1), "versions": versions,
+                   "host": f"CPU only ({os.cpu_count()} cores); no GPU was used",
+                   "deferred_available": deferred, "cache_len": args.cache_len, "records": records}, f, indent=1)
+    log(f"wrote {base}.json")
+    png = base + ".png"
+    plot_bound(png, records)
+    table = bound_table(records)
+    leftovers = bound_leftovers(records)
+    lines = [
+        "# GPU model: how much of the normalization overhead is left (a MODEL, not a measurement)", "",
+        f"- date: {now}; {wall_text} on a shared CPU-only host ({os.cpu_count()} cores); no GPU was used",
+        f"- command: `{cmd}`",
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
+        "- programs: bf16 parameters and activations, compiled ahead of time for "
+        "`pallas_kernels/targets/{h100,a100}.txtpb` (`pallas_kernels.aot`); launches from XLA's thunk sequence, "
+        "modelled bytes = each launch's HLO operands + results once, modelled time = sum over launches of "
+        "max(bytes / peak bandwidth, flops / peak math), no launch latency",
+        "- variants: `original`; `folded` = `jaxfold.fold(..., norm_impl=\"pallas\")`; `folded+fused` = "
+        "`jaxfold.fuse_affine(folded)`; `folded+fused+deferred` = `jaxfold.defer_norms(fused)` "
+        + ("(available)" if deferred else "(**unavailable**: `jaxfold.defer_norms` does not exist in this jaxfold; "
+                                          "the column lights up once it does)")
+        + "; `norm-free` = every flax norm replaced by the identity through `flax.linen.intercept_methods` "
+        "(**not a correct model**: the lower bound)",
+        "- **left** = (variant - norm-free) / (original - norm-free) per metric: 1 = all of the original's "
+        "norm overhead, 0 = at the bound, < 0 = below the identity program (XLA fuses the norm-free program "
+        "differently, e.g. the residual add into a GEMM epilogue, so it is a bound on launches, not exactly "
+        "on bytes); `n/a` = the original's overhead is under 0.1% of it (decode bytes are weights + KV cache); "
+        "`(k of n)` = launches over the bound / the original's",
+        f"- shapes: prefill `b x s`; `decode b@{args.cache_len}` = one new token per sequence against a KV "
+        f"cache of {args.cache_len} positions (`models.common.kv_cache`: q from the new token, K/V = cache "
+        "concatenated with the token's own); `8x1 (no cache)` = eight one-token sequences (issue 20's "
+        "decode-like shape); ViT-B/16: the batch at 224 px (197 tokens), no decode",
+        "",
+        *table, "",
+        "## Launches over the norm-free bound (variants leaving > 10% of the launch overhead)", "",
+        "Kernel names from XLA's thunk sequence with numeric suffixes stripped; the multiset difference "
+        "variant - norm-free, then what the norm-free program launches instead (norm-free - variant).", "",
+        *(leftovers or ["- none"]), "",
+        f"![fraction of norm overhead left]({os.path.basename(png)})", "",
+    ]
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines))
+    log(f"wrote {base}.md ({wall:.0f} s)")
+    print("\n".join(table))
+    print("\n".join(leftovers))
+    return 0
+
+
+# --------------------------------------------------------------------------
 # Report
 # --------------------------------------------------------------------------
 def _mb(b: float) -> str:
@@ -473,7 +886,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--image-batches", default=IMAGE_BATCHES, help="batches of the image models (224 px)")
     ap.add_argument("--no-sites", action="store_true", help="skip the one-site comparison")
     ap.add_argument("--out", default=os.path.join(RESULTS, "gpu_model.md"))
+    b = ap.add_argument_group("norm-free bound (--bound): variants against every norm replaced by the identity")
+    b.add_argument("--bound", action="store_true", help="run only the norm-free bound comparison")
+    b.add_argument("--quick", action="store_true", help="with --bound: gpt2 on h100 at 2x1024 and decode 8 only")
+    b.add_argument("--bound-models", default=",".join(BOUND_MODELS))
+    b.add_argument("--prefill", default=BOUND_PREFILL, help="prefill batch x seq (image models: the batches)")
+    b.add_argument("--decode", default=BOUND_DECODE, help="decode batches (one new token against the cache)")
+    b.add_argument("--cache-len", type=int, default=1024, help="KV-cache positions of the decode shapes")
+    b.add_argument("--no-cache-8x1", action=argparse.BooleanOptionalAction, default=True,
+                   help="also gpt2 at 8x1 without a cache (issue 20's decode-like shape)")
+    b.add_argument("--bound-from", default="", help="comma-separated JSONs of earlier --bound runs: merge and "
+                   "re-render them (no compilation)")
+    b.add_argument("--bound-out", default=os.path.join(RESULTS, "gpu_model_bound"),
+                   help="path without extension: .json, .md and .png are written")
     args = ap.parse_args(argv)
+    if args.bound:
+        if args.quick:
+            args.bound_models, args.targets, args.prefill, args.decode = "gpt2", "h100", "2x1024", "8"
+        return bound_main(args, argv)
     models = [m for m in args.models.split(",") if m]
     targets = [t for t in args.targets.split(",") if t]
     sizes = [tuple(int(v) for v in s.lower().split("x")) for s in args.sizes.split(",") if s]

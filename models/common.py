@@ -13,9 +13,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -169,6 +171,54 @@ def padding_bias(attention_mask: jax.Array, dtype: Dtype = jnp.float32) -> jax.A
   return jnp.where(keep, 0.0, jnp.finfo(dtype).min).astype(dtype)
 
 
+class _KVCache:
+  """The K/V caches of one decode step, handed to the attention calls in call order."""
+
+  def __init__(self, keys: Sequence[jax.Array], values: Sequence[jax.Array]):
+    if len(keys) != len(values):
+      raise ValueError(f"{len(keys)} key caches but {len(values)} value caches")
+    self.keys, self.values, self.calls = tuple(keys), tuple(values), 0
+
+  def extend(self, k: jax.Array, v: jax.Array, bias: jax.Array | None):
+    i = self.calls
+    if i >= len(self.keys):
+      raise ValueError(f"attention called {i + 1} times inside kv_cache with {len(self.keys)} caches")
+    self.calls += 1
+    ck, cv = self.keys[i], self.values[i]
+    k = jnp.concatenate([ck.astype(k.dtype), k], axis=1)
+    v = jnp.concatenate([cv.astype(v.dtype), v], axis=1)
+    if bias is not None:  # every cached position is visible to every new token
+      bias = jnp.pad(bias, [(0, 0)] * (bias.ndim - 1) + [(ck.shape[1], 0)])
+    return k, v, bias
+
+
+_KV_CACHE: contextvars.ContextVar = contextvars.ContextVar("models_kv_cache", default=None)
+
+
+@contextlib.contextmanager
+def kv_cache(keys: Sequence[jax.Array], values: Sequence[jax.Array]) -> Iterator[_KVCache]:
+  """Decode against a KV cache: inside, the i-th call of :func:`attention` attends from its
+  queries to ``keys[i]``/``values[i]`` ((b, L, h, d), the cached positions) followed by its
+  own k/v; the causal bias is extended so every cached position is visible.
+
+  A minimal decode step for cost models (one new token per sequence against a cache of
+  length L); positions and rotary phases are those of a sequence starting at the new
+  tokens, which changes the values, not the work. Used by ``benchmarks/gpu_model.py``.
+
+  Example:
+      >>> spec = models.get("gpt2-tiny"); c = spec.config
+      >>> cache = [jnp.zeros((2, 16, c.n_head, c.n_embd // c.n_head))] * c.n_layer
+      >>> with kv_cache(cache, cache):
+      ...   logits = spec.apply_fn()(params, ids)          # ids: (2, 1)
+  """
+  state = _KVCache(keys, values)
+  token = _KV_CACHE.set(state)
+  try:
+    yield state
+  finally:
+    _KV_CACHE.reset(token)
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None,
               scale: float | None = None) -> jax.Array:
   """Softmax attention on (b, s, h, d) tensors with an additive (b|1, h|1, s, s) bias.
@@ -177,6 +227,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None,
   half-precision inputs), the result is cast back to `v.dtype`.
   """
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+  cache = _KV_CACHE.get()
+  if cache is not None:  # decoding: the new tokens' q against the cached K/V + their own
+    k, v, bias = cache.extend(k, v, bias)
   scores = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
   if bias is not None:
     scores = scores + bias.astype(jnp.float32)

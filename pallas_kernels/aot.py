@@ -235,6 +235,7 @@ class Instr:
     # Tuple element each operand reads (jax 0.11's HLO text writes "%t#1" for
     # get-tuple-element(%t), index=1); None = the whole value.
     elements: list = dataclasses.field(default_factory=list)
+    args: str = ""  # the text between the opcode's parentheses (a parameter's number)
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
@@ -276,7 +277,7 @@ def parse_hlo(text: str) -> tuple[dict[str, Instr], dict[str, list[str]], str]:
         refs = re.findall(r"%([\w.\-]+)(?:#(\d+))?", rest[op_m.end(): close])
         operands = [r for r, _ in refs]
         instrs[name] = Instr(name, shape, opcode, operands, rest[close + 1:], comp,
-                             [int(e) if e else None for _, e in refs])
+                             [int(e) if e else None for _, e in refs], rest[op_m.end(): close])
         comps[comp].append(name)
     return instrs, comps, entry
 
@@ -286,6 +287,42 @@ def _called(ins: Instr) -> list[str]:
     for group in re.findall(r"(?:branch_computations|called_computations)=\{([^}]*)\}", ins.attrs):
         out += re.findall(r"%([\w.\-]+)", group)
     return out
+
+
+_PARTIAL_READS = ("gather", "dynamic-slice", "slice")  # ops that read part of their first operand
+
+
+def _operand_read_bytes(ins: Instr, instrs: dict[str, Instr], comps: dict[str, list[str]]) -> int:
+    """Bytes a launch reads from its operands: each operand once, except that an operand
+    read only by gathers/slices/dynamic slices (an embedding table, the first rows of a
+    position table) is charged for the elements they read (their results), not for the
+    whole array."""
+    elements = ins.elements or [None] * len(ins.operands)
+
+    def full(o: str, i: Optional[int] = None) -> int:
+        e = elements[i] if i is not None and i < len(elements) else None
+        return _element_bytes(instrs[o].shape, e) if o in instrs else 0
+
+    def partial_reads(users: list[Instr], param: str) -> Optional[int]:
+        if users and all(u.opcode in _PARTIAL_READS and u.operands[:1] == [param] for u in users):
+            return sum(shape_bytes(u.shape) for u in users)
+        return None
+
+    if ins.opcode in _PARTIAL_READS:
+        got = partial_reads([ins], ins.operands[0]) if ins.operands else None
+        return (min(got, full(ins.operands[0], 0)) if got is not None else full(ins.operands[0], 0)) + sum(
+            full(o, i) for i, o in enumerate(ins.operands) if i)
+    called = _called(ins) if ins.opcode == "fusion" else []
+    body = comps.get(called[0], []) if called else []
+    params = {instrs[n].args.strip(): n for n in body if instrs[n].opcode == "parameter"}
+    total = 0
+    for i, o in enumerate(ins.operands):
+        p = params.get(str(i))
+        got = None
+        if p is not None:
+            got = partial_reads([instrs[n] for n in body if p in instrs[n].operands], p)
+        total += full(o, i) if got is None else min(got, full(o, i))
+    return total
 
 
 def _dims_attr(attrs: str, key: str) -> list[int]:
@@ -350,8 +387,9 @@ class Kernel:
 
     @property
     def bytes(self) -> int:
-        """Modelled HBM traffic: every operand read once, every result written once
-        (a cuBLAS/cuDNN workspace is not counted)."""
+        """Modelled HBM traffic: every operand read once (an operand read only by
+        gathers/slices: the elements they read), every result written once (a
+        cuBLAS/cuDNN workspace is not counted)."""
         return self.operand_bytes + self.result_bytes
 
 
@@ -432,20 +470,22 @@ class Compilation:
 
 def compile(fn: Callable[..., Any], *args: Any, target: str = "h100",  # noqa: A001 - mirrors jax's .compile
             dump_dir: Optional[str] = None, keep_dump: bool = False,
-            compiler_options: Optional[dict[str, Any]] = None) -> Compilation:
+            compiler_options: Optional[dict[str, Any]] = None,
+            jit_kwargs: Optional[dict[str, Any]] = None) -> Compilation:
     """``jax.jit(fn).lower(*args).compile()`` for ``target``, with XLA's dump read back.
 
     ``args`` are arrays or ShapeDtypeStructs (pytrees); they are re-placed on
     the target's compile-only device. ``dump_dir`` (default: a temporary
     directory, removed unless ``keep_dump``) receives XLA's dump;
-    ``compiler_options`` are extra XLA debug options.
+    ``compiler_options`` are extra XLA debug options; ``jit_kwargs`` go to
+    ``jax.jit`` (e.g. ``donate_argnums``).
     """
     t = _lookup(target)
     placed = on_target(args, target)
     tmp = dump_dir or tempfile.mkdtemp(prefix=f"aot_{target}_")
     try:
         with _mosaic_dump(os.path.join(tmp, "mosaic")):
-            compiled = jax.jit(fn).lower(*placed).compile(
+            compiled = jax.jit(fn, **(jit_kwargs or {})).lower(*placed).compile(
                 compiler_options={**(compiler_options or {}), "xla_dump_to": tmp})
         return _read_dump(t, tmp, compiled)
     finally:
@@ -555,9 +595,7 @@ def _read_dump(t: Target, d: str, compiled: Any) -> Compilation:
             if ins.opcode == "custom-call":
                 m = re.search(r'custom_call_target="([^"]*)"', ins.attrs)
                 cc_target = m.group(1) if m else ""
-            operand_bytes = sum(_element_bytes(instrs[o].shape, e)
-                                for o, e in zip(ins.operands, ins.elements or [None] * len(ins.operands))
-                                if o in instrs)
+            operand_bytes = _operand_read_bytes(ins, instrs, comps)
             result_bytes = shape_bytes(ins.shape) - _scratch_bytes(ins.shape, cc_target)
             flops, fdt, reduces = flops_of(annot, set())
         if name in FWD_KERNELS:

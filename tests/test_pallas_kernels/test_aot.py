@@ -224,3 +224,19 @@ def test_vmap_of_the_kernel_compiles_to_one_launch():
     f = jax.vmap(lambda x, s: pk.rms_norm(x, s, eps=EPS, interpret=False), in_axes=(1, None))
     c = aot.compile(f, S((512, 4, 1024), jnp.bfloat16), S((1024,), jnp.float32), target="h100")
     assert c.launches(["rms_norm_fwd"]) == 1
+
+
+@needs_aot
+@pytest.mark.parametrize("fused", [False, True])
+def test_gather_is_charged_for_the_rows_it_reads(fused):
+    """An embedding lookup reads the gathered rows, not the table: the traffic model
+    charges the gather's result for an operand read only by gathers (plain or fused)."""
+    vocab, d, b, s = 50000, 768, 2, 16
+    table = jax.ShapeDtypeStruct((vocab, d), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((b, s), jnp.int32)
+    fn = (lambda t, i: (t[i] * 2).astype(jnp.float32)) if fused else (lambda t, i: t[i])
+    c = aot.compile(fn, table, ids, target="h100")
+    rows = b * s * d * 2
+    assert c.hbm_bytes < vocab * d * 2 / 10, [(k.name, k.operand_bytes, k.result_bytes) for k in c.kernels]
+    reads = sum(k.operand_bytes for k in c.kernels)
+    assert rows <= reads <= rows + b * s * 4 + 64, [(k.name, k.operand_bytes) for k in c.kernels]
