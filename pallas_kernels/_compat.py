@@ -240,6 +240,18 @@ def cuda_topology(target_config: str):
         raise RuntimeError(f"cannot build a CUDA topology: {type(e).__name__}: {e}") from e
 
 
+def dump_options() -> dict:
+    """XLA options that make ``xla_dump_to`` also write each kernel's LLVM IR and PTX.
+
+    jax 0.10's XLA dumps them with ``xla_dump_to`` alone; jax 0.11's writes
+    only the HLO and thunk files unless ``xla_dump_emitter_re`` selects the
+    emitters (checked: no ``*.ptx`` without it on 0.11.2).
+    """
+    if _triton_gpu_info() is None:  # jax 0.10 (the same switch as gpu_target)
+        return {}
+    return {"xla_dump_emitter_re": ".*"}
+
+
 # --------------------------------------------------------------------------
 # Which GPU a Triton kernel is lowered for
 # --------------------------------------------------------------------------

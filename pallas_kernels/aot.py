@@ -424,7 +424,8 @@ def compile(fn: Callable[..., Any], *args: Any, target: str = "h100",  # noqa: A
         # from the abstract mesh; the compile-only device is not the default one).
         with _compat.gpu_target(t.description):
             lowered = jax.jit(fn).lower(*placed)
-        compiled = lowered.compile(compiler_options={**(compiler_options or {}), "xla_dump_to": tmp})
+        compiled = lowered.compile(
+            compiler_options={**_compat.dump_options(), **(compiler_options or {}), "xla_dump_to": tmp})
         return _read_dump(t, tmp, compiled)
     finally:
         if dump_dir is None and not keep_dump:
