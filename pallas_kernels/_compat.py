@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable
@@ -271,6 +272,71 @@ def cuda_topology(target_config: str):
         raise RuntimeError(f"cannot build a CUDA topology: {type(e).__name__}: {e}") from e
 
 
+def dump_options() -> dict:
+    """XLA options that make ``xla_dump_to`` also write each kernel's LLVM IR and PTX.
+
+    jax 0.10's XLA dumps them with ``xla_dump_to`` alone; jax 0.11's writes
+    only the HLO and thunk files unless ``xla_dump_emitter_re`` selects the
+    emitters (checked: no ``*.ptx`` without it on 0.11.2).
+    """
+    if _triton_gpu_info() is None:  # jax 0.10 (the same switch as gpu_target)
+        return {}
+    return {"xla_dump_emitter_re": ".*"}
+
+
+# --------------------------------------------------------------------------
+# Which GPU a Triton kernel is lowered for
+# --------------------------------------------------------------------------
+# jax 0.10's Triton lowering reads the compute capability of the first local GPU
+# and, without one, assumes 9.0. jax 0.11 reads it from
+# jax._src.pallas.triton.gpu_info: the local GPU or the abstract device of the
+# current abstract mesh, and raises "No supported GPU devices found, please
+# specify an abstract GPU device using AbstractDevice" on a CPU-only host -- in
+# jax.export(platforms=("cpu", "cuda")) and in deviceless compilation alike.
+DEFAULT_GPU_KIND = "NVIDIA H100"  # compute capability 9.0: jax 0.10's fallback, so both versions agree
+
+
+def _triton_gpu_info():
+    """jax 0.11's ``gpu_info`` module, or None where the lowering does not use one (jax 0.10)."""
+    try:
+        from jax._src.pallas.triton import gpu_info  # private, guarded
+    except ImportError:
+        return None
+    return gpu_info if hasattr(gpu_info, "get_gpu_info") else None
+
+
+def gpu_target(device_kind: str | None = None):
+    """Context in which Pallas Triton kernels lower for the GPU ``device_kind``.
+
+    ``device_kind`` is a CUDA device kind (``"NVIDIA A100-SXM4-80GB"``; what
+    matters is the model name, which fixes the compute capability). ``None``:
+    a local GPU or an abstract GPU the caller set
+    (``jax.sharding.use_abstract_mesh``) wins, else :data:`DEFAULT_GPU_KIND`.
+    A no-op on jax 0.10, whose lowering assumes compute capability 9.0 without
+    a GPU. The current abstract mesh keeps its axes; only its abstract device
+    is set, so this also works inside a sharded program.
+
+    Example:
+        >>> with gpu_target("NVIDIA A100"):
+        ...     pass
+    """
+    info = _triton_gpu_info()
+    if info is None:
+        return contextlib.nullcontext()
+    if device_kind is None:
+        try:
+            info.get_gpu_info()
+            return contextlib.nullcontext()  # a real or caller-chosen abstract GPU
+        except ValueError:
+            device_kind = DEFAULT_GPU_KIND
+    if info.gpu_version_from_device_kind(device_kind) is None:
+        raise ValueError(f"{device_kind!r} is not a GPU that jax {jax.__version__}'s Triton lowering knows")
+    from jax._src import mesh as mesh_lib  # private, guarded by the jax version check above
+
+    dev = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")
+    return jax.sharding.use_abstract_mesh(mesh_lib.get_abstract_mesh().update(abstract_device=dev))
+
+
 # --------------------------------------------------------------------------
 # Lowering a kernel for CUDA only, also inside multi-platform lowerings
 # --------------------------------------------------------------------------
@@ -316,7 +382,11 @@ def cuda_only(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` (flat array args -> list of arrays), lowered with CUDA as the only platform."""
     def wrapped(*args):
         p = _cuda_only_primitive()
-        closed = jax.make_jaxpr(lambda *a: list(fn(*a)))(*args)
+        # Traced under the GPU target: each equation records the abstract mesh
+        # it was traced in and lowering restores it, so setting it only at
+        # lowering time would not reach the kernel's lowering rule.
+        with gpu_target():
+            closed = jax.make_jaxpr(lambda *a: list(fn(*a)))(*args)
         return p.bind(*args, jaxpr=closed)
 
     return wrapped

@@ -485,8 +485,12 @@ def compile(fn: Callable[..., Any], *args: Any, target: str = "h100",  # noqa: A
     tmp = dump_dir or tempfile.mkdtemp(prefix=f"aot_{target}_")
     try:
         with _mosaic_dump(os.path.join(tmp, "mosaic")):
-            compiled = jax.jit(fn, **(jit_kwargs or {})).lower(*placed).compile(
-                compiler_options={**(compiler_options or {}), "xla_dump_to": tmp})
+            # The kernels' Triton lowering targets this GPU too (jax 0.11 reads it
+            # from the abstract mesh; the compile-only device is not the default one).
+            with _compat.gpu_target(t.description):
+                lowered = jax.jit(fn, **(jit_kwargs or {})).lower(*placed)
+            compiled = lowered.compile(
+                compiler_options={**_compat.dump_options(), **(compiler_options or {}), "xla_dump_to": tmp})
         return _read_dump(t, tmp, compiled)
     finally:
         if dump_dir is None and not keep_dump:

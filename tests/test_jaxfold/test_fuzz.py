@@ -15,7 +15,8 @@ regularizer, a kernel at a second use, a transposed tied head) and loops that
 run zero times (scan of length 0, fori_loop with equal static or traced
 bounds, a while loop false at entry).
 
-N programs: 300 by default (seeds 0..N-1, ``JAXFOLD_FUZZ_N`` overrides);
+N programs: ``len(fuzz_programs.KEYS)`` (176) by default, one built around each
+(rule, variant) key (seeds 0..N-1, ``JAXFOLD_FUZZ_N`` overrides);
 ``pytest -m slow`` runs ``test_fuzz_slow`` over seeds 0..4999
 (``JAXFOLD_FUZZ_N_SLOW``). A failure prints the program (op list, seed); rerun it
 with ``-k "test_fuzz and [SEED]"`` or ``fuzz_programs.make_program(SEED)``.
@@ -35,7 +36,9 @@ import numpy as np
 import pytest
 from conftest import x64_context
 
-N_DEFAULT = int(os.environ.get("JAXFOLD_FUZZ_N", "300"))
+# One program per (rule, variant) key (seed % len(KEYS) picks the key a program is built
+# around), so the default run generates every rule; the slow run covers seeds 0..N_SLOW-1.
+N_DEFAULT = int(os.environ.get("JAXFOLD_FUZZ_N", str(len(fp.KEYS))))
 N_SLOW = int(os.environ.get("JAXFOLD_FUZZ_N_SLOW", "5000"))
 
 # Registered primitives that cannot occur in a float program around a

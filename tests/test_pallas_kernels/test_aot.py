@@ -6,9 +6,9 @@ and backward together and checks, from XLA's thunk sequence and ptxas -v on the
 emitted PTX, that exactly the expected kernels are launched, for the right
 architecture, without register spills and within the per-block limits.
 
-Marker ``gpu_aot``. Default run (about 40 s on 2 cores): both kernels x both targets x
-f32/bf16/f16 x hidden 768/1000/4096 x 1 and 16384 rows, plus odd shapes, no bias and the
-widest row; every variant (578 compilations, about 8 min with ``-n 2``):
+Marker ``gpu_aot``. Default run: both kernels x both targets x f32/bf16/f16, with hidden
+768/1000/4096 and 1/16384 rows rotating through them, plus odd shapes, no bias and the widest
+row (18 compilations); every variant (578 compilations, about 8 min with ``-n 2``):
 ``python -m pytest -m "slow and gpu_aot" tests/test_pallas_kernels``.
 Without the plugin wheels every test here is skipped with the reason.
 """
@@ -100,10 +100,12 @@ def compile_and_check(kind: str, target: str, dtype: str, hidden: int, rows: int
 
 
 KINDS = ("rms_norm", "fused_add_rms_norm")
-# Default run: every kernel (fwd + bwd) x target x dtype at the hidden sizes of the issue
-# (768, 1000, 4096) for 1 row and 16k rows ...
-DEFAULT_CASES = [(*c, True) for c in itertools.product(KINDS, aot.TARGETS, tuple(DTYPES), (768, 1000, 4096),
-                                                       (1, 16384))]
+# Default run: every kernel (fwd + bwd) x target x dtype once, the hidden sizes of the issue
+# (768, 1000, 4096) and 1 / 16k rows rotating through them so that each kernel meets every
+# (hidden, rows) pair and each target every hidden size; the full product of these (72
+# compilations) is part of test_every_kernel_variant (slow) ...
+DEFAULT_CASES = [(k, t, d, (768, 1000, 4096)[i % 3], (1, 16384)[(i // 3 + i // 6) % 2], True)
+                 for i, (k, t, d) in enumerate(itertools.product(KINDS, aot.TARGETS, tuple(DTYPES)))]
 # ... plus the widest supported row, odd row counts and no bias.
 DEFAULT_CASES += [
     ("rms_norm", "h100", "float16", 8192, 16384, True),

@@ -241,6 +241,32 @@ def test_export_for_cpu_and_cuda():
         _close(g, w, 1e-6, "exported grad")
 
 
+def test_gpu_target_sets_the_gpu_the_kernels_lower_for():
+    """jax 0.11 lowers Triton kernels for the GPU of the abstract mesh (a CPU host has none)."""
+    from pallas_kernels import _compat
+
+    info = _compat._triton_gpu_info()
+    if info is None:
+        assert isinstance(_compat.gpu_target(), type(_compat.gpu_target("NVIDIA A100")))
+        pytest.skip(f"jax {jax.__version__} lowers without an abstract GPU (compute capability 9.0 without one)")
+    has_gpu = any(d.platform == "gpu" for d in jax.local_devices())
+    if not has_gpu:
+        with pytest.raises(ValueError):
+            info.get_gpu_info()  # what the export failed on
+    with _compat.gpu_target():
+        want = info.get_gpu_info_from_version(info.GpuVersion.H100)
+        assert has_gpu or info.get_gpu_info() == want
+    with _compat.gpu_target("NVIDIA A100-SXM4-80GB"):
+        assert info.get_gpu_info().compute_capability == 80
+    # A GPU the caller chose with an abstract mesh wins over the default.
+    a100 = jax.sharding.AbstractDevice(device_kind="NVIDIA A100", num_cores=None, platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=a100)):
+        with _compat.gpu_target():
+            assert info.get_gpu_info().compute_capability == 80
+    with pytest.raises(ValueError, match="not a GPU"):
+        _compat.gpu_target("cpu")
+
+
 def test_supports():
     assert pk.supports((2, 3, 768), jnp.bfloat16) and pk.supports((1, 1), "float16")
     assert pk.supports((8, pk.MAX_HIDDEN), jnp.float32)
