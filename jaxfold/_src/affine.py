@@ -23,6 +23,7 @@ Anything else is refused with the construct named.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -594,9 +595,41 @@ def _rounded(v: np.ndarray, dtype, what: str):
   return jnp.asarray(r)
 
 
+def _abstract_fused_params(an: FuseAnalysis, leaves: list, tree, bias_dtype=None) -> FusedParams:
+  """Shapes and dtypes of the fused parameters of abstract (``ShapeDtypeStruct``)
+  folded ones: what a deviceless compile or a size estimate needs."""
+  def like(x, shape=None, dtype=None):
+    return jax.ShapeDtypeStruct(x.shape if shape is None else shape, dtype or x.dtype,
+                                sharding=getattr(x, "sharding", None) if shape is None else None)
+
+  out = list(leaves)
+  for w, _, _ in an.scaled:
+    out[w] = like(leaves[w])
+  extras = {name: like(leaves[w]) for name, w, _, _ in an.copies}
+  for name, b, w, side, dn, y_rank, y_dim, dtype, chain in an.biases:
+    def bias(wx, vec, chain=chain, side=side, dn=dn, y_rank=y_rank, y_dim=y_dim):
+      for eqn in chain:
+        if not _real_cast(eqn):
+          wx = compat.bind_eqn(eqn, [wx])[0]
+      shape = [1] * y_rank
+      shape[y_dim] = vec.size
+      yb = jnp.reshape(vec, shape)
+      (lc, rc), _ = dn
+      lhs, rhs = (yb, wx) if side == 1 else (wx, yb)
+      return jnp.tensordot(lhs, rhs, axes=(tuple(lc), tuple(rc)))
+    vec = jax.ShapeDtypeStruct((math.prod(leaves[b].shape),), leaves[b].dtype)
+    extras[name] = like(leaves[w], jax.eval_shape(bias, like(leaves[w]), vec).shape,
+                        bias_dtype or dtype)
+  for i in dict(an.removed):
+    out[i] = None
+  return FusedParams(jax.tree_util.tree_unflatten(tree, out), extras)
+
+
 def _fused_params(an: FuseAnalysis, leaves: list, tree, bias_dtype=None) -> FusedParams:
   """The fused parameters from the folded ones; new biases are rounded once to
   the contraction's dtype (``bias_dtype``: another one, e.g. float64 in tests)."""
+  if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+    return _abstract_fused_params(an, leaves, tree, bias_dtype)
   removed = dict(an.removed)
   out = list(leaves)
   for w, g, dim in an.scaled:

@@ -386,3 +386,22 @@ def test_kept_site_keeps_its_kernel_with_gamma_beta():
   assert ep.gamma is not None and ep.beta is not None
   assert _pallas_names(fu.apply_fn, fu.params, x) == ["rms_norm_fwd"]
   assert rel_err(Gelu().apply(p, x), fu.apply_fn(fu.params, x)) < 2e-5
+
+
+@pytest.mark.parametrize("module,dtype", [(PreLN(), jnp.float32), (Tied(), jnp.float32),
+                                          (Cast(), jnp.bfloat16)])
+def test_abstract_params_fuse_to_the_shapes_of_concrete_ones(x64, module, dtype):
+  """A fold of ShapeDtypeStructs (a deviceless compile, a 70B plan) fuses to the
+  shapes and dtypes the concrete fuse produces, without computing anything."""
+  x = _x(3, 7, D if isinstance(module, Tied) else 4).astype(dtype)
+  p = randomize_np(jax.eval_shape(module.init, jax.random.PRNGKey(0), x))
+  p = jax.tree_util.tree_map(lambda a: a.astype(dtype), p)
+  concrete = jaxfold.fuse_affine(jaxfold.fold(p, module.apply, x))
+  abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), p)
+  fu = jaxfold.fuse_affine(jaxfold.fold(abstract, module.apply, x))
+  assert fu.report.num_fused == concrete.report.num_fused >= 1
+  shapes = lambda t: [(tuple(a.shape), jnp.dtype(a.dtype)) for a in jax.tree_util.tree_leaves(t)]  # noqa: E731
+  assert shapes(fu.params) == shapes(concrete.params)
+  assert all(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree_util.tree_leaves(fu.params))
+  out = jax.eval_shape(fu.apply_fn, fu.params, x)
+  assert out.shape == module.apply(p, x).shape
