@@ -249,6 +249,24 @@ def _size(v) -> int:
     return 1 << 62
 
 
+def _small(a, x: Val, level) -> bool:
+  """A side operand the norm's search may step over: smaller than ``x``, or a
+  parameter or constant (through single-operand steps such as a broadcast) —
+  at one row (decode at batch 1) γ is as large as ``x``. Only a search
+  bound: what is proved is the exact formula."""
+  for _ in range(4):
+    if isinstance(a, Lit) or _size(a) < _size(x):
+      return True
+    node = a.producer
+    if node is None:
+      return level.program.is_top and (a.kind == "const" or a.kind == "in" and a.index < level.an.num_leaves)
+    ins = [i for i in node.ins if isinstance(i, Val)]
+    if node.subs or len(ins) != 1:
+      return False
+    a = ins[0]
+  return False
+
+
 def prove_epilogue(site: MeanSite, changed: frozenset = frozenset()) -> tuple:
   """(Epilogue or None, reason): the kernel may replace a folded site's
   output only when its canonical form equals the kernel's formula.
@@ -308,7 +326,7 @@ def _prove(site: MeanSite, changed: frozenset, assume: dict) -> tuple:
       for node, _ in prog.consumers.get(v, ()):
         # Only steps whose other operands are small (γ, β, ε, the reduced
         # statistics): a full-size second operand (a residual) ends the norm.
-        if all(a in seen or isinstance(a, Lit) or _size(a) < _size(x) for a in node.ins):
+        if all(a in seen or _small(a, x, level) for a in node.ins):
           for o in node.outs:
             frontier.append((o, d + 1))
   if best is None:

@@ -38,6 +38,18 @@ def test_kernel_is_used_at_folded_sites_and_matches_xla():
   assert rel_err(m.apply(p, ids), ker.apply_fn(ker.params, ids)) < 2e-5
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (1, 7), (3, 1)])
+def test_one_row_and_one_token_shapes_use_the_kernel(shape):
+  """At one row (decode at batch 1) γ is as large as the norm's input; the
+  search must still reach the norm's output (it once stopped there)."""
+  m, ids = PreLN(), jnp.arange(int(jnp.prod(jnp.array(shape)))).reshape(shape) % 40
+  p = randomize(m.init(jax.random.PRNGKey(0), ids))
+  ker = jaxfold.fold(p, m.apply, ids, norm_impl="interpret")
+  assert _kernel_calls(ker.apply_fn, ker.params, ids) == [
+      "rms_norm_fwd", "fused_add_rms_norm_fwd", "fused_add_rms_norm_fwd"]
+  assert rel_err(m.apply(p, ids), ker.apply_fn(ker.params, ids)) < 2e-5
+
+
 def test_auto_keeps_xla_on_cpu():
   m, ids = PreLN(), jnp.arange(14).reshape(2, 7) % 40
   p = randomize(m.init(jax.random.PRNGKey(0), ids))
