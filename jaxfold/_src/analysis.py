@@ -83,6 +83,7 @@ class Analyzer:
     self.cbwc = cbwc
     self.through_dropout = through_dropout
     self.random_uses = 0
+    self._walk_memo: dict = {}    # Level._walk's memo, shared by the walks of every site
     self.tolerance = _tolerance(program)
     self.levels: dict = {}
     self.top = self.level(program)
@@ -517,20 +518,67 @@ class Level:
     ``visited`` collects the (value, spec) pairs the walk passes through
     (candidate places for an auxiliary centering).
     """
-    self.an._seen = set()
-    self.an._stops = stops or {}
-    self.an._visited = visited
+    an = self.an
+    an._seen = {}          # walk key -> its position in ``_seen_log``
+    an._seen_log = []      # the walk keys in the order they were first met
+    an._stops = stops or {}
+    an._stops_key = frozenset(an._stops.items())
+    an._visited = visited
+    an._walk_hit = _NEVER
     out: list = []
     self._walk(v, spec, None, (), out, v, spec)
     return out
 
   def _walk(self, v, spec, use, chain, out, top_var, top_spec) -> None:
+    """``_walk_fresh`` with its effect memoised across the walks of one analysis.
+
+    The walks of successive sites share their upstream (site k's input is
+    the residual stream that every earlier site's input flows into), so
+    without this the planner's walks are quadratic in the depth. A call's
+    effect (the needs and visits it appends, the walk keys it marks seen, the
+    dropout masks it consults) depends only on its arguments, the stops and
+    which keys were already seen; it is replayed only when it met no key
+    seen before it began, and none of its keys is seen now: exactly what
+    the walk itself would do.
+    """
     an = self.an
     key = (id(self), v if isinstance(v, Val) else id(v), spec, id(use[0]) if use else None, use[1] if use else None)
     seen = an._seen
-    if key in seen:
+    pos = seen.get(key)
+    if pos is not None:
+      if pos < an._walk_hit:
+        an._walk_hit = pos
       return
-    seen.add(key)
+    visiting = an._visited is not None
+    mkey = (key, chain, top_var if isinstance(top_var, Val) else id(top_var), top_spec, an._stops_key, visiting)
+    hit = an._walk_memo.get(mkey)
+    if hit is not None and seen.keys().isdisjoint(hit[0]):
+      added, outs, visits, randoms = hit
+      log = an._seen_log
+      n = len(log)
+      for i, k in enumerate(added):
+        seen[k] = n + i
+      log.extend(added)
+      out.extend(outs)
+      if visiting:
+        an._visited.extend(visits)
+      an.random_uses += randoms
+      return
+    start = len(an._seen_log)
+    seen[key] = start
+    an._seen_log.append(key)
+    outer_hit, an._walk_hit = an._walk_hit, _NEVER
+    n_out, n_vis, randoms = len(out), len(an._visited) if visiting else 0, an.random_uses
+    self._walk_fresh(v, spec, use, chain, out, top_var, top_spec)
+    inner_hit = an._walk_hit
+    an._walk_hit = min(outer_hit, inner_hit)
+    if inner_hit >= start:   # it met no key seen before it began: its effect is its own
+      added = tuple(an._seen_log[start:])
+      an._walk_memo[mkey] = (added, tuple(out[n_out:]),
+                             tuple(an._visited[n_vis:]) if visiting else (), an.random_uses - randoms)
+
+  def _walk_fresh(self, v, spec, use, chain, out, top_var, top_spec) -> None:
+    an = self.an
     if self.is_zero(v):
       return
     if isinstance(v, Lit):
@@ -638,6 +686,7 @@ class Level:
 
 
 _MISS = object()
+_NEVER = float("inf")   # no seen key met yet (``Analyzer._walk_hit``)
 
 
 def _memo_lookup(seen: dict, pat: tuple):
