@@ -231,7 +231,7 @@ class Expr:
   __slots__ = ("terms", "shape", "_hash")
 
   def __init__(self, terms: dict, shape: Optional[Shape]):
-    self.terms = {m: c for m, c in terms.items() if c != 0}
+    self.terms = {m: c for m, c in terms.items() if c}
     if len(self.terms) > MAX_TERMS:
       raise Unrepresentable(f"an expression with {len(self.terms)} terms")
     self.shape = shape if any(self.terms) else None
@@ -295,9 +295,14 @@ def single(fid: int) -> Expr:
 def add(a: Expr, b: Expr, kb=1) -> Expr:
   shape = _join(a, b)
   a, b = lift(a, shape), lift(b, shape)
+  if not b.terms:
+    return a
   out = dict(a.terms)
   for m, c in b.terms.items():
-    out[m] = out.get(m, 0) + kb * c
+    if kb != 1:   # (Fraction arithmetic dominates the analysis: skip the identities)
+      c = kb * c
+    prev = out.get(m)
+    out[m] = c if prev is None else prev + c
   return Expr(out, shape)
 
 
@@ -307,6 +312,8 @@ def sub(a: Expr, b: Expr) -> Expr:
 
 def scale(a: Expr, k) -> Expr:
   k = Fraction(k)
+  if k == 1:
+    return a
   return Expr({m: c * k for m, c in a.terms.items()}, a.shape) if k else ZERO
 
 

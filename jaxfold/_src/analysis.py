@@ -72,16 +72,23 @@ class MeanSite:
     return self.reduces[0]
 
 
-@dataclasses.dataclass(frozen=True)
+_NEVER = float("inf")   # no key seen before the current call was met (``_Walk.hit``)
+
+
+@dataclasses.dataclass
 class _Walk:
   """The state of one zero-sum walk (``Level.needs``): the (value, spec, use)
-  keys it has passed (coinductive assumptions for loop carries), the values
-  where an auxiliary centering ends it, and the optional list it records its
-  path in. Made per call and set on the Analyzer only while the walk runs
-  (the walk crosses levels, which share the Analyzer)."""
-  seen: set
+  keys it has passed (coinductive assumptions for loop carries) with their
+  order, the values where an auxiliary centering ends it, and the optional
+  list it records its path in. Made per call and set on the Analyzer only
+  while the walk runs (the walk crosses levels, which share the Analyzer);
+  the memo of walk effects (``Analyzer._walk_memo``) outlives it."""
+  seen: dict              # walk key -> its position in ``log``
+  log: list               # the walk keys in the order they were first met
   stops: dict
   visited: Optional[list]
+  stops_key: frozenset = frozenset()
+  hit: float = _NEVER     # earliest already-seen key the current call met
 
 
 CANON_TERMS = 8
@@ -97,6 +104,7 @@ class Analyzer:
     self.through_dropout = through_dropout
     self.random_uses = 0
     self.walk: Optional[_Walk] = None   # the zero-sum walk in progress (Level.needs)
+    self._walk_memo: dict = {}    # Level._walk's memo, shared by the walks of every site
     self.tolerance = _tolerance(program)
     self.levels: dict = {}
     self.top = self.level(program)
@@ -532,7 +540,8 @@ class Level:
     (candidate places for an auxiliary centering).
     """
     an, out = self.an, []
-    outer, an.walk = an.walk, _Walk(set(), stops or {}, visited)
+    stops = stops or {}
+    outer, an.walk = an.walk, _Walk({}, [], stops, visited, frozenset(stops.items()))
     try:
       self._walk(v, spec, None, (), out, v, spec)
     finally:
@@ -540,13 +549,56 @@ class Level:
     return out
 
   def _walk(self, v, spec, use, chain, out, top_var, top_spec) -> None:
+    """``_walk_fresh`` with its effect memoised across the walks of one analysis.
+
+    The walks of successive sites share their upstream (site k's input is
+    the residual stream that every earlier site's input flows into), so
+    without this the planner's walks are quadratic in the depth. A call's
+    effect (the needs and visits it appends, the walk keys it marks seen, the
+    dropout masks it consults) depends only on its arguments, the stops and
+    which keys were already seen; it is replayed only when it met no key
+    seen before it began, and none of its keys is seen now: exactly what
+    the walk itself would do.
+    """
     an = self.an
     key = (id(self), v if isinstance(v, Val) else id(v), spec, id(use[0]) if use else None, use[1] if use else None)
     walk = an.walk
     seen = walk.seen
-    if key in seen:
+    pos = seen.get(key)
+    if pos is not None:
+      if pos < walk.hit:
+        walk.hit = pos
       return
-    seen.add(key)
+    visiting = walk.visited is not None
+    mkey = (key, chain, top_var if isinstance(top_var, Val) else id(top_var), top_spec, walk.stops_key, visiting)
+    hit = an._walk_memo.get(mkey)
+    if hit is not None and seen.keys().isdisjoint(hit[0]):
+      added, outs, visits, randoms = hit
+      log = walk.log
+      n = len(log)
+      for i, k in enumerate(added):
+        seen[k] = n + i
+      log.extend(added)
+      out.extend(outs)
+      if visiting:
+        walk.visited.extend(visits)
+      an.random_uses += randoms
+      return
+    start = len(walk.log)
+    seen[key] = start
+    walk.log.append(key)
+    outer_hit, walk.hit = walk.hit, _NEVER
+    n_out, n_vis, randoms = len(out), len(walk.visited) if visiting else 0, an.random_uses
+    self._walk_fresh(v, spec, use, chain, out, top_var, top_spec)
+    inner_hit = walk.hit
+    walk.hit = min(outer_hit, inner_hit)
+    if inner_hit >= start:   # it met no key seen before it began: its effect is its own
+      added = tuple(walk.log[start:])
+      an._walk_memo[mkey] = (added, tuple(out[n_out:]),
+                             tuple(walk.visited[n_vis:]) if visiting else (), an.random_uses - randoms)
+
+  def _walk_fresh(self, v, spec, use, chain, out, top_var, top_spec) -> None:
+    an, walk = self.an, self.an.walk
     if self.is_zero(v):
       return
     if isinstance(v, Lit):

@@ -1,0 +1,136 @@
+"""Fold time of a new function object against its `jax.make_jaxpr` time, and a 70B-class abstract fold.
+
+Issue 20, item 5: a fold should cost at most 1.5x a trace. Every call below uses a *new*
+function object, so neither jax's tracing cache nor jaxfold's analysis cache is hit. The
+variants run interleaved in one process, their order rotated every round (the machine is
+shared: only ratios measured this way mean anything); the figure is the ratio of medians,
+with a 95% bootstrap interval and an A/A figure (`make_jaxpr` against itself).
+
+- GPT-2 small (`models` gpt2, HF parameter layout) at 1x256 and 4x256, real (random)
+  weights: `jaxfold.fold(params, new_fn, ids)` against `jax.make_jaxpr(new_fn)(params, ids)`.
+  At batch 1 the fold also proves its plan with the size-1 axis made 2 (one fold serves
+  every shape), which traces the function a second time.
+- An OPT-66B-shaped stack (64 layers, d_model 9216, 72 heads, ffn 36864, vocab 50272) from
+  `jax.ShapeDtypeStruct` parameters: `jaxfold.fold` accepts abstract parameters and returns
+  the report and plan without allocating a weight (`folded.params` holds the structs).
+
+    python benchmarks/fold_vs_trace.py [--rounds 7] [--out benchmarks/results/fold_vs_trace.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import _common as C
+
+
+def _fresh(fn):
+  """A new function object with ``fn``'s behaviour: jax re-traces it, jaxfold re-analyses it."""
+  return lambda *a: fn(*a)
+
+
+def fold_vs_trace(spec, params, args, rounds: int) -> dict:
+  import jax
+
+  import jaxfold
+  abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  fn = spec.apply_fn()
+
+  def fold():
+    return jaxfold.fold(params, _fresh(fn), *args).params
+
+  thunks = {"make_jaxpr": lambda: jax.make_jaxpr(_fresh(fn))(abstract, *args),
+            "fold": fold,
+            "make_jaxpr A/A": lambda: jax.make_jaxpr(_fresh(fn))(abstract, *args)}
+  times = C.time_variants(thunks, rounds=rounds, warmup=1, min_seconds=0.0)
+  return C.summarize_timings(times, "make_jaxpr", ["fold", "make_jaxpr A/A"])
+
+
+def opt66b_spec():
+  from models.common import ModelSpec
+  from models.opt import OPTConfig, OPTForCausalLM
+  cfg = OPTConfig(vocab_size=50272, hidden_size=9216, num_hidden_layers=64, num_attention_heads=72,
+                  ffn_dim=36864, max_position_embeddings=2048)
+  return ModelSpec(name="opt-66b-shaped", family="opt", config=cfg, build=OPTForCausalLM)
+
+
+def abstract_fold(spec, batch: int, seq: int, repeats: int) -> dict:
+  import jax
+
+  import jaxfold
+  params = spec.abstract_init(batch, seq)
+  args = spec.example_inputs(batch, seq, abstract=True)
+  n = sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
+  fn = spec.apply_fn()
+  tf, tt, folded = [], [], None
+  for _ in range(repeats):   # interleaved: a trace, then a fold, each of a new function object
+    t = time.perf_counter()
+    jax.make_jaxpr(_fresh(fn))(params, *args)
+    tt.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    folded = jaxfold.fold(params, _fresh(fn), *args)
+    tf.append(time.perf_counter() - t)
+  rep = folded.report
+  return {"params": n, "fold_s": statistics.median(tf), "trace_s": statistics.median(tt),
+          "folded": f"{rep.num_folded}/{rep.num_sites}", "aux": rep.num_auxiliary}
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--rounds", type=int, default=7)
+  ap.add_argument("--sizes", type=C.parse_sizes, default=C.parse_sizes("1x256,4x256"))
+  ap.add_argument("--big", default="1x2048,4x2048", type=C.parse_sizes,
+                  help="batch x seq of the 70B-class abstract fold")
+  ap.add_argument("--big-repeats", type=int, default=3)
+  ap.add_argument("--out", default=f"{C.RESULTS}/fold_vs_trace.md")
+  args = ap.parse_args(argv)
+
+  import jax
+
+  import models
+  from models.common import randomize_norms
+
+  rows = []
+  spec = models.get("gpt2")
+  for batch, seq in args.sizes:
+    C.log(f"gpt2 {batch}x{seq}")
+    params = jax.block_until_ready(randomize_norms(spec.init(jax.random.PRNGKey(0), batch, seq),
+                                                   jax.random.PRNGKey(1)))
+    x = spec.example_inputs(batch, seq)
+    s = fold_vs_trace(spec, params, x, args.rounds)
+    lo, hi = s["ratio_ci"]["fold"]
+    rows.append({"model": "gpt2 (124M, real weights)", "batch x seq": f"{batch}x{seq}",
+                 "make_jaxpr ms": f"{s['median_ms']['make_jaxpr']:.0f}",
+                 "fold ms": f"{s['median_ms']['fold']:.0f}",
+                 "fold / make_jaxpr": f"{s['ratio']['fold']:.2f} [{lo:.2f}, {hi:.2f}]",
+                 "A/A": f"{s['ratio']['make_jaxpr A/A']:.2f}"})
+    C.log(f"  {rows[-1]}")
+  big = opt66b_spec()
+  for batch, seq in args.big:
+    C.log(f"{big.name} {batch}x{seq} (abstract)")
+    r = abstract_fold(big, batch, seq, args.big_repeats)
+    rows.append({"model": f"{big.name} ({r['params'] / 1e9:.1f}B, abstract; {r['folded']} folded)",
+                 "batch x seq": f"{batch}x{seq}",
+                 "make_jaxpr ms": f"{1e3 * r['trace_s']:.0f}", "fold ms": f"{1e3 * r['fold_s']:.0f}",
+                 "fold / make_jaxpr": f"{r['fold_s'] / r['trace_s']:.2f}", "A/A": "—"})
+    C.log(f"  {rows[-1]}")
+
+  cols = ["model", "batch x seq", "make_jaxpr ms", "fold ms", "fold / make_jaxpr", "A/A"]
+  lines = C.header("fold time against a trace (issue 20, item 5)", sys.argv[1:] if argv is None else argv)
+  lines += [f"GPT-2: {args.rounds} interleaved rounds (order rotated), one call per measurement, each of a new "
+            "function object; median times, ratio of medians with its 95% bootstrap interval; A/A = "
+            "make_jaxpr against itself (the noise). The fold includes centering the real weights. "
+            f"{big.name}: parameters and inputs are jax.ShapeDtypeStructs (nothing allocated); medians of "
+            f"{args.big_repeats} alternating trace/fold runs. Target: fold <= 1.5x make_jaxpr, 70B-class "
+            "fold <= 3 s. The machine is shared; see the load average above.", ""]
+  lines += C.markdown_table(rows, cols)
+  C.write_markdown(args.out, lines)
+  print("\n".join(lines))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
