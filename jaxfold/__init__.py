@@ -25,6 +25,7 @@ from jaxfold._src.affine import Fused, FusedParams, FuseError, FuseReport, fuse_
 from jaxfold._src.rotate import Rotated, RotateReport, rotate
 from jaxfold._src.frameworks.keras import KerasParams, keras_assign, keras_params
 from jaxfold._src.serialization import load_fold, save_fold
+from jaxfold._src.version import __version__ as __version__
 
 __all__ = ["fold", "cbwc", "Folded", "FoldedParams", "FoldOptions", "Reparameterized", "FoldError",
            "Report", "Site", "Centering", "Auxiliary", "Changes", "export", "load_exported",
@@ -32,4 +33,3 @@ __all__ = ["fold", "cbwc", "Folded", "FoldedParams", "FoldOptions", "Reparameter
            "serialization", "benchmarking"]
 __all__ += ["fuse_affine", "Fused", "FusedParams", "FuseError", "FuseReport", "rotate", "Rotated",
             "RotateReport", "keras_params", "keras_assign", "KerasParams"]
-__version__ = "0.1.0"

@@ -298,6 +298,22 @@ def call_jaxpr_of(eqn: Any) -> Any | None:
   return None
 
 
+def call_prims() -> tuple:
+  """The primitives ``call_jaxpr_of`` recognises: jit, remat, custom_jvp/vjp
+  and, where this jax defines them, ``closed_call``/``core_call``."""
+  p = prims()
+  out = [p["jit"], p["remat"], p["custom_jvp"], p["custom_vjp"]]
+  try:
+    from jax._src import core as _core
+  except ImportError:  # pragma: no cover
+    _core = None
+  for name in ("closed_call_p", "core_call_p"):
+    q = getattr(_core, name, None)
+    if q is not None and q not in out:
+      out.append(q)
+  return tuple(out)
+
+
 def is_call(eqn: Any) -> bool:
   return call_jaxpr_of(eqn) is not None
 
