@@ -314,10 +314,6 @@ def call_prims() -> tuple:
   return tuple(out)
 
 
-def is_call(eqn: Any) -> bool:
-  return call_jaxpr_of(eqn) is not None
-
-
 def call_kind(eqn: Any) -> str:
   """``"jit" | "remat" | "custom_jvp" | "custom_vjp" | "call"`` of a call-like equation."""
   p = prims()
@@ -340,17 +336,6 @@ def call_name(eqn: Any) -> str:
     if fn:
       return str(fn).split(" ")[0]
   return eqn.primitive.name
-
-
-def control_bodies(eqn: Any) -> list:
-  """Sub-jaxprs of loops and conditionals, in a fixed order."""
-  if is_scan(eqn):
-    return [eqn.params["jaxpr"]]
-  if is_cond(eqn):
-    return list(eqn.params["branches"])
-  if is_while(eqn):
-    return [eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]]
-  return []
 
 
 def is_remat(eqn: Any) -> bool:

@@ -33,11 +33,20 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
 
 from jaxfold._src import algebra as A
+from jaxfold._src.rules import contracts as C
 
 if TYPE_CHECKING:  # the program imports the registry (to flatten calls), not the reverse
   from jaxfold._src.program import Lit, Node, Val
 
-Spec = tuple  # ((dim, block), ...) sorted: zero-sum over aligned blocks along each dim
+class SpecEntry(NamedTuple):
+  """One entry of a ``Spec``: zero-sum over aligned blocks of ``block`` along ``dim``."""
+  dim: int
+  block: int
+
+
+# ((dim, block), ...) sorted by dim: zero-sum over aligned blocks along each dim. Entries
+# are plain pairs or SpecEntry (equal and hashed alike); ``freeze`` makes SpecEntry.
+Spec = tuple
 
 
 class Block(Exception):
@@ -135,14 +144,14 @@ class Rule:
   """All facets of one primitive family (see the module docstring)."""
   name: str
   primitives: tuple
-  facts: Callable = _no_facts
-  canon: Callable = _no_canon
-  shift: Callable = _no_shift
-  zero_sum: Callable = _no_zero_sum
-  simplify: Callable = _no_simplify
+  facts: C.FactsFacet = _no_facts
+  canon: C.CanonFacet = _no_canon
+  shift: C.ShiftFacet = _no_shift
+  zero_sum: C.ZeroSumFacet = _no_zero_sum
+  simplify: C.SimplifyFacet = _no_simplify
   # jaxfold.rotate: output states given operand states (None: unchanged, or
   # rules.rotation.Lin / Quad); exact for any orthogonal Q, or absent.
-  rotate: Callable = _no_rotate
+  rotate: C.RotateFacet = _no_rotate
   # Whether the primitive's JVP is the derivative of what it computes; CBWC
   # gradients equal the original's only across such primitives.
   differentiable: bool = True
@@ -158,38 +167,38 @@ class Rule:
   # ``(node, ctx) -> (operand, axes) | None``: the output is a constant times
   # the sum of that operand over those of its axes (a mean's numerator:
   # ``reduce_sum``, a contraction with ones). Site detection only.
-  sums: Callable = _no_sums
+  sums: C.SumsFacet = _no_sums
   # Parameter variants the fuzzer must generate, e.g. ("int target", "float narrowing").
   variants: tuple = ()
   # ``(node) -> axes | None``: the output is the plain sum of operand 0 over
   # these axes (``reduce_sum``: what a fold removes and the report counts).
-  sum_axes: Callable = _no_sum_axes
+  sum_axes: C.SumAxesFacet = _no_sum_axes
   # ``(node) -> dims.DotDims | None``: a contraction's dimension numbers.
-  contraction: Callable = _no_contraction
+  contraction: C.ContractionFacet = _no_contraction
   # "+" (the output is the sum of its operands: add) or "*" (their product:
   # mul) or "": the candidates for ``γ ⊙ K + β`` (fuse_affine, report labels).
   arith: str = ""
   # -- control flow (rules.control) --------------------------------------------
   # ``(eqn) -> (jaxpr, ...)``: the loop/branch bodies, each a sub-program.
-  bodies: Callable = _no_bodies
+  bodies: C.BodiesFacet = _no_bodies
   # ``(eqn) -> Inline | None``: a call whose body the program flattens at the
   # call site (its inputs and outputs are the equation's, in order).
-  inline: Callable = _no_inline
+  inline: C.InlineFacet = _no_inline
   # ``(node, k, i, outer, base) -> Facts``: facts of input ``i`` of body ``k``
   # (``outer``: the node's level; ``base``: what the input's own type says).
-  body_facts: Callable = _no_body_facts
+  body_facts: C.BodyFactsFacet = _no_body_facts
   # ``(node, k, i, spec, outer) -> [Need]``: input ``i`` of body ``k`` is
   # zero-sum over ``spec`` when these hold: ``Need(j, spec, transparent=True)``
   # is outer operand ``j`` read unchanged (the use continues through it),
   # ``Need(-1, spec, source=v, at=program)`` a value to show zero-sum afresh.
-  body_zero_sum: Callable = _no_body_zero_sum
+  body_zero_sum: C.BodyZeroSumFacet = _no_body_zero_sum
   # ``(node, ins, ctx, inner) -> [Poly | None]``: ``shift`` with extra seeds
   # ``inner`` ({body Level: {Val: Poly}}) placed inside the bodies.
-  shift_inside: Callable = _no_shift_inside
+  shift_inside: C.ShiftInsideFacet = _no_shift_inside
   # ``(eqn, invals, run) -> outs``: the rewrite of an equation whose bodies the
   # plan changes; ``run(body, args, sub=None, isolated=False)`` evaluates a
   # body with the plan (see ``rewrite.evaluate``). None: bound unchanged.
-  rebind: Optional[Callable] = None
+  rebind: Optional[C.RebindFacet] = None
 
 
 DEFAULT = Rule("default", ())
@@ -270,7 +279,7 @@ def spec_dict(spec: Spec) -> dict:
 
 
 def freeze(spec: dict) -> Spec:
-  return tuple(sorted(spec.items()))
+  return tuple(SpecEntry(d, b) for d, b in sorted(spec.items()))
 
 
 def operand_spec(operand: Any, spec: Spec, out_shape: Sequence[int]) -> Optional[Spec]:

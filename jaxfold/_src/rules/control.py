@@ -380,7 +380,10 @@ def _call_bodies(eqn) -> tuple:
 def _call_rebind(eqn, invals, run) -> list:
   """A touched call: its body is interpreted at this call site (a remat
   boundary is kept; values inside it stay inside it)."""
-  (body,) = _call_bodies(eqn)
+  bodies = _call_bodies(eqn)
+  if not bodies:  # a call whose body this jax does not expose: the program kept it as a node
+    return compat.bind_eqn(eqn, invals)
+  (body,) = bodies
   if compat.is_remat(eqn):
     fn = jax.checkpoint(lambda *a: run(body, a, isolated=True),
                         prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy"))
