@@ -30,6 +30,7 @@ from jaxfold._src.defer import DeferSite, defer_norms
 from jaxfold._src.rotate import Rotated, RotateReport, rotate
 from jaxfold._src.frameworks.keras import KerasParams, keras_assign, keras_params
 from jaxfold._src.serialization import load_fold, save_fold
+from jaxfold._src.version import __version__ as __version__
 
 __all__ = ["fold", "cbwc", "Folded", "FoldedParams", "FoldOptions", "Reparameterized", "FoldError",
            "Report", "Site", "Centering", "Auxiliary", "Changes", "export", "load_exported",
@@ -38,4 +39,3 @@ __all__ = ["fold", "cbwc", "Folded", "FoldedParams", "FoldOptions", "Reparameter
 __all__ += ["defer_norms", "DeferSite"]
 __all__ += ["fuse_affine", "Fused", "FusedParams", "FuseError", "FuseReport", "rotate", "Rotated",
             "RotateReport", "RotateError", "JaxfoldError", "keras_params", "keras_assign", "KerasParams"]
-__version__ = "0.1.0"

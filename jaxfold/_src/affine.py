@@ -39,7 +39,6 @@ from jaxfold._src.program import Node, Val
 from jaxfold._src.report import param_label
 from jaxfold._src.rewrite import Plan, evaluate
 from jaxfold._src.rules import Block, rule_for
-from jaxfold._src.rules import dims as D
 from jaxfold._src.rules.rotation import Lin
 
 # ----------------------------------------------------------------------------
@@ -382,8 +381,8 @@ def _readers(level: Level, aff: _Affine) -> list:
     for node, k in prog.consumers.get(v, ()):
       rule = rule_for(node.prim)
       where = f" [at {node.where()}]"
-      if rule.name == "dot_general":
-        dd = D.DotDims(node.params, node.ins[0].shape, node.ins[1].shape)
+      dd = rule.contraction(node)
+      if dd is not None:
         if tuple(dd.contracting(k)) != (d,) or dd.lb:
           raise Block("a contraction that does not contract exactly the normalized dim" + where)
         e = dd.contracting(1 - k)[0]
@@ -453,7 +452,7 @@ def analyse(fn: Callable, params: Any, args: tuple, defer: bool = False) -> Fuse
     level = an.top
     found = {}
     for node in level.program.nodes:
-      if rule_for(node.prim).name not in ("add", "mul") or len(node.outs) != 1:
+      if not rule_for(node.prim).arith or len(node.outs) != 1:
         continue
       y = node.outs[0]
       if not jnp.issubdtype(y.dtype, jnp.inexact):
@@ -495,7 +494,7 @@ def analyse(fn: Callable, params: Any, args: tuple, defer: bool = False) -> Fuse
         if aff.beta is not None:
           bias = f"{wname}@bias{bname}"
           z = r.node.outs[0]
-          biases.append((bias, aff.beta, r.leaf, r.w_side, r.node.params["dimension_numbers"],
+          biases.append((bias, aff.beta, r.leaf, r.w_side, rule_for(r.node.prim).contraction(r.node).numbers,
                          len(r.node.ins[1 - r.w_side].shape), r.y_dim, _dtype_tag(z.dtype),
                          tuple(c.eqn for c in r.chain)))
           plan_biases.append((z.key, bias))

@@ -370,6 +370,16 @@ def lift(a: Expr, shape: Optional[Shape]) -> Expr:
 # Functions of expressions.
 
 
+# Tags of the applications algebra itself reasons about (inverses, signs,
+# sums): symbols of this module, not primitive names (rules map primitives
+# to them: ``sqrt`` to ``SQRT``).
+SQRT = ("√",)
+RSQRT = ("1/√",)
+SUM = "Σ"           # app((SUM, axes, in_shape), ...): a sum over axes
+_DROP = ("drop size-1 dims",)
+_EXP = "e^"         # derived shift symbols of exp_of
+
+
 def app(tag: Any, args: Sequence[Expr], shape: Shape, elementwise: bool = True,
         commutative: bool = False) -> Expr:
   """An opaque function application, canonical in its (lifted) arguments."""
@@ -391,10 +401,10 @@ def inv(a: Expr, shape: Shape) -> Expr:
       raise Unrepresentable("division by zero")
     return const(1 / k)
   f = _only_factor(a)
-  if f is not None and f.kind == "app" and f.key == ("sqrt",):
-    return app(("rsqrt",), f.args, f.shape)
-  if f is not None and f.kind == "app" and f.key == ("rsqrt",):
-    return app(("sqrt",), f.args, f.shape)
+  if f is not None and f.kind == "app" and f.key == SQRT:
+    return app(RSQRT, f.args, f.shape)
+  if f is not None and f.kind == "app" and f.key == RSQRT:
+    return app(SQRT, f.args, f.shape)
   return app(("inv",), (a,), shape)
 
 
@@ -470,7 +480,7 @@ def _drop_dims(fid: int, dims: Sequence[int], out_shape: Shape) -> int:
     args = tuple(_drop_expr(x, dims, out_shape) for x in f.args)
     return _factor("app", f.key, out_shape, args, True)
   # An atom or opaque app with size 1 along dims: a reshape dropping them.
-  return _view_factor(fid, out_shape, lambda v: v.reshape(out_shape), ("reshape",), {})
+  return _view_factor(fid, out_shape, lambda v: v.reshape(out_shape), _DROP, {})
 
 
 def _drop_expr(e: Expr, dims, out_shape) -> Expr:
@@ -500,7 +510,7 @@ def reduce_sum(a: Expr, axes: Sequence[int], in_shape: Shape) -> Expr:
     term = Expr({tuple(sorted(outside)): c}, out_shape if outside else None)
     if inside:
       body = Expr({inside: Fraction(1)}, tuple(in_shape))
-      term = mul(term, app(("reduce_sum", axes, tuple(in_shape)), (body,), out_shape, False))
+      term = mul(term, app((SUM, axes, tuple(in_shape)), (body,), out_shape, False))
     else:
       term = scale(term, count)
     out = add(out, term)
@@ -539,9 +549,9 @@ def _nonneg_factor(fid: int) -> bool:
     return _nonneg_factor(f.args[0])
   if f.kind == "app" and isinstance(f.key, tuple) and f.key:
     tag = f.key[0]
-    if tag in ("rsqrt", "sqrt"):
+    if (tag,) in (RSQRT, SQRT):
       return True
-    if tag in ("reduce_sum", "layout"):
+    if tag in (SUM, "layout"):
       return nonneg(f.args[0])
   return False
 
@@ -713,14 +723,14 @@ def exp_of(p: Poly, value: Expr, out: Any) -> Poly:
   shift becomes a *proportional* one (coefficient = the value itself, here
   the atom of ``out``) in a symbol ``d`` derived from ``c``, constant where
   ``c`` is, and never ``-1``."""
-  key = ("exp", p.sym, p.dims, p.coeffs[0].const_value)
+  key = (_EXP, p.sym, p.dims, p.coeffs[0].const_value)
   sym = _DERIVED.get(key)
   if sym is None:
     sym = _DERIVED[key] = next(_syms)
     _DERIVED[("exp-info", sym)] = (p.sym, p.dims, p.coeffs[0].const_value)
     _DERIVED[("exp-vals", sym)] = []
   _DERIVED[("exp-vals", sym)].append(out)
-  dims = tuple(None if e is None else (("exp", sym, d), e[1]) for d, e in enumerate(p.dims))
+  dims = tuple(None if e is None else ((_EXP, sym, d), e[1]) for d, e in enumerate(p.dims))
   return Poly(sym, dims, (value,))
 
 

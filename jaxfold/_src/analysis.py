@@ -30,8 +30,8 @@ import numpy as np
 from jaxfold._src import algebra as A
 from jaxfold._src import compat
 from jaxfold._src.program import Lit, Node, Program, Val, call_note
-from jaxfold._src.rules import Block, Facts, control, rule_for
-from jaxfold._src.rules.base import freeze, lit_facts, operand_const, size_one
+from jaxfold._src.rules import Block, Facts, rule_for
+from jaxfold._src.rules.base import lit_facts, operand_const, size_one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,21 +222,8 @@ class Level:
     if parent is None:
       return base
     node, outer_prog = parent
-    outer = self.an.level(outer_prog)
-    if compat.is_scan(node.eqn):
-      nc, ncar = compat.scan_partition(node.params)
-      f = outer.facts(node.ins[i])
-      if i < nc:
-        return Facts(f.const | base.const, f.value, f.random or random)
-      if i < nc + ncar:  # a carry changes across iterations: only randomness is known
-        return Facts(base.const, None, f.random or random)
-      return Facts(frozenset(d - 1 for d in f.const if d > 0) | base.const, f.value,
-                   f.random or random)
-    j = control.body_operand(node, node.subs.index(self.program), i)
-    if j is not None:  # reads an outer operand unchanged (a branch operand, a loop constant)
-      f = outer.facts(node.ins[j])
-      return Facts(f.const | base.const, f.value, f.random or random)
-    return Facts(base.const, None, True if any(outer.facts(a).random for a in node.ins) else random)
+    k = node.subs.index(self.program)
+    return rule_for(node.prim).body_facts(node, k, i, self.an.level(outer_prog), base)
 
   # -- rule context: canonical forms ------------------------------------------
 
@@ -390,120 +377,10 @@ class Level:
       memo.setdefault((v, index), {})[pat] = result
     return result, outputs
 
-  # -- loops (called by rules.control) -----------------------------------------
+  # -- loop and branch bodies (for rules.control) -----------------------------
 
   def body(self, node: Node, k: int = 0) -> "Level":
     return self.an.level(node.subs[k])
-
-  def scan_shift(self, node: Node, ins: list, inner: Optional[dict] = None) -> list:
-    """Pure shifts through a scan, with a fixed point on the carries.
-
-    ``inner`` maps a body Level to seeds inside it (a centering placed in
-    the body, introduced at every iteration)."""
-    nc, ncar = compat.scan_partition(node.params)
-    body = self.body(node)
-    extra = (inner or {}).get(body, {})
-    binv = body.program.invars
-    seeds = {}
-    for i, p in enumerate(ins):
-      if p is None:
-        continue
-      if not p.is_pure:
-        raise Block("a nonlinear function of the shift enters a scan")
-      dims = p.dims if i < nc + ncar else p.dims[1:]
-      seeds[binv[i]] = A.pure(dims)
-    outs: dict = {}
-    for _ in range(2 + 2 * max((len(v.shape) for v in binv), default=0)):
-      outs = body.collect({**seeds, **extra})
-      changed = False
-      for j in range(ncar):
-        q = outs.get(j)
-        if q is not None:
-          changed |= _widen_carry(seeds, binv[nc + j], q, "a scan")
-      if not changed:
-        break
-    else:
-      raise Block("the shift on a scan carry has no fixed point")
-    result = []
-    skip = control.may_skip(node)
-    for k in range(len(node.outs)):
-      q = outs.get(k)
-      if k < ncar and skip and binv[nc + k] in seeds:
-        # Zero trips: the carry leaves as it entered. The widened seed covers
-        # both the initial shift and every iteration's.
-        result.append(A.pure(seeds[binv[nc + k]].dims))
-      elif q is None:
-        result.append(None)
-      elif not q.is_pure:
-        raise Block("a nonlinear function of the shift leaves a scan")
-      elif k < ncar:
-        result.append(A.pure(q.dims))
-      else:
-        result.append(A.pure(((None, 1),) + q.dims))
-    return result
-
-  def cond_shift(self, node: Node, ins: list, inner: Optional[dict] = None) -> list:
-    """Shifts through a cond/switch: every branch may run (the index is a
-    traced value), so each must keep the shift pure; an output carries the
-    shift of any branch (as a fresh pure shift of the merged pattern)."""
-    if ins[0] is not None:
-      raise Block(f"the branch index of the `{node.prim.name}` depends on the shift")
-    for p in ins[1:]:
-      if p is not None and not p.is_pure:
-        raise Block(f"a nonlinear function of the shift enters the `{node.prim.name}`")
-    merged: list = [None] * len(node.outs)
-    for k, sub in enumerate(node.subs):
-      body = self.an.level(sub)
-      seeds = {body.program.invars[i - 1]: p for i, p in enumerate(ins) if i and p is not None}
-      seeds.update((inner or {}).get(body, {}))
-      try:
-        outs = body.collect(seeds)
-      except Block as e:
-        raise Block(f"branch {k} of the `{node.prim.name}`: {e}") from e
-      for j, q in outs.items():
-        if not q.is_pure:
-          raise Block(f"branch {k} of the `{node.prim.name}` returns a nonlinear function of "
-                      f"the shift (output #{j})")
-        merged[j] = q.dims if merged[j] is None else _merge(merged[j], q.dims)
-    return [None if d is None else A.pure(d) for d in merged]
-
-  def while_shift(self, node: Node, ins: list, inner: Optional[dict] = None) -> list:
-    """Pure shifts through a while loop: a fixed point on the carries, and the
-    loop condition must not see the shift (it decides the trip count)."""
-    cond, body = self.body(node, 0), self.body(node, 1)
-    cc, first = control.carries(node, 0)
-    bc, _ = control.carries(node, 1)
-    for p in ins:
-      if p is not None and not p.is_pure:
-        raise Block("a nonlinear function of the shift enters a `while` loop")
-    carry = {j - first: A.pure(p.dims) for j, p in enumerate(ins) if j >= first and p is not None}
-
-    def seeds_of(level, nconst, base):
-      seeds = {level.program.invars[i]: ins[base + i] for i in range(nconst)
-               if ins[base + i] is not None}
-      for j, p in carry.items():
-        seeds[level.program.invars[nconst + j]] = p
-      seeds.update((inner or {}).get(level, {}))
-      return seeds
-
-    nconst_c = cc
-    for _ in range(2 + 2 * max((len(v.shape) for v in body.program.invars), default=0)):
-      outs = body.collect(seeds_of(body, bc, nconst_c))
-      changed = False
-      for j, q in outs.items():
-        changed |= _widen_carry(carry, j, q, "a `while` loop")
-      if not changed:
-        break
-    else:
-      raise Block("the shift on a `while` carry has no fixed point")
-    try:
-      pred = cond.collect(seeds_of(cond, cc, 0))
-    except Block as e:
-      raise Block(f"the `while` loop's condition: {e}") from e
-    if pred:
-      raise Block("the shift reaches the `while` loop's condition (it decides the trip count)")
-    return [None if carry.get(j) is None else A.pure(carry[j].dims)
-            for j in range(len(node.outs))]
 
   def invisible_inside(self, seeds: dict) -> Optional[str]:
     """``invisible`` for seeds inside this loop or branch body: the enclosing
@@ -511,12 +388,8 @@ class Level:
     enclosing level continues from the loop's outputs."""
     node, outer_prog = self.program.parent
     outer = self.an.level(outer_prog)
-    driver = {"scan": outer.scan_shift, "cond": outer.cond_shift, "while": outer.while_shift}
-    kind = rule_for(node.prim).name
-    if kind not in driver:
-      return f"the value is inside a `{node.prim.name}` body"
     try:
-      outs = driver[kind](node, [None] * len(node.ins), {self: seeds})
+      outs = rule_for(node.prim).shift_inside(node, [None] * len(node.ins), outer, {self: seeds})
     except Block as e:
       return f"{e} [at {node.where()}]"
     except A.Unrepresentable as e:
@@ -622,19 +495,6 @@ class Level:
         return self._loop_input(v, spec, out, use, chain, top_var, top_spec)
       out.append(Blocker(v, spec, "a program input (not a parameter)"))
       return
-    if node.subs:
-      if compat.is_scan(node.eqn):
-        return self._scan_output(node, v.index, spec, out, v)
-      if compat.is_cond(node.eqn):
-        # Whichever branch runs, its output is zero-sum.
-        for sub in node.subs:
-          ov = self.an.level(sub).program.outvars[v.index]
-          self.an.level(sub)._walk(ov, spec, None, (), out, ov, spec)
-        return
-      if compat.is_while(node.eqn):
-        return self._carry(node, v.index, spec, out)
-      out.append(Blocker(v, spec, f"the output of a `{node.prim.name}`, which has no rule"))
-      return
     try:
       reqs = rule_for(node.prim).zero_sum(node, v.index, spec, self)
     except Block as e:
@@ -642,7 +502,7 @@ class Level:
       return
     for r in reqs:
       if r.source is not None:
-        self._walk(r.source, r.spec, None, (), out, r.source, r.spec)
+        self._fresh(r, out)
         continue
       a = node.ins[r.operand]
       if r.transparent and len(node.ins) == 1:
@@ -650,59 +510,32 @@ class Level:
       else:
         self._walk(a, r.spec, (node, r.operand), (), out, v, spec)
 
-  def _carry(self, node, j, spec, out) -> None:
-    """A while carry is zero-sum when its initial value is and the body keeps
-    it so (coinductive: the seen-set records the assumption)."""
-    _, first = control.carries(node, 1)
-    body = self.body(node, 1)
-    self._walk(node.ins[first + j], spec, None, (), out, node.ins[first + j], spec)
-    ov = body.program.outvars[j]
-    body._walk(ov, spec, None, (), out, ov, spec)
+  def _fresh(self, r, out) -> None:
+    """A ``Need`` on a value of its own (``source``, in program ``at`` or here):
+    a new use, so no untied copy is taken through it."""
+    lv = self if r.at is None else self.an.level(r.at)
+    lv._walk(r.source, r.spec, None, (), out, r.source, r.spec)
 
   def _loop_input(self, v, spec, out, use=None, chain=(), top_var=None, top_spec=()) -> None:
+    """A body input: the enclosing equation's rule says what it reads."""
     node, outer_prog = self.program.parent
     outer = self.an.level(outer_prog)
-    k = node.subs.index(self.program)
-    j = control.body_operand(node, k, v.index)
-    if j is not None:
-      # The body reads the outer operand unchanged: a use inside the body is
-      # still a use of it (an untied copy can stand in there).
-      if use is None:
-        top_var, top_spec = node.ins[j], spec
-      return outer._walk(node.ins[j], spec, use, chain, out, top_var, top_spec)
-    if not compat.is_scan(node.eqn):
-      if compat.is_while(node.eqn):
-        return outer._carry(node, v.index - control.carries(node, k)[0], spec, out)
-      out.append(Blocker(v, spec, f"an input of a `{node.prim.name}` body"))
+    try:
+      reqs = rule_for(node.prim).body_zero_sum(node, node.subs.index(self.program), v.index, spec, outer)
+    except Block as e:
+      out.append(Blocker(v, spec, str(e)))
       return
-    nc, ncar = compat.scan_partition(node.params)
-    i = v.index
-    operand = node.ins[i]
-    if i < nc:
-      return outer._walk(operand, spec, None, (), out, operand, spec)
-    if i < nc + ncar:
-      # Zero-sum carry: its initial value is, and the body keeps it so (the
-      # assumption for this carry is what the seen-set records).
-      outer._walk(operand, spec, None, (), out, operand, spec)
-      ov = self.program.outvars[i - nc]
-      return self._walk(ov, spec, None, (), out, ov, spec)
-    stacked = freeze({d + 1: b for d, b in spec})
-    return outer._walk(operand, stacked, None, (), out, operand, stacked)
-
-  def _scan_output(self, node, k, spec, out, v) -> None:
-    body = self.body(node)
-    nc, ncar = compat.scan_partition(node.params)
-    ov = body.program.outvars[k]
-    if k < ncar:
-      if control.may_skip(node):
-        # Zero trips: the final carry is the initial one.
-        self._walk(node.ins[nc + k], spec, None, (), out, node.ins[nc + k], spec)
-      return body._walk(ov, spec, None, (), out, ov, spec)
-    if any(d == 0 for d, _ in spec):
-      out.append(Blocker(v, spec, "a scan output normalized over its stacked axis"))
-      return
-    inner = freeze({d - 1: b for d, b in spec})
-    return body._walk(ov, inner, None, (), out, ov, inner)
+    for r in reqs:
+      if r.source is not None:
+        outer._fresh(r, out)
+      elif r.transparent:
+        # The body reads the outer operand unchanged: a use inside the body is
+        # still a use of it (an untied copy can stand in there).
+        a = node.ins[r.operand]
+        outer._walk(a, r.spec, use, chain, out, top_var if use is not None else a,
+                    top_spec if use is not None else r.spec)
+      else:
+        outer._walk(node.ins[r.operand], r.spec, None, (), out, node.ins[r.operand], r.spec)
 
 
 _MISS = object()
@@ -740,35 +573,6 @@ def _subsumes(general: tuple, special: tuple) -> bool:
     if g is None or s[1] % g[1]:
       return False
   return True
-
-
-def _widen_carry(carry: dict, key, q, loop: str) -> bool:
-  """One step of a loop's carry fixed point: widens ``carry[key]`` to cover the
-  body's output shift ``q``; True when it changed."""
-  if not q.is_pure:
-    raise Block(f"a nonlinear function of the shift is carried by {loop}")
-  cur = carry.get(key)
-  merged = q.dims if cur is None else _merge(cur.dims, q.dims)
-  if cur is not None and _blocks(merged) == _blocks(cur.dims):
-    return False
-  carry[key] = A.pure(merged)
-  return True
-
-
-def _merge(a: tuple, b: tuple) -> tuple:
-  out = []
-  for x, y in zip(a, b):
-    if x is None and y is None:
-      out.append(None)
-    elif x is None or y is None:
-      out.append((None, (x or y)[1]))
-    else:
-      out.append((None, math.gcd(x[1], y[1])))
-  return tuple(out)
-
-
-def _blocks(dims: tuple) -> tuple:
-  return tuple(None if e is None else e[1] for e in dims)
 
 
 def _lit_canon(a: Lit) -> A.Expr:

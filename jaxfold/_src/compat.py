@@ -298,8 +298,20 @@ def call_jaxpr_of(eqn: Any) -> Any | None:
   return None
 
 
-def is_call(eqn: Any) -> bool:
-  return call_jaxpr_of(eqn) is not None
+def call_prims() -> tuple:
+  """The primitives ``call_jaxpr_of`` recognises: jit, remat, custom_jvp/vjp
+  and, where this jax defines them, ``closed_call``/``core_call``."""
+  p = prims()
+  out = [p["jit"], p["remat"], p["custom_jvp"], p["custom_vjp"]]
+  try:
+    from jax._src import core as _core
+  except ImportError:  # pragma: no cover
+    _core = None
+  for name in ("closed_call_p", "core_call_p"):
+    q = getattr(_core, name, None)
+    if q is not None and q not in out:
+      out.append(q)
+  return tuple(out)
 
 
 def call_kind(eqn: Any) -> str:
@@ -324,17 +336,6 @@ def call_name(eqn: Any) -> str:
     if fn:
       return str(fn).split(" ")[0]
   return eqn.primitive.name
-
-
-def control_bodies(eqn: Any) -> list:
-  """Sub-jaxprs of loops and conditionals, in a fixed order."""
-  if is_scan(eqn):
-    return [eqn.params["jaxpr"]]
-  if is_cond(eqn):
-    return list(eqn.params["branches"])
-  if is_while(eqn):
-    return [eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]]
-  return []
 
 
 def is_remat(eqn: Any) -> bool:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 import jax
 
 from jaxfold._src import compat
+from jaxfold._src.rules import rule_for
 
 __all__ = ["fingerprint", "difference"]
 
@@ -84,15 +85,15 @@ class _Walker:
           continue
       self.name(v)
     for eqn in jaxpr.eqns:
-      body = compat.call_jaxpr_of(eqn)
-      if body is not None and compat.call_kind(eqn) in ("jit", "call", "custom_jvp", "custom_vjp"):
+      call = rule_for(eqn.primitive).inline(eqn)
+      if call is not None and call.wrapper:
         # Wrappers are inlined: jax.jit(apply) and apply are the same program.
-        outs = self.sub(body, depth, bind=list(eqn.invars))
+        outs = self.sub(call.body, depth, bind=list(eqn.invars))
         for o, v in zip(outs, eqn.outvars):
           if not compat.is_literal(o):
             self.ids[id(v)] = self.fresh(o)
         continue
-      params = [p for k in sorted(eqn.params) if (p := self.param(k, eqn.params[k], depth)) is not None]
+      params = [p for k, v in sorted(eqn.params.items()) if (p := self.param(k, v, depth)) is not None]
       ins = ", ".join(f"{self.name(v)}:{_aval(v)}" for v in eqn.invars)
       outs = ", ".join(f"{self.name(v)}:{_aval(v)}" for v in eqn.outvars)
       self.lines.append(f"{'  ' * depth}{eqn.primitive.name}({ins}) -> ({outs}) {' '.join(params)}")

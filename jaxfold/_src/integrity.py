@@ -71,8 +71,8 @@ def versions() -> dict:
       out[name] = metadata.version(name)
     except metadata.PackageNotFoundError:
       pass
-  import jaxfold  # the source tree's version wins over an installed copy's metadata
-  out["jaxfold"] = jaxfold.__version__
+  from jaxfold._src.version import __version__  # the source tree's version wins over an installed copy's
+  out["jaxfold"] = __version__
   return out
 
 

@@ -197,7 +197,7 @@ def _formula(X: A.Expr, shape: tuple, eps: Fraction, gamma: Optional[A.Expr],
   arg = A.view_op(A.add(ms, A.const(eps)), shape,
                   lambda view: view.broadcast(shape, tuple(range(r - 1))),
                   ("broadcast", tuple(range(r - 1)))) if red else A.add(ms, A.const(eps))
-  y = A.mul(X, A.app(("rsqrt",), (arg,), shape))
+  y = A.mul(X, A.app(A.RSQRT, (arg,), shape))
   if gamma is not None:
     y = A.mul(y, gamma)
   if beta is not None:
@@ -216,7 +216,7 @@ def _match(C: A.Expr, X: A.Expr, shape: tuple, top) -> Optional[tuple]:
   if len(main) != 1:
     return None
   rest = [f for f in main[0] if f != xf]
-  rs = [f for f in rest if A.factor(f).kind == "app" and A.factor(f).key == ("rsqrt",)]
+  rs = [f for f in rest if A.factor(f).kind == "app" and A.factor(f).key == A.RSQRT]
   if len(rs) != 1 or main[0].count(xf) != 1:
     return None
   arg = A.factor(rs[0]).args[0]

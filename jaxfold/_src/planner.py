@@ -544,7 +544,7 @@ class Planner:
     copies = {(n.var, n.spec) for n in self.untie_commit.values()}
     leaves = [v for v in self.leaf_commit if self.is_leaf(v)]
     changes = Changes(
-        reductions_before=sum(rule_for(n.prim).name == "reduce_sum"
+        reductions_before=sum(rule_for(n.prim).sum_axes(n) is not None
                               for p in self.top.program.programs() for n in p.nodes),
         reductions_removed=sum(len(s.reduces) for s in self.folded_sites()),
         reductions_added=len(self.aux_commit),
@@ -567,7 +567,7 @@ class Planner:
     prog = self.sites[j].level.program
     for v in sorted(self._epilogue(j), key=lambda v: self._epilogue(j)[v]):
       for node, _ in prog.consumers.get(v, ()):
-        if rule_for(node.prim).name not in ("mul", "add"):
+        if not rule_for(node.prim).arith:
           continue
         for a in node.ins:
           while isinstance(a, Val) and a.producer is not None and len(a.producer.ins) == 1:

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import numpy as np
 
 from jaxfold._src import compat
+from jaxfold._src.rules import rule_for
 
 Path = tuple
 
@@ -165,9 +166,10 @@ class Program:
     for i, eqn in enumerate(jaxpr.eqns):
       path = prefix + (i,)
       ins = [_read(env, a) for a in eqn.invars]
-      body = compat.call_jaxpr_of(eqn)
-      if body is not None:
-        inner, consts = compat.open_jaxpr(body)
+      rule = rule_for(eqn.primitive)
+      call = rule.inline(eqn)
+      if call is not None:
+        inner, consts = compat.open_jaxpr(call.body)
         sub = {}
         for k, (v, c) in enumerate(zip(compat.constvars(inner), consts)):
           val = Val(v.aval, (path, "const", k), self, index=k, const=c)
@@ -175,7 +177,7 @@ class Program:
           sub[v] = val
         for v, a in zip(inner.invars, ins):
           sub[v] = a
-        site = CallSite(path, compat.call_kind(eqn), compat.call_name(eqn),
+        site = CallSite(path, call.kind, compat.call_name(eqn),
                         compat.user_source(eqn) or compat.source_summary(eqn),
                         compat.name_stack(eqn))
         self._flatten(inner, path, sub, calls + (site,))
@@ -188,7 +190,7 @@ class Program:
       for v, val in zip(eqn.outvars, node.outs):
         env[v] = val
       node.subs = tuple(Program(j, None, path + (k,), (node, self), calls)
-                        for k, j in enumerate(compat.control_bodies(eqn)))
+                        for k, j in enumerate(rule.bodies(eqn)))
       self.nodes.append(node)
 
   # -- dataflow maps ----------------------------------------------------------

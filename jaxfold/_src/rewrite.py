@@ -17,11 +17,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jaxfold._src import compat, layout
+from jaxfold._src.rules import rule_for
+from jaxfold._src.zero import Zero
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,15 +46,6 @@ class Plan:
       paths |= {e.out_path for e in self.epilogues}
       paths |= {e.add_path for e in self.epilogues if e.add_path is not None}
     return frozenset(p[:i] for p in paths for i in range(len(p) + 1))
-
-
-@dataclasses.dataclass(frozen=True)
-class Zero:
-  """A value known to be exactly zero; never materialised unless needed."""
-  aval: Any
-
-  def materialize(self):
-    return jnp.zeros(self.aval.shape, self.aval.dtype)
 
 
 class _Eqn:
@@ -98,7 +89,6 @@ class _Aval:
 
 def _simplify(eqn, invals) -> list | None:
   """Outputs of ``eqn`` when some inputs are Zero (its rule's facet), or None."""
-  from jaxfold._src.rules import rule_for
   zeros = [isinstance(v, Zero) for v in invals]
   fn = rule_for(eqn.primitive).simplify(_Eqn(eqn), zeros)
   return None if fn is None else list(fn(invals))
@@ -143,8 +133,22 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
   for i, (v, a) in enumerate(zip(jaxpr.invars, args)):
     write(v, a, (prefix, "in", i))
 
+  def runner(path):
+    def run(body, args, sub=None, isolated=False):
+      """Evaluates ``body`` with the plan: a loop or branch body (``sub`` = its
+      index) at ``path + (sub,)`` with values of its own, a call's body at
+      ``path`` itself (program.Program flattens calls), sharing ``values``
+      unless ``isolated`` (a remat boundary: values inside stay inside)."""
+      inner, inner_consts = compat.open_jaxpr(body)
+      if sub is not None:
+        return evaluate(inner, inner_consts, list(args), plan, extras, path + (sub,))
+      return evaluate(inner, inner_consts, list(args), plan, extras, path,
+                      dict(values) if isolated else values)
+    return run
+
   for i, eqn in enumerate(jaxpr.eqns):
     path = prefix + (i,)
+    rule = rule_for(eqn.primitive)
     invals = [read(a) for a in eqn.invars]
     for k in range(len(invals)):
       if (path, k) in untied:
@@ -166,14 +170,8 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
       pass
     elif path in plan.zero:
       outs = [Zero(eqn.outvars[0].aval)]
-    elif path in touched and compat.is_call(eqn):
-      outs = _call(eqn, invals, plan, extras, path, values)
-    elif path in touched and compat.is_scan(eqn):
-      outs = _scan(eqn, invals, plan, extras, path)
-    elif path in touched and compat.is_cond(eqn):
-      outs = _cond(eqn, invals, plan, extras, path)
-    elif path in touched and compat.is_while(eqn):
-      outs = _while(eqn, invals, plan, extras, path)
+    elif path in touched and rule.rebind is not None:
+      outs = list(rule.rebind(eqn, [_materialize(v) for v in invals], runner(path)))
     else:
       if any(isinstance(v, Zero) for v in invals):
         outs = _simplify(eqn, invals)
@@ -181,7 +179,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
           invals = [v.materialize() if isinstance(v, Zero) else v for v in invals]
       if outs is None:
         outs = compat.bind_eqn(eqn, invals)
-        if kernels_at and compat.is_call(eqn):
+        if kernels_at and rule.inline(eqn) is not None:
           # A kernel may read a value the program sees inside this untouched
           # call (program.Program flattens calls): record it under that key.
           for k, key in _call_out_keys(eqn, path):
@@ -200,7 +198,7 @@ def _materialize(x):
 def _call_out_keys(eqn, path) -> list:
   """(k, key) per output of a call equation: the key program.Program gives the
   value it returns (an equation output inside the body, at any depth)."""
-  inner, _ = compat.open_jaxpr(compat.call_jaxpr_of(eqn))
+  inner, _ = compat.open_jaxpr(rule_for(eqn.primitive).inline(eqn).body)
   made = {}
   for j, e in enumerate(inner.eqns):
     for k, v in enumerate(e.outvars):
@@ -214,7 +212,7 @@ def _call_out_keys(eqn, path) -> list:
       out.append((k, (path, "const", consts[v])))
     elif v in made:
       e, p, i = made[v]
-      if compat.is_call(e):
+      if rule_for(e.primitive).inline(e) is not None:
         out.append((k, dict(_call_out_keys(e, p))[i]))
       else:
         out.append((k, (p, "out", i)))
@@ -266,64 +264,3 @@ def _kernel(ep, eqn, values, plan):
   gamma = values[ep.gamma] if ep.gamma is not None else None
   beta = values[ep.beta] if ep.beta is not None else None
   return [kernels.run_kernel(ep, x, gamma, beta, eqn.outvars[0].aval, interpret)]
-
-
-def _scan(eqn, invals, plan, extras, path):
-  """Re-traces a scan whose body the plan changes, with lax.scan itself."""
-  nc, ncar = compat.scan_partition(eqn.params)
-  inner, consts = compat.open_jaxpr(eqn.params["jaxpr"])
-  invals = [v.materialize() if isinstance(v, Zero) else v for v in invals]
-  closed, init, xs = invals[:nc], invals[nc:nc + ncar], invals[nc + ncar:]
-  body_prefix = path + (0,)
-
-  def body(carry, x):
-    outs = evaluate(inner, consts, list(closed) + list(carry) + list(x), plan, extras,
-                    body_prefix)
-    return outs[:ncar], outs[ncar:]
-
-  carry, ys = lax.scan(body, list(init), list(xs), length=eqn.params["length"],
-                       reverse=eqn.params["reverse"], unroll=eqn.params.get("unroll", 1))
-  return list(carry) + list(ys)
-
-
-def _cond(eqn, invals, plan, extras, path):
-  """Re-traces a cond/switch whose branches the plan changes (branch k's
-  values are keyed under ``path + (k,)``)."""
-  invals = [v.materialize() if isinstance(v, Zero) else v for v in invals]
-
-  def branch(k, jaxpr):
-    inner, consts = compat.open_jaxpr(jaxpr)
-    return lambda *ops: evaluate(inner, consts, ops, plan, extras, path + (k,))
-  fns = [branch(k, j) for k, j in enumerate(eqn.params["branches"])]
-  return lax.switch(invals[0], fns, *invals[1:])
-
-
-def _while(eqn, invals, plan, extras, path):
-  """Re-traces a while loop whose condition or body the plan changes."""
-  cn, bn = compat.while_partition(eqn.params)
-  invals = [v.materialize() if isinstance(v, Zero) else v for v in invals]
-  cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
-  c_inner, c_consts = compat.open_jaxpr(eqn.params["cond_jaxpr"])
-  b_inner, b_consts = compat.open_jaxpr(eqn.params["body_jaxpr"])
-
-  def cond_fn(carry):
-    return evaluate(c_inner, c_consts, list(cconsts) + list(carry), plan, extras, path + (0,))[0]
-
-  def body_fn(carry):
-    return evaluate(b_inner, b_consts, list(bconsts) + list(carry), plan, extras, path + (1,))
-  return list(lax.while_loop(cond_fn, body_fn, list(init)))
-
-
-def _call(eqn, invals, plan, extras, path, values):
-  """A touched call: its body is interpreted at this call site (a remat
-  boundary is kept; values inside it stay inside it)."""
-  body = compat.call_jaxpr_of(eqn)
-  inner, consts = compat.open_jaxpr(body)
-  invals = [v.materialize() if isinstance(v, Zero) else v for v in invals]
-  if compat.is_remat(eqn):
-    run = lambda *a: evaluate(inner, consts, a, plan, extras, path, dict(values))
-    run = jax.checkpoint(run, prevent_cse=eqn.params.get("prevent_cse", True),
-                         policy=eqn.params.get("policy"))
-  else:
-    run = lambda *a: evaluate(inner, consts, a, plan, extras, path, values)
-  return run(*invals)

@@ -68,10 +68,11 @@ def _norm_inputs(level: Level, n: int) -> list:
   facets show to be a sum of squares of ``x`` (the RMS of ``x``)."""
   out = []
   for node in level.program.nodes:
-    if rule_for(node.prim).name != "reduce_sum" or len(node.params["axes"]) != 1:
+    axes = rule_for(node.prim).sum_axes(node)
+    if axes is None or len(axes) != 1:
       continue
     v = node.ins[0]
-    axis = node.params["axes"][0]
+    axis = axes[0]
     if not isinstance(v, Val) or v.producer is None or v.shape[axis] != n:
       continue
     pn = v.producer

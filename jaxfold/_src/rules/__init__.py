@@ -10,6 +10,6 @@ from jaxfold._src.rules import elementwise as elementwise  # noqa: F401
 from jaxfold._src.rules import reduction as reduction  # noqa: F401
 from jaxfold._src.rules import rotation as rotation  # noqa: F401 (facets; after the families)
 from jaxfold._src.rules import structural as structural  # noqa: F401
-from jaxfold._src.rules.base import DEFAULT, Block, Facts, Need, Rule, all_rules, rule_for
+from jaxfold._src.rules.base import DEFAULT, Block, Facts, Inline, Need, Rule, all_rules, call_rules, rule_for
 
-__all__ = ["DEFAULT", "Block", "Facts", "Need", "Rule", "all_rules", "rule_for"]
+__all__ = ["DEFAULT", "Block", "Facts", "Inline", "Need", "Rule", "all_rules", "call_rules", "rule_for"]

@@ -14,6 +14,14 @@ primitive family, as *facets*:
   which blocks for an output to.
 * ``simplify``: the rewrite, when some inputs are exactly zero (a removed
   mean reduction) — the outputs without materialising the zeros.
+* Control flow (``rules/control.py``): ``bodies`` (the sub-jaxprs in the
+  equation's params), ``inline`` (a call the program flattens),
+  ``body_facts``/``body_zero_sum``/``shift_inside`` (how a body's inputs and
+  outputs map to the equation's, for both obligations) and ``rebind`` (the
+  rewrite of an equation whose bodies the plan changes).
+* Declared roles that other passes ask instead of testing a rule's name:
+  ``arith`` ("+" for the add family, "*" for mul), ``sum_axes`` (a plain
+  ``reduce_sum``), ``contraction`` (a ``dot_general``'s dimension numbers).
 
 Defaults fail closed: an unknown primitive stops a shift, is never
 zero-sum, and its outputs are opaque atoms. A facet is exact or absent.
@@ -22,12 +30,23 @@ zero-sum, and its outputs are opaque atoms. A facet is exact or absent.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
 
 from jaxfold._src import algebra as A
-from jaxfold._src.program import Lit, Node, Val, is_val
+from jaxfold._src.rules import contracts as C
 
-Spec = tuple  # ((dim, block), ...) sorted: zero-sum over aligned blocks along each dim
+if TYPE_CHECKING:  # the program imports the registry (to flatten calls), not the reverse
+  from jaxfold._src.program import Lit, Node, Val
+
+class SpecEntry(NamedTuple):
+  """One entry of a ``Spec``: zero-sum over aligned blocks of ``block`` along ``dim``."""
+  dim: int
+  block: int
+
+
+# ((dim, block), ...) sorted by dim: zero-sum over aligned blocks along each dim. Entries
+# are plain pairs or SpecEntry (equal and hashed alike); ``freeze`` makes SpecEntry.
+Spec = tuple
 
 
 class Block(Exception):
@@ -60,6 +79,7 @@ class Need:
   spec: Spec
   transparent: bool = False
   source: Any = None    # the value that must be zero-sum instead of the operand (see concatenate)
+  at: Any = None        # the program (a loop or branch body) ``source`` lives in; None: the node's
 
 
 def _no_facts(node: Node, ins: list, ctx) -> list:
@@ -90,19 +110,48 @@ def _no_rotate(node: Node, ins: list, ctx) -> list:
   raise Block(f"the rotated stream reaches `{node.prim.name}`, which has no rotation rule")
 
 
+def _no_bodies(eqn: Any) -> tuple:
+  return ()
+
+
+def _no_inline(eqn: Any) -> None:
+  return None
+
+
+def _no_body_facts(node: Node, k: int, i: int, outer, base: Facts) -> Facts:
+  random = base.random or any(outer.facts(a).random for a in node.ins)
+  return Facts(base.const, None, random)
+
+
+def _no_body_zero_sum(node: Node, k: int, i: int, spec: Spec, outer) -> list:
+  raise Block(f"an input of a `{node.prim.name}` body")
+
+
+def _no_shift_inside(node: Node, ins: list, ctx, inner: dict) -> list:
+  raise Block(f"the value is inside a `{node.prim.name}` body")
+
+
+def _no_sum_axes(node: Node) -> Optional[tuple]:
+  return None
+
+
+def _no_contraction(node: Node) -> Any:
+  return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
   """All facets of one primitive family (see the module docstring)."""
   name: str
   primitives: tuple
-  facts: Callable = _no_facts
-  canon: Callable = _no_canon
-  shift: Callable = _no_shift
-  zero_sum: Callable = _no_zero_sum
-  simplify: Callable = _no_simplify
+  facts: C.FactsFacet = _no_facts
+  canon: C.CanonFacet = _no_canon
+  shift: C.ShiftFacet = _no_shift
+  zero_sum: C.ZeroSumFacet = _no_zero_sum
+  simplify: C.SimplifyFacet = _no_simplify
   # jaxfold.rotate: output states given operand states (None: unchanged, or
   # rules.rotation.Lin / Quad); exact for any orthogonal Q, or absent.
-  rotate: Callable = _no_rotate
+  rotate: C.RotateFacet = _no_rotate
   # Whether the primitive's JVP is the derivative of what it computes; CBWC
   # gradients equal the original's only across such primitives.
   differentiable: bool = True
@@ -118,13 +167,49 @@ class Rule:
   # ``(node, ctx) -> (operand, axes) | None``: the output is a constant times
   # the sum of that operand over those of its axes (a mean's numerator:
   # ``reduce_sum``, a contraction with ones). Site detection only.
-  sums: Callable = _no_sums
+  sums: C.SumsFacet = _no_sums
   # Parameter variants the fuzzer must generate, e.g. ("int target", "float narrowing").
   variants: tuple = ()
+  # ``(node) -> axes | None``: the output is the plain sum of operand 0 over
+  # these axes (``reduce_sum``: what a fold removes and the report counts).
+  sum_axes: C.SumAxesFacet = _no_sum_axes
+  # ``(node) -> dims.DotDims | None``: a contraction's dimension numbers.
+  contraction: C.ContractionFacet = _no_contraction
+  # "+" (the output is the sum of its operands: add) or "*" (their product:
+  # mul) or "": the candidates for ``γ ⊙ K + β`` (fuse_affine, report labels).
+  arith: str = ""
+  # -- control flow (rules.control) --------------------------------------------
+  # ``(eqn) -> (jaxpr, ...)``: the loop/branch bodies, each a sub-program.
+  bodies: C.BodiesFacet = _no_bodies
+  # ``(eqn) -> Inline | None``: a call whose body the program flattens at the
+  # call site (its inputs and outputs are the equation's, in order).
+  inline: C.InlineFacet = _no_inline
+  # ``(node, k, i, outer, base) -> Facts``: facts of input ``i`` of body ``k``
+  # (``outer``: the node's level; ``base``: what the input's own type says).
+  body_facts: C.BodyFactsFacet = _no_body_facts
+  # ``(node, k, i, spec, outer) -> [Need]``: input ``i`` of body ``k`` is
+  # zero-sum over ``spec`` when these hold: ``Need(j, spec, transparent=True)``
+  # is outer operand ``j`` read unchanged (the use continues through it),
+  # ``Need(-1, spec, source=v, at=program)`` a value to show zero-sum afresh.
+  body_zero_sum: C.BodyZeroSumFacet = _no_body_zero_sum
+  # ``(node, ins, ctx, inner) -> [Poly | None]``: ``shift`` with extra seeds
+  # ``inner`` ({body Level: {Val: Poly}}) placed inside the bodies.
+  shift_inside: C.ShiftInsideFacet = _no_shift_inside
+  # ``(eqn, invals, run) -> outs``: the rewrite of an equation whose bodies the
+  # plan changes; ``run(body, args, sub=None, isolated=False)`` evaluates a
+  # body with the plan (see ``rewrite.evaluate``). None: bound unchanged.
+  rebind: Optional[C.RebindFacet] = None
 
 
 DEFAULT = Rule("default", ())
 _REGISTRY: dict = {}
+
+
+class Inline(NamedTuple):
+  """What ``Rule.inline`` returns for a call."""
+  body: Any        # the called (closed) jaxpr; its inputs and outputs are the equation's
+  kind: str        # "jit" | "remat" | "custom_jvp" | "custom_vjp" | "call"
+  wrapper: bool    # computes exactly its body, with no boundary of its own (not a remat)
 
 
 def register(rule: Rule, kind: str = "") -> Rule:
@@ -155,6 +240,17 @@ def rule_for(prim: Any) -> Rule:
 
 
 def all_rules() -> list:
+  """Every rule a program's node can reach (calls are flattened by
+  ``program.Program`` and never reach the analysis: see ``call_rules``)."""
+  return [r for r in _unique() if r.inline is _no_inline]
+
+
+def call_rules() -> list:
+  """The rules of call primitives (jit, remat, custom_jvp/vjp, closed calls)."""
+  return [r for r in _unique() if r.inline is not _no_inline]
+
+
+def _unique() -> list:
   seen, out = set(), []
   for r in _REGISTRY.values():
     if id(r) not in seen:
@@ -183,7 +279,7 @@ def spec_dict(spec: Spec) -> dict:
 
 
 def freeze(spec: dict) -> Spec:
-  return tuple(sorted(spec.items()))
+  return tuple(SpecEntry(d, b) for d, b in sorted(spec.items()))
 
 
 def operand_spec(operand: Any, spec: Spec, out_shape: Sequence[int]) -> Optional[Spec]:
@@ -259,7 +355,3 @@ def out_val(node: Node, k: int = 0) -> Val:
 
 def operands(node: Node) -> tuple:
   return node.ins
-
-
-def is_value(a: Any) -> bool:
-  return is_val(a)

@@ -160,6 +160,7 @@ def _dot_sums(node, ctx):
 
 
 register(Rule("dot_general", (lax.dot_general_p,), facts=_dot_facts, canon=_dot_canon, sums=_dot_sums,
+              contraction=lambda node: D.DotDims(node.params, node.ins[0].shape, node.ins[1].shape),
               shift=_dot_shift, zero_sum=_dot_zero_sum, simplify=_zero_simplify,
               variants=("weight side", "activation side", "batched", "transposed kernel")))
 

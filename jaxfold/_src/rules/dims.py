@@ -211,7 +211,8 @@ class DotDims:
   """Output dims of ``dot_general``: batch, then lhs free, then rhs free."""
 
   def __init__(self, params: dict, lhs_shape: Sequence, rhs_shape: Sequence):
-    (self.lc, self.rc), (self.lb, self.rb) = params["dimension_numbers"]
+    self.numbers = params["dimension_numbers"]
+    (self.lc, self.rc), (self.lb, self.rb) = self.numbers
     self.free = (
         [d for d in range(len(lhs_shape)) if d not in self.lc and d not in self.lb],
         [d for d in range(len(rhs_shape)) if d not in self.rc and d not in self.rb])

@@ -18,6 +18,7 @@ from jax import lax
 from jaxfold._src import algebra as A
 from jaxfold._src import compat
 from jaxfold._src.rules.base import Block, Facts, Need, Rule, lift_poly, operand_const, operand_spec, register, size_one
+from jaxfold._src.zero import Zero
 
 
 def _prims(*names: str) -> tuple:
@@ -84,7 +85,6 @@ def _zero_out(node, zeros):
 
 
 def ctx_zero(v):
-  from jaxfold._src.rewrite import Zero  # the rewrite's marker; imported lazily
   return Zero(v.aval)
 
 
@@ -184,7 +184,7 @@ register(Rule("add", _prims("add_p", "add_any_p", "add_jaxvals_p"),
               facts=_arith_facts(lambda a, b: a + b), canon=_add_canon(1),
               shift=_add_shift(1), zero_sum=_add_zero_sum, simplify=_add_simplify(1),
               variants=("same shift", "two shifts", "scalar operand", "size-1 broadcast"),
-              epilogue="bias"))
+              epilogue="bias", arith="+"))
 register(Rule("sub", (lax.sub_p,), facts=_arith_facts(lambda a, b: a - b),
               canon=_add_canon(-1), shift=_add_shift(-1), zero_sum=_add_zero_sum,
               simplify=_add_simplify(-1), variants=("cancellation", "near-cancellation"),
@@ -256,7 +256,8 @@ DROPOUT = ("a random mask (dropout) that varies along the normalized axes makes 
 register(Rule("mul", (lax.mul_p,), facts=_arith_facts(lambda a, b: a * b),
               canon=lambda node, ins, ctx: [A.mul(ins[0], ins[1])], shift=_mul_shift,
               zero_sum=_mul_zero_sum, simplify=_zero_out,
-              variants=("constant factor", "per-token factor", "varying factor", "same shift")), kind="scale")
+              variants=("constant factor", "per-token factor", "varying factor", "same shift"),
+              arith="*"), kind="scale")
 
 
 def _float_node(node) -> bool:
@@ -714,9 +715,9 @@ def _pow_canon(node, ins, ctx):
     k = y.const_value
     shape = node.outs[0].shape
     if k == Fraction(-1, 2):
-      return [A.app(("rsqrt",), (ins[0],), shape)]
+      return [A.app(A.RSQRT, (ins[0],), shape)]
     if k == Fraction(1, 2):
-      return [A.app(("sqrt",), (ins[0],), shape)]
+      return [A.app(A.SQRT, (ins[0],), shape)]
     if k == -1:
       return [A.lift(A.inv(ins[0], node.ins[0].shape), shape)]
   return _opaque_canon(node, ins, ctx)
@@ -736,8 +737,8 @@ for _name in tuple(_EXACT_UNARY) + _NONLINEAR:
   _fn = _EXACT_UNARY.get(_name)
   _tag = _name[:-2]
   register(Rule(_tag, (_p,), facts=_arith_facts(_fn) if _fn else elementwise_facts,
-                canon=(lambda tag: (lambda node, ins, ctx: [A.app((tag,), ins, node.outs[0].shape)]))(_tag)
-                if _tag in ("sqrt", "rsqrt") else _opaque_canon,
+                canon=(lambda tag: (lambda node, ins, ctx: [A.app(tag, ins, node.outs[0].shape)]))(
+                    {"sqrt": A.SQRT, "rsqrt": A.RSQRT}[_tag]) if _tag in ("sqrt", "rsqrt") else _opaque_canon,
                 shift=_SHIFTS.get(_name, _block_nonlinear), zero_sum=_block_zero_sum,
                 variants=_SHIFT_VARIANTS.get(_name, ()),
                 epilogue="step" if _tag in ("sqrt", "rsqrt") else ""))

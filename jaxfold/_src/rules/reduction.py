@@ -71,7 +71,8 @@ def _sum_zero_sum(node, k, spec, ctx):
 
 
 register(Rule("reduce_sum", (lax.reduce_sum_p,), facts=_reduce_facts, canon=_sum_canon,
-              sums=lambda node, ctx: (0, tuple(node.params["axes"])), shift=_sum_shift, zero_sum=_sum_zero_sum,
+              sums=lambda node, ctx: (0, tuple(node.params["axes"])),
+              sum_axes=lambda node: tuple(node.params["axes"]), shift=_sum_shift, zero_sum=_sum_zero_sum,
               simplify=lambda node, zeros: (lambda ins: [ctx_zero(node.outs[0])]) if zeros[0] else None,
               variants=("normalized axes", "shift-varying axes")))
 

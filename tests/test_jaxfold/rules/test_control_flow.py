@@ -339,3 +339,32 @@ def test_zero_trip_loop_keeps_initial_shift(x64, loop):
   spec = {"w_in": (DIN, D), "b_in": (D,), "g_f": (D,), "be_f": (D,)}
   sound(apply, spec, x_args(extra=lambda rng, b: (jnp.asarray(b, jnp.int32),)), expect_folded=0,
         grads=loop in ("scan0", "fori_static"))
+
+
+def test_control_facets_are_declared():
+  """Loops, conditionals and calls are rules: their facets (not the drivers)
+  name the bodies, and calls are flattened rather than analysed."""
+  from jaxfold._src import compat
+  from jaxfold._src.program import Program
+  from jaxfold._src.rules import all_rules, call_rules, rule_for
+  prims = compat.prims()
+  for kind in ("scan", "cond", "while"):
+    r = rule_for(prims[kind])
+    assert r.name == kind and r.rebind is not None and r in all_rules()
+  calls = call_rules()
+  assert calls and not set(map(id, calls)) & set(map(id, all_rules()))
+  for kind in ("jit", "remat", "custom_jvp", "custom_vjp"):
+    assert rule_for(prims[kind]) in calls
+
+  def f(x):
+    y = jax.checkpoint(lambda z: jnp.sin(z) * 2)(x)
+    y = lax.cond(y[0] > 0, lambda z: z + 1, lambda z: z - 1, y)
+    return lax.scan(lambda c, _: (c * 2, None), y, None, length=3)[0]
+  closed = jax.make_jaxpr(f)(jnp.ones(3))
+  prog = Program(closed)
+  names = [n.prim.name for n in prog.nodes]
+  assert prims["remat"].name not in names and "sin" in names        # the call is flattened
+  subs = {n.prim.name: len(n.subs) for n in prog.nodes if n.subs}
+  assert subs == {prims["cond"].name: 2, prims["scan"].name: 1}
+  for n in prog.nodes:
+    assert len(rule_for(n.prim).bodies(n.eqn)) == len(n.subs)

@@ -1,0 +1,243 @@
+"""Structural checks on the source tree (issue 22): they scan the code, not its behaviour.
+
+* Primitive knowledge lives in the rule registry (``jaxfold/_src/rules/``) and
+  the JAX version layer (``compat.py``) only: elsewhere in ``jaxfold/`` no
+  string literal names a registered rule or primitive, no code reads an
+  equation's params (``x.params[...]``, ``x.params.get(...)``), and no code
+  dispatches on a control-flow primitive through ``compat`` (``is_scan``,
+  ``scan_partition``, ...). Control flow is ``rules/control.py``'s facets.
+* No import circles among jaxfold's modules (every ``import`` counts,
+  function-level ones too: a lazy import hides a circle, it does not remove it).
+
+Each test fails listing every offender, so the goal is checked, not claimed.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import jaxfold
+
+ROOT = pathlib.Path(jaxfold.__file__).resolve().parent
+
+# The control-flow dispatch helpers of compat: only rules/ may call them.
+COMPAT_DISPATCH = frozenset({
+    "is_scan", "is_cond", "is_while", "is_call", "is_remat",
+    "scan_partition", "scan_length", "while_partition", "control_bodies", "call_kind",
+})
+
+# String literals that equal a rule name but mean something else, each with
+# the reason; keep this short (a new entry needs the same scrutiny as code).
+NOT_PRIMITIVES = {
+    ("_src/fold.py", "copy"): "the tied_weights option value 'copy'",
+    ("cli/_util.py", "copy"): "the --tied-weights choice 'copy'",
+}
+
+
+def _names() -> frozenset:
+  from jaxfold._src import compat
+  from jaxfold._src.rules import all_rules, call_rules
+  rules = list(all_rules()) + list(call_rules())
+  names = {r.name for r in rules}
+  names |= {p.name for r in rules for p in r.primitives if p is not None}
+  names |= {p.name for p in compat.prims().values()}
+  # the call primitives' names across jax versions
+  names |= {"pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint",
+            "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
+  return frozenset(names)
+
+
+def _checked_files() -> list:
+  """Every module of the package except the registry and compat."""
+  out = []
+  for f in sorted(ROOT.rglob("*.py")):
+    rel = f.relative_to(ROOT).as_posix()
+    if rel.startswith("_src/rules/") or rel == "_src/compat.py":
+      continue
+    out.append(f)
+  return out
+
+
+def primitive_knowledge_offenders() -> list:
+  """``file:line: what`` for every piece of primitive knowledge outside the registry."""
+  names = _names()
+  out = []
+  for f in _checked_files():
+    rel = f.relative_to(ROOT).as_posix()
+    for n in ast.walk(ast.parse(f.read_text(), str(f))):
+      what = None
+      if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in names:
+        if (rel, n.value) not in NOT_PRIMITIVES:
+          what = f"primitive name {n.value!r}"
+      elif isinstance(n, ast.Subscript) and isinstance(n.value, ast.Attribute) and n.value.attr == "params":
+        what = "equation params subscript `.params[...]`"
+      elif (isinstance(n, ast.Attribute) and n.attr == "get" and isinstance(n.value, ast.Attribute)
+            and n.value.attr == "params"):
+        what = "equation params read `.params.get(...)`"
+      elif isinstance(n, ast.Attribute) and n.attr in COMPAT_DISPATCH:
+        what = f"control-flow dispatch `{n.attr}`"
+      if what:
+        out.append(f"jaxfold/{rel}:{n.lineno}: {what}")
+  return sorted(set(out))
+
+
+def test_no_primitive_knowledge_outside_rules():
+  offenders = primitive_knowledge_offenders()
+  assert len(_checked_files()) > 40
+  assert not offenders, (f"{len(offenders)} piece(s) of primitive knowledge outside rules/ and compat.py "
+                         "(move them into a rule facet):\n" + "\n".join(offenders))
+
+
+def test_scan_sees_the_registry():
+  """The scan above is not vacuous: the names it looks for include the
+  control-flow and call primitives, and it finds a planted offender."""
+  names = _names()
+  assert {"scan", "cond", "while", "reduce_sum", "dot_general", "pjit"} <= names
+  tree = ast.parse('x = rule_for(p).name == "reduce_sum"\ny = eqn.params["jaxpr"]\n')
+  consts = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)]
+  subs = [n for n in ast.walk(tree) if isinstance(n, ast.Subscript) and n.value.attr == "params"]
+  assert "reduce_sum" in consts and len(subs) == 1
+
+
+# ----------------------------------------------------------------------------
+# Import circles.
+
+
+def _module_name(path: pathlib.Path) -> str:
+  rel = path.relative_to(ROOT.parent).with_suffix("")
+  parts = list(rel.parts)
+  if parts[-1] == "__init__":
+    parts.pop()
+  return ".".join(parts)
+
+
+def import_graph() -> dict:
+  """``{module: {imported jaxfold module: first line}}`` over every ``.py`` under jaxfold/."""
+  files = {_module_name(f): f for f in sorted(ROOT.rglob("*.py"))}
+  graph: dict = {}
+  for mod, f in files.items():
+    is_pkg = f.name == "__init__.py"
+    edges: dict = {}
+
+    def add(target, line, mod=mod, edges=edges):
+      while target and target not in files:   # `import a.b.c` of a name: its module
+        target = target.rpartition(".")[0]
+      if target and target != mod:
+        edges.setdefault(target, line)
+
+    for n in _runtime_nodes(ast.parse(f.read_text(), str(f))):
+      if isinstance(n, ast.Import):
+        for a in n.names:
+          if a.name.split(".")[0] == "jaxfold":
+            add(a.name, n.lineno)
+      elif isinstance(n, ast.ImportFrom):
+        if n.level:
+          base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+          base = base[:len(base) - (n.level - 1)]
+          src = ".".join(base + ([n.module] if n.module else []))
+        else:
+          src = n.module or ""
+        if src.split(".")[0] != "jaxfold":
+          continue
+        for a in n.names:
+          sub = f"{src}.{a.name}"
+          add(sub if sub in files else src, n.lineno)
+    graph[mod] = edges
+  return graph
+
+
+def _runtime_nodes(tree: ast.AST):
+  """Every node except those under ``if TYPE_CHECKING:`` (annotations only; never run)."""
+  stack = [tree]
+  while stack:
+    n = stack.pop()
+    yield n
+    for c in ast.iter_child_nodes(n):
+      if isinstance(c, ast.If) and (getattr(c.test, "id", None) == "TYPE_CHECKING"
+                                    or getattr(c.test, "attr", None) == "TYPE_CHECKING"):
+        stack.extend(c.orelse)
+        continue
+      stack.append(c)
+
+
+def import_cycles(graph: dict) -> list:
+  """The strongly connected components with more than one module (Tarjan), each
+  as one cycle through it, ``a -> b -> ... -> a``."""
+  index, low, stack, on, comps = {}, {}, [], set(), []
+  counter = [0]
+
+  def strong(v):
+    work = [(v, iter(sorted(graph.get(v, ()))))]
+    index[v] = low[v] = counter[0]
+    counter[0] += 1
+    stack.append(v)
+    on.add(v)
+    while work:
+      node, it = work[-1]
+      for w in it:
+        if w not in index:
+          index[w] = low[w] = counter[0]
+          counter[0] += 1
+          stack.append(w)
+          on.add(w)
+          work.append((w, iter(sorted(graph.get(w, ())))))
+          break
+        if w in on:
+          low[node] = min(low[node], index[w])
+      else:
+        work.pop()
+        if work:
+          low[work[-1][0]] = min(low[work[-1][0]], low[node])
+        if low[node] == index[node]:
+          comp = []
+          while True:
+            w = stack.pop()
+            on.discard(w)
+            comp.append(w)
+            if w == node:
+              break
+          if len(comp) > 1:
+            comps.append(sorted(comp))
+
+  for v in sorted(graph):
+    if v not in index:
+      strong(v)
+  return [_one_cycle(graph, comp) for comp in comps]
+
+
+def _one_cycle(graph: dict, comp: list) -> str:
+  """A shortest cycle through the component's first module, with import lines."""
+  members, start = set(comp), comp[0]
+  prev = {start: None}
+  frontier = [start]
+  while frontier:
+    nxt = []
+    for v in frontier:
+      for w in sorted(graph[v]):
+        if w == start:
+          path = [v]
+          while prev[path[-1]] is not None:
+            path.append(prev[path[-1]])
+          path = path[::-1] + [start]
+          hops = [f"{a} (line {graph[a][b]})" for a, b in zip(path, path[1:])]
+          return " -> ".join(hops + [start]) + f"   [{len(comp)} modules: {', '.join(comp)}]"
+        if w in members and w not in prev:
+          prev[w] = v
+          nxt.append(w)
+    frontier = nxt
+  return ", ".join(comp)  # pragma: no cover
+
+
+def test_no_import_cycles():
+  cycles = import_cycles(import_graph())
+  assert not cycles, "import circles among jaxfold modules:\n" + "\n".join(cycles)
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+  g = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3, "d": 4}, "d": {}}
+  (cycle,) = import_cycles(g)
+  assert cycle.startswith("a (line 1) -> b (line 2) -> c (line 3) -> a")
+  assert import_cycles({"a": {"b": 1}, "b": {}}) == []
+  graph = import_graph()
+  assert "jaxfold._src.analysis" in graph["jaxfold._src.fold"]
