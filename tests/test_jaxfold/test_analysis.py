@@ -1,0 +1,111 @@
+"""jaxfold/_src/analysis.py: sites, canonical forms, facts and the zero-sum
+walk on small programs whose answers are known."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxfold._src import pipeline
+from jaxfold._src.analysis import Blocker, LeafNeed, find_sites
+from jaxfold._src.layout import full_spec
+from jaxfold._src.rules.base import freeze
+
+P = {"w": np.ones((4, 6), np.float32), "b": np.ones((6,), np.float32),
+     "g": np.ones((6,), np.float32)}
+X = np.ones((3, 4), np.float32)
+
+
+def _ln(h, g):
+  m = h.mean(-1, keepdims=True)
+  return (h - m) * jax.lax.rsqrt(((h - m) ** 2).mean(-1, keepdims=True) + 1e-5) * g
+
+
+def _analyse(fn, params=P, x=X):
+  traced = pipeline.trace(fn, params, (x,))
+  return traced, pipeline.analyzer(traced)
+
+
+def _sites(fn):
+  traced, ctx = _analyse(fn)
+  with ctx as an:
+    return [(s.axes, tuple(s.input.shape)) for s in find_sites(an.top)]
+
+
+def test_a_layernorm_is_a_site_and_other_means_are_not():
+  assert _sites(lambda p, x: _ln(x @ p["w"] + p["b"], p["g"])) == [((1,), (3, 6))]
+  # RMSNorm, mean pooling, a mean that is only added: no site.
+  rms = lambda p, x: (h := x @ p["w"]) * jax.lax.rsqrt((h * h).mean(-1, keepdims=True))  # noqa: E731
+  assert _sites(rms) == []
+  assert _sites(lambda p, x: (x @ p["w"]).mean(-1)) == []
+  assert _sites(lambda p, x: (h := x @ p["w"]) + h.mean(-1, keepdims=True)) == []
+  # A norm over the other axis is a site over that axis.
+  assert _sites(lambda p, x: _ln((x @ p["w"]).T, 1.0)) == [((1,), (6, 3))]
+
+
+def test_two_spellings_of_one_value_have_one_canonical_form():
+  def fn(p, x):
+    h = x @ p["w"] + p["b"]
+    a = (h - h.mean(-1, keepdims=True)) * 2.0
+    b = 2.0 * h - jnp.sum(h, -1, keepdims=True) * (2.0 / 6)
+    c = h * 2.0 - h.mean(-1, keepdims=True)            # another value
+    return a, b, c
+
+  traced, ctx = _analyse(fn)
+  with ctx as an:
+    a, b, c = an.top.program.outvars
+    lv = an.top
+    assert lv.canon(a) == lv.canon(b)
+    assert lv.canon(a) != lv.canon(c)
+
+
+def test_facts_say_what_is_constant_along_which_dims():
+  def fn(p, x):
+    h = x @ p["w"]
+    return h, jnp.broadcast_to(h.sum(-1, keepdims=True), h.shape), h + p["b"]
+
+  traced, ctx = _analyse(fn)
+  with ctx as an:
+    h, rowsum, biased = an.top.program.outvars
+    lv = an.top
+    assert lv.constant_along(rowsum, (1,), (3, 6))
+    assert not lv.constant_along(h, (1,), (3, 6)) and not lv.constant_along(h, (0,), (3, 6))
+    assert not lv.constant_along(biased, (0,), (3, 6))
+
+
+def _needs(fn):
+  traced, ctx = _analyse(fn)
+  with ctx as an:
+    (site,) = find_sites(an.top)
+    spec = freeze(full_spec(site.input.shape, site.axes))
+    needs = site.level.needs(site.input, spec)
+    names = traced.names
+    return ([(names[n.var.index], n.spec) for n in needs if isinstance(n, LeafNeed)],
+            [n.reason for n in needs if isinstance(n, Blocker)])
+
+
+def test_the_walk_names_the_parameters_to_center():
+  leaves, blockers = _needs(lambda p, x: _ln(x @ p["w"] + p["b"], p["g"]))
+  assert blockers == []
+  assert sorted(leaves) == [("['b']", ((0, 6),)), ("['w']", ((1, 6),))]
+
+
+def test_the_walk_stops_at_what_it_cannot_center():
+  # The input itself: nothing to center.
+  leaves, blockers = _needs(lambda p, x: _ln(x * 2.0, 1.0))
+  assert leaves == [] and blockers and all("program input" in r for r in blockers)
+  # Repeating part of the normalized group.
+  leaves, blockers = _needs(lambda p, x: _ln(jnp.tile(x @ p["w"], (1, 2))[:, :6] * 1.0, p["g"]))
+  assert leaves == [] and any("repeats part of a normalized group" in r for r in blockers)
+  # A nonlinearity between the producer and the norm.
+  leaves, blockers = _needs(lambda p, x: _ln(jnp.tanh(x @ p["w"]), p["g"]))
+  assert leaves == [] and blockers
+
+
+@pytest.mark.parametrize("shape", [(3, 4), (2, 5, 4)])
+def test_sites_do_not_depend_on_the_batch_shape(shape):
+  x = np.ones(shape, np.float32)
+  traced, ctx = _analyse(lambda p, x: _ln(x @ p["w"] + p["b"], p["g"]), x=x)
+  with ctx as an:
+    (site,) = find_sites(an.top)
+    assert site.axes == (len(shape) - 1,)
