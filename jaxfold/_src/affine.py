@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfold._src import algebra as A
-from jaxfold._src import compat, display, kernels, pipeline
-from jaxfold._src.analysis import Level
+from jaxfold._src import compat, deferral, display, kernels, pipeline
+from jaxfold._src.analysis import Level, factor_leaf, leaf_of, vector_along
 from jaxfold._src.errors import FuseError
 from jaxfold._src.pipeline import Call, PipelineApply
 from jaxfold._src.program import Node, Val
@@ -63,7 +63,7 @@ class FuseReport:
   extra_bytes: int = 0    # untied weight copies and new biases
   kernels: int = 0        # norms the RMSNorm kernel computes in the fused program
   norm_impl: str = "xla"  # the fold's, kept for the fused program
-  deferred: tuple = ()    # defer.DeferSite per affine site, with defer_norms
+  deferred: tuple = ()    # deferral.DeferSite per affine site, with defer_norms
 
   @property
   def num_fused(self) -> int:
@@ -152,41 +152,6 @@ class FuseAnalysis:
     return key
 
 
-def _leaf_of(v: Any, level: Level) -> Optional[int]:
-  if (isinstance(v, Val) and v.kind == "in" and v.program is level.program
-      and level.program.is_top and v.index < level.an.num_leaves):
-    return v.index
-  return None
-
-
-def _factor_leaf(fid: int, level: Level):
-  """(leaf index, View) when the factor is a parameter or a view of one."""
-  f = A.factor(fid)
-  if f.kind == "atom":
-    i = _leaf_of(f.key, level)
-    return (i, A.View.identity(f.shape)) if i is not None else None
-  if f.kind == "view":
-    base = A.factor(f.args[0])
-    if base.kind == "atom":
-      i = _leaf_of(base.key, level)
-      if i is not None:
-        return i, f.key
-  return None
-
-
-def _vector_along(view: A.View, shape: tuple) -> Optional[int]:
-  """The dim along which the view reads its whole (flattened) source in
-  order, constant along every other dim; else None."""
-  varying = [d for d, s in enumerate(view.strides) if s != 0]
-  if len(varying) != 1:
-    return None
-  d = varying[0]
-  n = int(np.prod(view.src)) if view.src else 1
-  if view.strides[d] == 1 and view.offset == 0 and shape[d] == n:
-    return d
-  return None
-
-
 def _mentions(e: A.Expr, banned: set, memo: dict) -> bool:
   return any(_factor_mentions(f, banned, memo) for m in e.terms for f in m)
 
@@ -228,11 +193,13 @@ def _reach(level: Level, start: Val, stops: set, limit: int = 256) -> Optional[s
   return seen
 
 
-_CASTS = ("convert_element_type", "reduce_precision")
 # Casts to fewer bits of precision than bfloat16 (float8) quantize: the model
 # was calibrated for that rounding of γ ⊙ K + β, and moving γ across it changes
-# the function by more than a rounding. Such casts block.
+# the function by more than a rounding. Such casts block (also a float8 format
+# emulated in a wider dtype by `reduce_precision`: the rules' cast facet
+# names the narrowest format a cast passes through).
 _MIN_BITS = 7
+_MIN_EXPONENT_BITS = 5
 
 
 def _real_cast(node) -> bool:
@@ -242,14 +209,11 @@ def _real_cast(node) -> bool:
     prim, ins, outs = node.prim, node.ins, node.outs
   else:
     prim, ins, outs = node.primitive, [a.aval for a in node.invars], [v.aval for v in node.outvars]
-  name = rule_for(prim).name
-  if name not in _CASTS or len(ins) != 1:
+  cast = rule_for(prim).cast
+  if cast is None or len(ins) != 1:
     return False
-  if name == "reduce_precision" and (node.params["mantissa_bits"] < _MIN_BITS
-                                     or node.params["exponent_bits"] < 5):
-    return False   # a float8 format emulated in a wider dtype
-  return all(jnp.issubdtype(a.dtype, jnp.floating) and jnp.finfo(a.dtype).nmant >= _MIN_BITS
-             for a in (ins[0], outs[0]))
+  bits = cast(node.params, ins[0].dtype, outs[0].dtype)
+  return bits is not None and bits[0] >= _MIN_BITS and bits[1] >= _MIN_EXPONENT_BITS
 
 
 def _expr(level: Level, v: Any, depth: int = 4) -> A.Expr:
@@ -277,8 +241,8 @@ def _form(level: Level, v: Val):
   for m, c in _expr(level, v).terms.items():
     here = set()
     for f in m:
-      lv = _factor_leaf(f, level)
-      d = _vector_along(lv[1], v.shape) if lv is not None else None
+      lv = factor_leaf(f, level)
+      d = vector_along(lv[1], v.shape) if lv is not None else None
       if d is not None:
         vectors[f] = (lv[0], d)
         here.add(f)
@@ -333,13 +297,13 @@ def _param_chain(level: Level, a: Any, dim: int):
   parameter seen through re-indexing steps whose rotation facets carry one
   whole leaf dim to ``dim``."""
   chain = []
-  while isinstance(a, Val) and _leaf_of(a, level) is None and a.producer is not None:
+  while isinstance(a, Val) and leaf_of(a, level) is None and a.producer is not None:
     node = a.producer
     if rule_for(node.prim).kind not in ("identity", "layout") or len(node.ins) != 1:
       return None
     chain.append(node)
     a = node.ins[0]
-  i = _leaf_of(a, level)
+  i = leaf_of(a, level)
   if i is None:
     return None
   chain = tuple(reversed(chain))
@@ -396,7 +360,7 @@ def _readers(level: Level, aff: _Affine) -> list:
         out.append(_Reader(node, 1 - k, leaf, e, chain, _single_use(level, leaf, chain,
                                                                     (node, 1 - k)), d, casts))
       else:
-        if rule.name in _CASTS and not _real_cast(node):
+        if rule.cast is not None and not _real_cast(node):
           raise Block(f"a cast to {np.dtype(node.outs[0].dtype).name} quantizes it: γ would move "
                       "across the quantizer" + where)
         ins = [None] * len(node.ins)
@@ -452,7 +416,7 @@ def analyse(fn: Callable, params: Any, args: tuple, defer: bool = False) -> Fuse
     level = an.top
     found = {}
     for node in level.program.nodes:
-      if not rule_for(node.prim).arith or len(node.outs) != 1:
+      if rule_for(node.prim).arith not in ("+", "*") or len(node.outs) != 1:
         continue
       y = node.outs[0]
       if not jnp.issubdtype(y.dtype, jnp.inexact):
@@ -510,7 +474,6 @@ def analyse(fn: Callable, params: Any, args: tuple, defer: bool = False) -> Fuse
       sites.append(AffineSite(where, gname, bname, tuple(names[r.leaf] for r in readers), True,
                               reason))
     if defer:
-      from jaxfold._src import defer as deferral  # noqa: PLC0415 - defer.py imports this module
       modified = {r.node.path for _, rs in accepted for r in rs}
       deferred, dsites = deferral.analyse(level, accepted, names, modified, sites)
     if kernels.may_use_kernel(norm_impl):

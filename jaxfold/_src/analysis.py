@@ -751,5 +751,46 @@ def where(v: Any) -> str:
   return "a constant"
 
 
-__all__ = ["Analyzer", "Blocker", "LeafNeed", "Level", "MeanSite", "call_note", "find_sites",
-           "nested_sites", "scan_levels", "where"]
+__all__ = ["Analyzer", "Blocker", "LeafNeed", "Level", "MeanSite", "call_note", "factor_leaf", "find_sites",
+           "leaf_of", "nested_sites", "scan_levels", "vector_along", "where"]
+
+
+# ----------------------------------------------------------------------------
+# Parameters in canonical expressions: the matching that fuse_affine, rotate
+# and defer_norms share (``γ ⊙ K + β``, a parameter vector along one dim).
+
+
+def leaf_of(v: Any, level: Level) -> Optional[int]:
+  """The parameter leaf index of ``v`` when it is a top-level parameter input."""
+  if (isinstance(v, Val) and v.kind == "in" and v.program is level.program
+      and level.program.is_top and v.index < level.an.num_leaves):
+    return v.index
+  return None
+
+
+def factor_leaf(fid: int, level: Level):
+  """(leaf index, View) when the factor is a parameter or a view of one."""
+  f = A.factor(fid)
+  if f.kind == "atom":
+    i = leaf_of(f.key, level)
+    return (i, A.View.identity(f.shape)) if i is not None else None
+  if f.kind == "view":
+    base = A.factor(f.args[0])
+    if base.kind == "atom":
+      i = leaf_of(base.key, level)
+      if i is not None:
+        return i, f.key
+  return None
+
+
+def vector_along(view: A.View, shape: tuple) -> Optional[int]:
+  """The dim along which the view reads its whole (flattened) source in
+  order, constant along every other dim; else None."""
+  varying = [d for d, s in enumerate(view.strides) if s != 0]
+  if len(varying) != 1:
+    return None
+  d = varying[0]
+  n = int(np.prod(view.src)) if view.src else 1
+  if view.strides[d] == 1 and view.offset == 0 and shape[d] == n:
+    return d
+  return None

@@ -1,4 +1,5 @@
-"""``jaxfold.fold`` and ``jaxfold.cbwc``: trace → analyse → plan → rewrite."""
+"""The fold and ``jaxfold.cbwc``: trace → analyse → plan → rewrite (``jaxfold.fold`` is
+``api.fold``: this fold, then ``fuse_affine``/``defer_norms`` when asked)."""
 
 from __future__ import annotations
 
@@ -416,53 +417,17 @@ def _refuse_traced(params: Any) -> None:
 
 def fold(params: Any, apply_fn: Callable, *example_args: Any,
          auxiliary_centering: bool = True, tied_weights: TiedWeights = "auto",
-         norm_impl: NormImpl = "auto", example_kwargs: Optional[dict] = None,
-         fuse_affine: bool = False, defer_norms: bool = False) -> Folded:
-  """Folds every provably foldable LayerNorm/GroupNorm of ``apply_fn`` into an RMSNorm.
-
-  Args:
-    params: the parameter pytree (linen variables, ``nnx.State``, plain dict)
-      of float arrays or ``jax.ShapeDtypeStruct``; it is never modified.
-    apply_fn: ``apply_fn(params, *args)``, any jax-traceable function.
-    *example_args: arrays or ``jax.ShapeDtypeStruct`` used for tracing.
-    auxiliary_centering: allow inserting an explicit centering where it
-      removes at least two mean reductions (the paper's practical extension).
-      ``False`` guarantees the folded program has no operation the original
-      lacks.
-    tied_weights: how a parameter that cannot be centered everywhere (e.g. an
-      embedding table reused as the LM head) is handled: ``"copy"`` (a
-      centered copy for the use that needs it; reported as extra bytes),
-      ``"auxiliary"`` (an auxiliary centering instead), or ``"auto"``
-      (auxiliary when ``auxiliary_centering`` else copy).
-    norm_impl: how folded norms run: ``"auto"`` (the Pallas RMSNorm kernel on
-      GPUs where ``pallas_kernels.choose`` expects it to beat XLA, XLA's
-      expression elsewhere), ``"xla"``, ``"pallas"`` (force the kernel) or
-      ``"interpret"`` (the kernel in Pallas interpret mode, for CPU tests).
-    example_kwargs: keyword arguments of ``apply_fn`` for tracing (e.g.
-      ``{"train": False}``). The folded ``apply_fn`` takes the same keyword
-      arguments: arrays (``rngs={"dropout": key}``) are traced, other values
-      re-analyse once per value.
-    fuse_affine: also move the folded norms' γ and β into the layers that
-      read them (``jaxfold.fuse_affine`` of the fold; returns its ``Fused``).
-    defer_norms: also defer the fused norms into their readers
-      (``jaxfold.defer_norms``; implies ``fuse_affine``).
-
-  Returns:
-    ``Folded(params, apply_fn, report)`` (``Fused`` with ``fuse_affine``).
+         norm_impl: NormImpl = "auto", example_kwargs: Optional[dict] = None) -> Folded:
+  """The fold alone: ``jaxfold.fold`` without ``fuse_affine``/``defer_norms``
+  (``api.fold`` composes those on this result; the arguments are its own).
 
   Example:
-    >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxfold
-    >>> class M(nn.Module):
-    ...   @nn.compact
-    ...   def __call__(self, x):
-    ...     return nn.LayerNorm()(nn.Dense(8)(x))
-    >>> m = M(); x = jnp.ones((2, 4))
-    >>> p = m.init(jax.random.PRNGKey(0), x)
-    >>> f = jaxfold.fold(p, m.apply, x)
-    >>> f.report.num_folded
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> from jaxfold._src import fold
+    >>> m = nn.Sequential([nn.Dense(8), nn.LayerNorm()])
+    >>> x = jnp.ones((2, 4)); p = m.init(jax.random.PRNGKey(0), x)
+    >>> fold.fold(p, m.apply, x).report.num_folded
     1
-    >>> bool(jnp.allclose(f.apply_fn(f.params, x), m.apply(p, x), atol=1e-5))
-    True
   """
   opts = FoldOptions(auxiliary_centering, tied_weights, norm_impl=norm_impl)
   if not callable(apply_fn):
@@ -478,12 +443,6 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
   new_params = FoldedParams(new_params, extras)
   fn = FoldedApply(apply_fn, pipeline.abstract_tree(params), tree, opts, an, call, False, example_args,
                    example_kwargs)
-  if defer_norms:
-    from jaxfold._src.defer import defer_norms as defer  # noqa: PLC0415 - composes after the fold
-    return defer(Folded(new_params, fn, an.report))
-  if fuse_affine:
-    from jaxfold._src.affine import fuse_affine as fuse  # noqa: PLC0415 - composes after the fold
-    return fuse(Folded(new_params, fn, an.report))
   return Folded(new_params, fn, an.report)
 
 

@@ -567,7 +567,7 @@ class Planner:
     prog = self.sites[j].level.program
     for v in sorted(self._epilogue(j), key=lambda v: self._epilogue(j)[v]):
       for node, _ in prog.consumers.get(v, ()):
-        if not rule_for(node.prim).arith:
+        if rule_for(node.prim).arith not in ("+", "*"):
           continue
         for a in node.ins:
           while isinstance(a, Val) and a.producer is not None and len(a.producer.ins) == 1:

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import jax.numpy as jnp
 
-from jaxfold._src import compat, layout
+from jaxfold._src import compat, deferral, layout
 from jaxfold._src.rules import rule_for
 from jaxfold._src.zero import Zero
 
@@ -34,7 +34,7 @@ class Plan:
   epilogues: tuple = ()                       # kernels.Epilogue of proven sites
   norm_impl: str = "auto"                     # see kernels.IMPLS
   biases: tuple = ()                          # ((val key, extras name), ...): added to the value
-  deferred: tuple = ()                        # defer.Deferred: contractions reading x, scaled by s
+  deferred: tuple = ()                        # deferral.Deferred: contractions reading x, scaled by s
 
   @property
   def touched(self) -> frozenset:
@@ -164,8 +164,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
       # (the kernel's sum must be the value every consumer reads, unchanged)
       outs = _fused(fused_at[path], eqn, invals, values, plan)
     if outs is None and path in deferred:
-      from jaxfold._src import defer  # noqa: PLC0415 - defer.py imports this module
-      outs = defer.run(deferred[path], eqn, invals, values)
+      outs = deferral.run(deferred[path], eqn, invals, values)
     if outs is not None:
       pass
     elif path in plan.zero:

@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfold._src import display, pipeline
-from jaxfold._src.affine import _factor_leaf, _leaf_of
-from jaxfold._src.analysis import LeafNeed, Level
+from jaxfold._src.analysis import LeafNeed, Level, factor_leaf, leaf_of
 from jaxfold._src.errors import RotateError
+from jaxfold._src.fold import FoldedApply, FoldedParams
 from jaxfold._src.pipeline import Call, PipelineApply
 from jaxfold._src.program import Val
 from jaxfold._src.report import param_label
@@ -97,7 +97,7 @@ def _leaf_dims(level: Level, a: Any, dims: frozenset) -> Optional[tuple]:
   (m, c), = e.terms.items()
   if c != 1 or len(m) != 1:
     return None
-  lv = _factor_leaf(m[0], level)
+  lv = factor_leaf(m[0], level)
   if lv is None:
     return None
   i, view = lv
@@ -167,7 +167,7 @@ def _solve(fn: Callable, params: Any, args: tuple, n: int):
     for x, axis in sites:  # proposal: what writes each norm's input
       for need in level.needs(x, ((axis, n),)):
         if isinstance(need, LeafNeed):
-          i = _leaf_of(need.var, level)
+          i = leaf_of(need.var, level)
           spec = dict(need.spec)
           if i is not None and len(spec) == 1 and all(
               b == need.var.shape[d] == n for d, b in spec.items()):
@@ -202,7 +202,6 @@ def _hints(model: Any) -> str:
   """What to change when a rotation fails: the usual causes are a fold that
   was not fused (norms still multiply by γ) and auxiliary centerings (a mean
   over the stream, which a rotation does not commute with)."""
-  from jaxfold._src.fold import FoldedApply, FoldedParams  # noqa: PLC0415 - fold imports affine
   hints = []
   if isinstance(model.params, FoldedParams):
     hints.append("the model is folded but not fused: call jaxfold.fuse_affine(folded) first, so "

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfold._src import compat
+from jaxfold._src.rules import rule_for
 
 _DTYPE_PARAMS = ("preferred_element_type", "new_dtype", "dtype", "accumulation_type")
 _CASTS = ("convert_element_type", "reduce_precision")
@@ -59,8 +60,8 @@ def _run(jaxpr, consts, args) -> list:
     out_float = all(jnp.issubdtype(v.aval.dtype, jnp.floating) for v in eqn.outvars)
     if eqn.primitive.name in _CASTS and jnp.issubdtype(ins[0].dtype, jnp.floating) and out_float:
       outs = [ins[0]]                          # a float cast: the identity on the reals
-    elif compat.is_call(eqn):
-      body, body_consts = compat.open_jaxpr(compat.call_jaxpr_of(eqn))
+    elif rule_for(eqn.primitive).inline(eqn) is not None:   # a call: its body, inline
+      body, body_consts = compat.open_jaxpr(rule_for(eqn.primitive).inline(eqn).body)
       outs = _run(body, body_consts, ins)
     else:
       params = {k: _param(k, v) for k, v in eqn.params.items()}

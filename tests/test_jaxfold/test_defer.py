@@ -16,8 +16,7 @@ from conftest import rel_err
 from zoo_fused import ZOO, errors, fused, randomize_np
 
 import jaxfold
-from jaxfold._src import compat
-from jaxfold._src import defer as defer_mod
+from jaxfold._src import compat, deferral
 
 D = 16
 
@@ -127,7 +126,7 @@ def test_the_statistic_is_what_makes_it_exact(x64, monkeypatch):
     ins = list(invals)
     ins[entry.operand] = values[entry.x]
     return compat.bind_eqn(eqn, ins)
-  monkeypatch.setattr(defer_mod, "run", unscaled)
+  monkeypatch.setattr(deferral, "run", unscaled)
   assert rel_err(ref, d.apply_fn(d.params, x)) > 1e-3
 
 

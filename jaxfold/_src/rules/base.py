@@ -20,8 +20,10 @@ primitive family, as *facets*:
   outputs map to the equation's, for both obligations) and ``rebind`` (the
   rewrite of an equation whose bodies the plan changes).
 * Declared roles that other passes ask instead of testing a rule's name:
-  ``arith`` ("+" for the add family, "*" for mul), ``sum_axes`` (a plain
-  ``reduce_sum``), ``contraction`` (a ``dot_general``'s dimension numbers).
+  ``arith`` ("+" for the add family, "*" for mul, "/" for div), ``sum_axes``
+  (a plain ``reduce_sum``), ``contraction`` (a ``dot_general``'s dimension
+  numbers), ``reindex`` (a step that only moves or converts elements) and
+  ``cast`` (the precision a cast keeps).
 
 Defaults fail closed: an unknown primitive stops a shift, is never
 zero-sum, and its outputs are opaque atoms. A facet is exact or absent.
@@ -175,9 +177,22 @@ class Rule:
   sum_axes: C.SumAxesFacet = _no_sum_axes
   # ``(node) -> dims.DotDims | None``: a contraction's dimension numbers.
   contraction: C.ContractionFacet = _no_contraction
-  # "+" (the output is the sum of its operands: add) or "*" (their product:
-  # mul) or "": the candidates for ``γ ⊙ K + β`` (fuse_affine, report labels).
+  # "+" (the output is the sum of its operands: add), "*" (their product:
+  # mul), "/" (their quotient, operand 0 over operand 1: div) or "". The "+"
+  # and "*" ones are the candidates for ``γ ⊙ K + β`` (fuse_affine, report
+  # labels); "*" and "/" the factors defer_norms looks among.
   arith: str = ""
+  # "move" (a single-operand step that only moves or copies elements:
+  # reshape, transpose, broadcast_in_dim, squeeze, slice, rev, copy),
+  # "convert" (a dtype conversion) or "": the steps that commute with an
+  # elementwise product, ``chain(x ⊙ s) = chain(x) ⊙ chain(s)`` (defer_norms).
+  reindex: str = ""
+  # Present on the casts (convert_element_type, reduce_precision), None on
+  # every other rule: ``(params, src, dst) -> (mantissa_bits, exponent_bits)
+  # | None``, for a cast from dtype ``src`` to ``dst``, the precision of the
+  # narrowest float format the value passes through; None when it is not a
+  # float-to-float cast. fuse_affine sees through wide ones, blocks at others.
+  cast: Optional[C.CastFacet] = None
   # -- control flow (rules.control) --------------------------------------------
   # ``(eqn) -> (jaxpr, ...)``: the loop/branch bodies, each a sub-program.
   bodies: C.BodiesFacet = _no_bodies

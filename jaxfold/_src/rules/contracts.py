@@ -85,6 +85,12 @@ class ContractionFacet(Protocol):
   def __call__(self, node: "Node") -> Any: ...
 
 
+class CastFacet(Protocol):
+  """``(mantissa_bits, exponent_bits)`` a float-to-float cast keeps (equation
+  ``params``, operand and output dtypes), or None when it is not one."""
+  def __call__(self, params: dict, src: Any, dst: Any) -> Optional[tuple]: ...
+
+
 class BodiesFacet(Protocol):
   def __call__(self, eqn: Any) -> tuple: ...
 

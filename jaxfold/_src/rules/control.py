@@ -364,12 +364,17 @@ def _while_rebind(eqn, invals, run) -> list:
   return list(lax.while_loop(cond_fn, body_fn, list(init)))
 
 
+# ``Inline.kind`` (and ``program.CallSite.kind``) of a remat (``jax.checkpoint``)
+# call: the one call with a boundary of its own, which the rewrite keeps.
+REMAT = "remat"
+
+
 def _call_inline(eqn) -> Optional[Inline]:
   body = compat.call_jaxpr_of(eqn)
   if body is None:
     return None
   kind = compat.call_kind(eqn)
-  return Inline(body, kind, kind != "remat")
+  return Inline(body, kind, kind != REMAT)
 
 
 def _call_bodies(eqn) -> tuple:

@@ -321,7 +321,7 @@ register(Rule("div", (lax.div_p,), facts=_div_facts, canon=_div_canon, shift=_di
               simplify=lambda node, zeros: ((lambda ins: [ctx_zero(node.outs[0])])
                                             if zeros[0] and _is_float(node.outs[0].dtype) else None),
               variants=("constant divisor", "rounded reciprocal", "per-token divisor",
-                        "shift in divisor")), kind="scale")
+                        "shift in divisor"), arith="/"), kind="scale")
 
 
 # ----------------------------------------------------------------------------
@@ -585,11 +585,23 @@ def _convert_simplify(node, zeros):
   return None
 
 
+def _float_bits(dtype) -> tuple:
+  info = jnp.finfo(dtype)
+  return info.nmant, info.nexp
+
+
+def _convert_cast(params, src, dst) -> Optional[tuple]:
+  if not (jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating)):
+    return None
+  (ms, es), (md, ed) = _float_bits(src), _float_bits(dst)
+  return min(ms, md), min(es, ed)
+
+
 register(Rule("convert_element_type", (lax.convert_element_type_p,), facts=_convert_facts,
               canon=_convert_canon, shift=_convert_shift, zero_sum=_convert_zero_sum,
               simplify=_convert_simplify,
               variants=("widening", "narrowing within tolerance", "narrowing beyond tolerance",
-                        "int target")), kind="identity")
+                        "int target"), reindex="convert", cast=_convert_cast), kind="identity")
 
 
 def _rp_kind(node, ctx) -> str:
@@ -623,14 +635,22 @@ def _rp_zero_sum(node, k, spec, ctx):
   return [Need(0, spec, transparent=True)]
 
 
+def _rp_cast(params, src, dst) -> Optional[tuple]:
+  # the value is rounded to the emulated format (e.g. a float8 in a float32)
+  bits = _convert_cast(params, src, dst)
+  if bits is None:
+    return None
+  return min(bits[0], params["mantissa_bits"]), min(bits[1], params["exponent_bits"])
+
+
 register(Rule("reduce_precision", _prims("reduce_precision_p"),
               facts=lambda node, ins, ctx: [Facts(ins[0].const, None, ins[0].random)],
               canon=_rp_canon, shift=_rp_shift, zero_sum=_rp_zero_sum,
               simplify=lambda node, zeros: (lambda ins: [ctx_zero(node.outs[0])]) if zeros[0] else None,
-              variants=("wide format", "narrow format")), kind="identity")
+              variants=("wide format", "narrow format"), cast=_rp_cast), kind="identity")
 
 
-def _identity_rule(name, prims, differentiable=True):
+def _identity_rule(name, prims, differentiable=True, reindex=""):
   """Each output is its same-position operand (barriers, copies, constraints)."""
   def facts(node, ins, ctx):
     return [Facts(f.const, f.value, f.random) for f in ins[:len(node.outs)]]
@@ -653,11 +673,11 @@ def _identity_rule(name, prims, differentiable=True):
     return None
 
   register(Rule(name, prims, facts=facts, canon=canon, shift=shift, zero_sum=zero_sum,
-                simplify=simplify, differentiable=differentiable, kind="identity",
+                simplify=simplify, differentiable=differentiable, kind="identity", reindex=reindex,
                 variants=("several operands",) if name == "optimization_barrier" else ()))
 
 
-_identity_rule("copy", _prims("copy_p"))
+_identity_rule("copy", _prims("copy_p"), reindex="move")
 _identity_rule("optimization_barrier", _prims("optimization_barrier_p"))
 _identity_rule("sharding_constraint", _prims("sharding_constraint_p"))
 _identity_rule("stop_gradient", _prims("stop_gradient_p"), differentiable=False)

@@ -84,7 +84,8 @@ def _transpose_zero_sum(node, k, spec, ctx):
 
 register(Rule("transpose", (lax.transpose_p,), facts=_transpose_facts,
               canon=_canon_view(lambda n: (lambda v: v.transpose(n.params["permutation"])), _tag),
-              shift=_transpose_shift, zero_sum=_transpose_zero_sum, simplify=_only_operand_zero), kind="layout")
+              shift=_transpose_shift, zero_sum=_transpose_zero_sum, simplify=_only_operand_zero,
+              reindex="move"), kind="layout")
 
 
 def _bcast_facts(node, ins, ctx):
@@ -132,7 +133,7 @@ def _bcast_zero_sum(node, k, spec, ctx):
 
 register(Rule("broadcast_in_dim", (lax.broadcast_in_dim_p,), facts=_bcast_facts,
               canon=_canon_view(_bcast_op, _tag), shift=_bcast_shift, zero_sum=_bcast_zero_sum,
-              simplify=_only_operand_zero, variants=("new dims", "size-1 expansion")), kind="layout")
+              simplify=_only_operand_zero, variants=("new dims", "size-1 expansion"), reindex="move"), kind="layout")
 
 
 def _reshape_check(node):
@@ -181,7 +182,7 @@ def _reshape_canon(node, ins, ctx):
 
 register(Rule("reshape", (lax.reshape_p,), facts=_reshape_facts, canon=_reshape_canon,
               shift=_reshape_shift, zero_sum=_reshape_zero_sum, simplify=_only_operand_zero,
-              variants=("split", "merge", "grouped")), kind="layout")
+              variants=("split", "merge", "grouped"), reindex="move"), kind="layout")
 
 
 def _squeeze_kept(node) -> list:
@@ -210,7 +211,8 @@ def _squeeze_zero_sum(node, k, spec, ctx):
 
 register(Rule("squeeze", (lax.squeeze_p,), facts=_squeeze_facts,
               canon=_canon_view(lambda n: (lambda v: v.reshape(n.outs[0].shape)), _tag),
-              shift=_squeeze_shift, zero_sum=_squeeze_zero_sum, simplify=_only_operand_zero), kind="layout")
+              shift=_squeeze_shift, zero_sum=_squeeze_zero_sum, simplify=_only_operand_zero,
+              reindex="move"), kind="layout")
 
 
 # ----------------------------------------------------------------------------
@@ -240,7 +242,7 @@ register(Rule("rev", (lax.rev_p,), facts=lambda node, ins, ctx: [Facts(ins[0].co
               canon=_canon_view(lambda n: (lambda v: v.rev(n.params["dimensions"])), _tag),
               shift=_rev_shift,
               zero_sum=lambda node, k, spec, ctx: _rev_zero_sum(node, spec),
-              simplify=_only_operand_zero))
+              simplify=_only_operand_zero, reindex="move"))
 
 
 def _rev_zero_sum(node, spec):
@@ -313,7 +315,7 @@ register(Rule("slice", (lax.slice_p,), facts=_slice_facts,
                                                              n.params["limit_indices"],
                                                              n.params["strides"])), _tag),
               shift=_slice_shift, zero_sum=_slice_zero_sum, simplify=_only_operand_zero,
-              variants=("other axis", "aligned", "misaligned")))
+              variants=("other axis", "aligned", "misaligned"), reindex="move"))
 
 
 def _dslice_shift(node, ins, ctx):

@@ -415,3 +415,21 @@ def test_softmax_over_the_tokens_sees_the_shift(x64):
 
 def test_exp_alone_sees_the_shift(x64):
   run(_per_token(jnp.exp), 0)
+
+
+def test_declared_roles_of_casts_and_arithmetic():
+  """The roles fuse_affine and defer_norms ask instead of a primitive's name:
+  ``cast`` (present on the casts only; the narrowest float format a value
+  passes through) and ``arith``."""
+  from jaxfold._src.rules import all_rules, rule_for
+  assert {r.name for r in all_rules() if r.cast is not None} == {"convert_element_type", "reduce_precision"}
+  conv = rule_for(lax.convert_element_type_p).cast
+  assert conv({}, jnp.float32, jnp.bfloat16) == (7, 8)
+  assert conv({}, jnp.float16, jnp.float32) == (10, 5)
+  assert conv({}, jnp.float32, jnp.float8_e4m3fn) == (3, 4)
+  assert conv({}, jnp.float32, jnp.int32) is None and conv({}, jnp.int8, jnp.float32) is None
+  rp = rule_for(lax.reduce_precision_p).cast
+  assert rp({"mantissa_bits": 3, "exponent_bits": 4}, jnp.float32, jnp.float32) == (3, 4)
+  assert rp({"mantissa_bits": 30, "exponent_bits": 11}, jnp.bfloat16, jnp.bfloat16) == (7, 8)
+  assert rule_for(lax.add_p).arith == "+" and rule_for(lax.mul_p).arith == "*"
+  assert rule_for(lax.div_p).arith == "/" and rule_for(lax.sub_p).arith == ""

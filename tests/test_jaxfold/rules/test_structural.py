@@ -383,3 +383,12 @@ def test_scatter_add_parameter_rows(x64):
 
 def test_scatter_add_into_features_blocks(x64):
   run(lambda h, p: h.at[..., jnp.array([1, 1, D - 1])].add(h[..., :3]), 0)
+
+
+def test_reindex_role_is_declared():
+  """defer_norms carries a statistic through exactly these steps (they commute
+  with an elementwise product); a new one needs the same scrutiny."""
+  from jaxfold._src.rules import all_rules
+  moves = {r.name for r in all_rules() if r.reindex == "move"}
+  assert moves == {"reshape", "transpose", "broadcast_in_dim", "squeeze", "slice", "rev", "copy"}
+  assert {r.name for r in all_rules() if r.reindex == "convert"} == {"convert_element_type"}
