@@ -109,13 +109,13 @@ def _eval_factor(fid: int, env: dict) -> np.ndarray:
     return env[f.key]
   if f.kind == "view":
     return _materialize(f.key, _eval_factor(f.args[0], env))
-  tag = f.key[0]
+  tag = f.key if f.key in (A.SQRT, A.RSQRT) else f.key[0]
   args = [_eval_expr(a, env, a.shape if a.shape is not None else f.shape) for a in f.args]
-  if tag == "reduce_sum":
+  if tag == A.SUM:
     return np.sum(args[0], axis=f.key[1])
-  if tag == "rsqrt":
+  if tag == A.RSQRT:
     return 1 / np.sqrt(args[0])
-  if tag == "sqrt":
+  if tag == A.SQRT:
     return np.sqrt(args[0])
   if tag == "inv":
     return 1 / args[0]
@@ -276,8 +276,8 @@ def test_unrepresentable_instead_of_approximate():
 def test_rsqrt_and_sqrt_invert_each_other():
   with A.scope():
     v = A.atom("v", SHAPE)
-    r = A.app(("rsqrt",), (v,), SHAPE)
-    assert A.inv(r, SHAPE) == A.app(("sqrt",), (v,), SHAPE)
+    r = A.app(A.RSQRT, (v,), SHAPE)
+    assert A.inv(r, SHAPE) == A.app(A.SQRT, (v,), SHAPE)
     assert A.inv(A.inv(r, SHAPE), SHAPE) == r
 
 
@@ -286,7 +286,7 @@ def test_nonneg_only_when_provable():
     x, y = A.atom("x", SHAPE), A.atom("y", SHAPE)
     assert A.nonneg(A.add(A.mul(x, x), A.mul(y, y)))
     assert A.nonneg(A.reduce_sum(A.mul(x, x), (1,), SHAPE))
-    assert A.nonneg(A.app(("rsqrt",), (x,), SHAPE))
+    assert A.nonneg(A.app(A.RSQRT, (x,), SHAPE))
     assert not A.nonneg(A.mul(x, y))
     assert not A.nonneg(A.sub(A.mul(x, x), A.mul(y, y)))
     assert not A.nonneg(x)
