@@ -383,4 +383,6 @@ def test_save_load_and_export_keep_the_deferral(x64, tmp_path):
   assert normalized_reads(back.apply_fn, back.params, *ids) == 0
   assert max(errors("gpt2-tiny", back)) < 1e-9
   fn = jaxfold.load_exported(jaxfold.export(d, *ids, symbolic=None))
-  assert rel_err(apply(p, *ids), fn(*ids)) < 1e-9
+  # Against the compiled original: on jax 0.11 XLA:CPU's fused f64 program differs from eager
+  # op-by-op evaluation by ~2e-8 for the original model itself.
+  assert rel_err(jax.jit(apply)(p, *ids), fn(*ids)) < 1e-9
