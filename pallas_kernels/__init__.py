@@ -1,7 +1,8 @@
 """Pallas kernels for jaxfold.
 
-``rms_norm`` and ``add_rms_norm`` (= ``fused_add_rms_norm``) pick the Pallas
-kernel per lowering platform (CUDA: kernel; CPU/TPU/ROCm: the XLA expression), see
+``rms_norm``, ``add_rms_norm`` (= ``fused_add_rms_norm``) and ``rms_matmul``
+(a matmul scaled by its left operand's RMS statistic, FlashNorm's reader) pick
+the Pallas kernel per lowering platform (CUDA: kernel; CPU/TPU/ROCm: the XLA expression), see
 :mod:`pallas_kernels.rms_norm`. :mod:`pallas_kernels.aot` compiles for
 H100/A100 target descriptions on a CPU-only host.
 
@@ -14,6 +15,7 @@ Example:
 
 from pallas_kernels._compat import export_disabled_checks
 from pallas_kernels.dispatch import DEFAULT_RULES, Rule, choose, get_backend, get_rules, set_backend, set_rules
+from pallas_kernels.rms_matmul import rms_matmul, rms_matmul_reference
 from pallas_kernels.rms_norm import (
     BWD_KERNELS,
     FWD_KERNELS,
@@ -46,6 +48,8 @@ __all__ = [
     "get_backend",
     "get_rules",
     "resolve_backend",
+    "rms_matmul",
+    "rms_matmul_reference",
     "rms_norm",
     "rms_norm_reference",
     "set_backend",

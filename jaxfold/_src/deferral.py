@@ -33,6 +33,23 @@ Proof obligations, each checked on the traced folded program (the one
 
 Anything else keeps the site as fused (normalized) and the report names the
 reader and the reason.
+
+The RMS-matmul kernel. Where the fold's ``norm_impl`` may run kernels, a
+deferred reader also runs as ``pallas_kernels.rms_matmul`` (one launch: the
+GEMM accumulates Σx² of its own rows and scales its output tile, so neither
+the statistic's reduction nor the normalized tensor is computed) when,
+besides the above:
+
+* it reads ``y`` through dtype converts only, as the left operand of a
+  matmul contracting its last axis (the normalized dim) with a 2-D weight
+  (``(K, N)`` or ``(N, K)``), no batch dims, operands of one float dtype;
+* the operand's exact canonical form, with the fused γ = 1 and β = 0 and
+  every fused reader's output opaque, is ``x · rsqrt(Σ_d x²/n + ε)`` over
+  exactly that axis (``kernels.prove_rms_read``: the same 1/n, ε placement
+  and no other scale), which gives the kernel its ε; ``x`` is read as its
+  source (the value it exactly widens, a bf16 stream).
+
+Otherwise the reader keeps the XLA form ``(chain(x) @ W') · s``.
 """
 
 from __future__ import annotations
@@ -41,10 +58,11 @@ import dataclasses
 from typing import Any, Optional
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxfold._src import algebra as A
-from jaxfold._src import compat
+from jaxfold._src import compat, kernels
 from jaxfold._src.analysis import factor_leaf, vector_along
 from jaxfold._src.program import Val
 from jaxfold._src.report import param_label
@@ -64,6 +82,15 @@ class DeferSite:
 
 
 @dataclasses.dataclass(frozen=True)
+class RmsRead:
+  """A deferred reader the RMS-matmul kernel may compute: it reads ``x`` (a
+  value key: the norm's input or the value it exactly widens) and ``eps``."""
+  x: tuple
+  eps: float
+  w_nk: bool               # the weight is (N, K): contracted on its dim 1
+
+
+@dataclasses.dataclass(frozen=True)
 class Deferred:
   """A rewrite entry: the contraction at ``path`` reads ``x`` (operand
   ``operand``) through ``chain`` and its output is scaled by ``s``."""
@@ -75,6 +102,7 @@ class Deferred:
   chain: tuple             # re-indexing equations from y to the operand, y first
   dim: int                 # the contracted dim at the operand
   invert: bool = False     # the norm divides by s (x / s)
+  kernel: Optional[RmsRead] = None   # proved for pallas_kernels.rms_matmul
 
 
 # Single-operand steps that only move or convert elements (the rules'
@@ -207,15 +235,53 @@ def _chain(level, reader, y, s, dim_y: int) -> tuple:
   return tuple(n.eqn for n in nodes)
 
 
-def analyse(level, accepted: list, names: list, modified: set, fuse_sites: list) -> tuple:
+def _fused_values(accepted: list, level) -> dict:
+  """Canonical forms of what fusing changes, for the kernel proofs: fused γ and
+  β are the constants 1 and 0 at run time, a reader's output (W' and a new
+  bias) is no longer what its equation says."""
+  invars, assume = level.program.invars, {}
+  for aff, readers in accepted:
+    assume[invars[aff.gamma]] = A.ONE
+    if aff.beta is not None:
+      assume[invars[aff.beta]] = A.ZERO
+    for r in readers:
+      z = r.node.outs[0]
+      assume[z] = A.atom(("fused-reader", z), tuple(z.shape))
+  return assume
+
+
+def _rms_read(level, r, aff, x, chain: tuple, assume: dict) -> tuple:
+  """``(RmsRead, "")`` when the kernel computes reader ``r`` exactly, else
+  ``(None, why not)``."""
+  if any(rule_for(e.primitive).reindex != "convert" for e in chain):
+    return None, "it reads the normalized value re-indexed"
+  dd = rule_for(r.node.prim).contraction(r.node)
+  u, w = r.node.ins[0], r.node.ins[1]
+  last = len(u.shape) - 1
+  if r.w_side != 1 or dd is None or dd.lb or tuple(dd.lc) != (last,) or aff.dim != last:
+    return None, "it is not a matmul of the normalized value over its last axis"
+  if len(w.shape) != 2 or tuple(dd.rc) not in ((0,), (1,)):
+    return None, "its weight is not a matrix"
+  if np.dtype(u.dtype) != np.dtype(w.dtype) or not jnp.issubdtype(u.dtype, jnp.floating):
+    return None, "its operands have different dtypes"
+  src, eps = kernels.prove_rms_read(level, x, u, assume)
+  if src is None:
+    return None, eps
+  return RmsRead(src.key, eps, tuple(dd.rc) == (1,)), ""
+
+
+def analyse(level, accepted: list, names: list, modified: set, fuse_sites: list,
+            norm_impl: str = "xla") -> tuple:
   """``(entries, sites)`` for fused sites ``accepted`` (``(affine, readers)``
   pairs); ``modified``: paths of the nodes the fused plan changes;
-  ``fuse_sites``: every affine site (those not fused are not deferred either)."""
+  ``fuse_sites``: every affine site (those not fused are not deferred either);
+  ``norm_impl``: the fold's, whether readers may run as the RMS-matmul kernel."""
   entries, sites = [], []
+  assume = _fused_values(accepted, level) if kernels.may_use_kernel(norm_impl) else None
   for aff, readers in accepted:
     where = aff.y.producer.where()
     labels = tuple(names[r.leaf] for r in readers)
-    mine = []
+    mine, fast, slow = [], [], []
     try:
       x, s, invert = _statistic(level, aff)
       region = _region(level, aff.y, {x, s})
@@ -230,15 +296,25 @@ def analyse(level, accepted: list, names: list, modified: set, fuse_sites: list)
               raise Block("a remat boundary separates it from the norm's input")
         except Block as err:
           raise Block(tag + str(err)) from err
+        kern = None
+        if assume is not None:
+          kern, why = _rms_read(level, r, aff, x, chain, assume)
+          label = param_label(names[r.leaf])
+          (fast if kern is not None else slow).append(label if kern is not None else f"{label} ({why})")
         mine.append(Deferred(r.node.path, 1 - r.w_side, x.key, s.key, aff.y.shape, chain,
-                             r.y_dim, invert))
+                             r.y_dim, invert, kern))
     except Block as err:
       sites.append(DeferSite(where, labels, False, f"not deferred: {err}"))
       continue
     entries += mine
+    how = ""
+    if fast:
+      how += f"; the RMS-matmul kernel computes {', '.join(fast)}"
+    if slow:
+      how += f"; XLA computes {', '.join(slow)}"
     sites.append(DeferSite(where, labels, True,
                            f"deferred: {', '.join(map(param_label, labels))} read the "
-                           "un-normalized input, outputs scaled by the per-row statistic"))
+                           "un-normalized input, outputs scaled by the per-row statistic" + how))
   # One row per affine site, in fuse's order.
   mine, out = iter(sites), []
   for f in fuse_sites:
@@ -250,9 +326,27 @@ def analyse(level, accepted: list, names: list, modified: set, fuse_sites: list)
 # The rewrite.
 
 
-def run(entry: Deferred, eqn: Any, invals: list, values: dict) -> Optional[list]:
-  """The contraction on ``x`` scaled by ``s``; None (compute it as written)
-  when ``x`` or ``s`` was not recorded."""
+def _kernel(entry: Deferred, eqn: Any, invals: list, values: dict, norm_impl: str) -> Optional[list]:
+  """The reader as the RMS-matmul kernel, or None (``norm_impl`` or the values
+  say no)."""
+  k = entry.kernel
+  x, w = values.get(k.x), invals[1 - entry.operand]
+  if x is None or isinstance(x, Zero) or isinstance(w, Zero):
+    return None
+  interpret = kernels.use_matmul_kernel(norm_impl, int(np.prod(x.shape[:-1])))
+  if interpret is None:
+    return None
+  return [kernels.run_rms_matmul(x, w, k.eps, k.w_nk, eqn.outvars[0].aval.dtype, interpret)]
+
+
+def run(entry: Deferred, eqn: Any, invals: list, values: dict, norm_impl: str = "xla") -> Optional[list]:
+  """The contraction on ``x`` scaled by ``s`` (the RMS-matmul kernel where
+  proved and ``norm_impl`` allows it); None (compute it as written) when
+  ``x`` or ``s`` was not recorded."""
+  if entry.kernel is not None and norm_impl != "xla":
+    out = _kernel(entry, eqn, invals, values, norm_impl)
+    if out is not None:
+      return out
   x, s = values.get(entry.x), values.get(entry.s)
   if x is None or s is None or isinstance(x, Zero) or isinstance(s, Zero):
     return None

@@ -342,6 +342,40 @@ def _prove(site: MeanSite, changed: frozenset, assume: dict) -> tuple:
   return best, "", best_out
 
 
+def prove_rms_read(level, x: Val, u: Val, assume: dict) -> tuple:
+  """``(source, ε)`` when ``u`` equals ``x · rsqrt(Σ_last x²/n + ε)`` exactly
+  (canonical forms under ``assume``; ``x`` as an atom, read as its source: the
+  value it exactly widens), else ``(None, reason)``.
+
+  What the RMS-matmul kernel needs of a deferred reader's operand ``u``: a
+  contraction of ``u`` over the last axis equals the contraction of the
+  source scaled by the per-row statistic the kernel computes itself. No γ, no
+  β and no other scale may remain (``assume`` holds the fused γ = 1, β = 0),
+  the same 1/n and ε placement as the kernel."""
+  top = level.an.top.program
+  shape = tuple(x.shape)
+  if level.program is not top or tuple(u.shape) != shape or not all(isinstance(d, int) for d in shape):
+    return None, "not a fixed-shape value of the top-level program"
+  src, _ = _source(level, x)
+  # The kernel reads the source only from the same call nest (the rewrite records
+  # values there); else x itself.
+  if src is not x and (src.producer is None or x.producer is None
+                       or tuple(c.path for c in src.producer.calls) != tuple(c.path for c in x.producer.calls)):
+    src = x
+  X = A.atom(("rms-read", src), shape)
+  with A.scope(), level.assuming({**assume, src: X}):
+    try:
+      C = level.canon(u)
+      m = _match(C, X, shape, top)
+      if m is None or m[1] is not None or m[2] is not None:
+        return None, "its operand is not x · rsqrt(Σx²/n + ε) exactly over the contracted axis"
+      if C != _formula(X, shape, m[0], None, None):
+        return None, "its operand is not x · rsqrt(Σx²/n + ε) exactly over the contracted axis"
+    except A.Unrepresentable:
+      return None, "its operand has no exact canonical form"
+  return src, float(m[0])
+
+
 def _candidates(u: Val, depth: int = 3) -> list:
   """Values of ``u``'s shape that ``u`` is computed from (``u`` first, nearest
   first): where a norm's input may be, given the operand of its sum of squares."""
@@ -423,6 +457,15 @@ def xla_level():
     _XLA_LEVEL.reset(token)
 
 
+def announce(impl: str) -> None:
+  """A plan with ``impl`` is evaluated: within ``xla_level`` its ``norm_impl``
+  is collected even when none of its norms asks for a kernel (float64 ones),
+  so a transform of the result (fuse, defer) inherits it."""
+  asked = _XLA_LEVEL.get()
+  if asked is not None and impl != "xla":
+    asked.add(impl)
+
+
 def use_kernel(impl: str, shape, dtype) -> Optional[bool]:
   """None: keep XLA; else the ``interpret`` flag for pallas_kernels.rms_norm.
 
@@ -446,6 +489,38 @@ def use_kernel(impl: str, shape, dtype) -> Optional[bool]:
   if jax.default_backend() != "gpu" or pallas_kernels.choose(shape, dtype) != "pallas":
     return None
   return False
+
+
+# Rows up to which ``"auto"`` runs the RMS-matmul kernel on a GPU host: decode-like
+# shapes, where the GEMM is bound by reading W and the launches it saves dominate; at
+# prefill cuBLAS keeps the GEMM until the kernel is measured on a GPU (a guess, as
+# pallas_kernels.dispatch's table).
+MATMUL_AUTO_ROWS = 64
+
+
+def use_matmul_kernel(impl: str, rows: int) -> Optional[bool]:
+  """None: keep XLA's deferred reader; else the ``interpret`` flag for
+  ``pallas_kernels.rms_matmul`` (same ``impl`` rules as ``use_kernel``; ``"auto"``
+  only on a GPU host for at most ``MATMUL_AUTO_ROWS`` rows).
+
+  Example:
+    >>> use_matmul_kernel("interpret", 8), use_matmul_kernel("xla", 8)
+    (True, None)
+  """
+  import jax
+  if impl != "auto":
+    return use_kernel(impl, (rows, 1), "float32")
+  asked = _XLA_LEVEL.get()
+  if asked is not None:
+    asked.add(impl)
+    return None
+  return False if jax.default_backend() == "gpu" and rows <= MATMUL_AUTO_ROWS else None
+
+
+def run_rms_matmul(x, w, eps: float, w_nk: bool, out_dtype, interpret: bool):
+  """``(x @ w) · rsqrt(mean(x², -1) + ε)`` as the Pallas kernel (x: ``(..., K)``)."""
+  import pallas_kernels
+  return pallas_kernels.rms_matmul(x, w, eps=eps, w_nk=w_nk, out_dtype=out_dtype, interpret=interpret)
 
 
 def run_kernel(ep: Epilogue, x, gamma, beta, out_aval, interpret: bool):

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import jax.numpy as jnp
 
-from jaxfold._src import compat, deferral, layout
+from jaxfold._src import compat, deferral, kernels, layout
 from jaxfold._src.rules import rule_for
 from jaxfold._src.zero import Zero
 
@@ -103,6 +103,8 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
   """
   jaxpr, inner_consts = compat.open_jaxpr(jaxpr)
   consts = list(consts) if consts else inner_consts
+  if values is None:
+    kernels.announce(plan.norm_impl)
   values = {} if values is None else values
   env: dict = {}
   kernels_at = {e.out_path: e for e in plan.epilogues} if plan.norm_impl != "xla" else {}
@@ -164,7 +166,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
       # (the kernel's sum must be the value every consumer reads, unchanged)
       outs = _fused(fused_at[path], eqn, invals, values, plan)
     if outs is None and path in deferred:
-      outs = deferral.run(deferred[path], eqn, invals, values)
+      outs = deferral.run(deferred[path], eqn, invals, values, plan.norm_impl)
     if outs is not None:
       pass
     elif path in plan.zero:

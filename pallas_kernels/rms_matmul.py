@@ -1,0 +1,254 @@
+"""A matmul that applies the RMS statistic of its left operand: FlashNorm's reader kernel.
+
+``rms_matmul(x, w, eps=ε) = (x @ w) * rsqrt(mean(x², -1) + ε)[..., None]``
+
+Every program of a tiled matmul already loads the whole contracted row of
+``x`` for its rows, so it accumulates ``Σx²`` next to the dot and scales its
+own output tile: one launch computes what a deferred RMSNorm's reader needs
+(Graef et al. 2024, "FlashNorm"), where XLA otherwise launches a reduction
+(and an rsqrt fusion) besides the GEMM.
+
+Implementation notes
+--------------------
+* Pallas Triton (``pl.pallas_call``), a 2-D grid over (row, column) tiles;
+  each program loops over ``K`` in ``block_k`` steps, accumulating the dot
+  and the sum of squares in ``acc = promote(x, w, float32)`` (float64 in
+  interpret mode for float64 inputs). Rows, columns and ``K`` past the ends
+  are masked (loads read 0), so any shape works, ``M = 1`` included.
+* ``x`` may be wider than the dot's operand dtype (a float32 view of a bf16
+  stream): the statistic is computed from ``x`` itself, the dot from
+  ``x.astype(w.dtype)``, exactly what a program that normalizes in float32 and
+  casts the normalized value to the weights' dtype computes, up to rounding.
+* Tiles: at decode (``M ≤ 64``) a row tile of 16..64 and column tiles as
+  narrow as 16, so that a weight-bound GEMM still has about two programs per
+  H100 SM; at prefill 128 x 128 x 32 (4 warps, 3 stages).
+* Chosen per lowering platform like :func:`pallas_kernels.rms_norm`: the
+  kernel in the ``cuda`` branch of ``platform_dependent``, the XLA expression
+  :func:`rms_matmul_reference` elsewhere; ``interpret=True`` runs the kernel
+  in Pallas interpret mode everywhere (CPU numerics).
+* Forward only: the wrapper is a ``jax.custom_vjp`` whose backward is the VJP
+  of :func:`rms_matmul_reference`, so differentiating through it is right
+  (XLA computes the gradient).
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> from pallas_kernels import rms_matmul
+    >>> rms_matmul(jnp.ones((3, 8)), jnp.ones((8, 5)), eps=0.0, interpret=True).tolist()[0]
+    [8.0, 8.0, 8.0, 8.0, 8.0]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _compat
+from pallas_kernels._compat import pallas_api
+
+# Name of the compiled kernel (its PTX entry and thunk name): one launch per reader.
+KERNEL = "rms_matmul_fwd"
+# Dtypes the compiled kernel takes for x and w (float64 only in interpret mode).
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+_F32 = jnp.float32
+# Programs to aim for at decode: about two per SM of an H100 (132 SMs).
+_TARGET_PROGRAMS = 264
+_DECODE_ROWS = 64
+
+
+# --------------------------------------------------------------------------
+# Reference (also the XLA path)
+# --------------------------------------------------------------------------
+def _acc(x_dtype, w_dtype):
+  return jnp.promote_types(jnp.promote_types(x_dtype, w_dtype), _F32)
+
+
+def _dims(x_ndim: int, w_nk: bool):
+  return (((x_ndim - 1,), (1 if w_nk else 0,)), ((), ()))
+
+
+def rms_matmul_reference(x: jax.Array, w: jax.Array, *, eps: float, out_dtype=None,
+                         w_nk: bool = False) -> jax.Array:
+  """``(x.astype(w.dtype) @ w) * rsqrt(mean(x², -1) + eps)`` accumulated in
+  ``promote(x, w, float32)``, returned in ``out_dtype`` (default ``w.dtype``).
+
+  ``w`` is ``(K, N)``, or ``(N, K)`` with ``w_nk``.
+
+  Example:
+      >>> import jax.numpy as jnp
+      >>> rms_matmul_reference(jnp.array([[3.0, 4.0]]), jnp.eye(2), eps=0.0).tolist()
+      [[0.8485281467437744, 1.1313709020614624]]
+  """
+  acc = _acc(x.dtype, w.dtype)
+  xf = x.astype(acc)
+  s = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  out = lax.dot_general(x.astype(w.dtype), w, _dims(x.ndim, w_nk), preferred_element_type=acc)
+  return (out * s).astype(out_dtype or w.dtype)
+
+
+# --------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  eps: float
+  out_dtype: str
+  w_nk: bool
+  interpret: bool
+
+
+def tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+  """(block_m, block_n, block_k, num_warps, num_stages) for an (m, k) @ (k, n) product.
+
+  Example:
+      >>> tiles(8, 2304, 768)[:3], tiles(2048, 2304, 768)[:3]
+      ((16, 16, 128), (128, 128, 32))
+  """
+  if m <= _DECODE_ROWS:
+    bm = max(16, pl.next_power_of_2(m))
+    rows = pl.cdiv(m, bm)
+    bn = next((b for b in (128, 64, 32) if rows * pl.cdiv(n, b) >= _TARGET_PROGRAMS), 16)
+    bk = max(16, min(128, pl.next_power_of_2(k)))
+    return bm, bn, bk, 4, 3
+  bk = max(16, min(32, pl.next_power_of_2(k)))
+  return 128, 128, bk, 4, 3
+
+
+def _kernel(x_ref, w_ref, o_ref, *, st: _Static, m: int, n: int, k: int, bk: int, acc, dot_dtype):
+  api = pallas_api("triton")
+  bm, bn = o_ref.shape
+  # program_id at the top level: interpret mode does not substitute it inside a loop body.
+  row_ok = pl.program_id(0) * bm + jnp.arange(bm) < m
+  col_ok = pl.program_id(1) * bn + jnp.arange(bn) < n
+  prec = lax.Precision.HIGHEST if np.dtype(dot_dtype) == np.float32 else None
+
+  def body(t, carry):
+    out, ss = carry
+    k_ok = t * bk + jnp.arange(bk) < k
+    xb = api.load(x_ref.at[:, pl.ds(t * bk, bk)], mask=row_ok[:, None] & k_ok[None, :], other=0)
+    if st.w_nk:
+      wb = api.load(w_ref.at[:, pl.ds(t * bk, bk)], mask=col_ok[:, None] & k_ok[None, :], other=0)
+    else:
+      wb = api.load(w_ref.at[pl.ds(t * bk, bk), :], mask=k_ok[:, None] & col_ok[None, :], other=0)
+    xf = xb.astype(acc)
+    ss = ss + jnp.sum(xf * xf, axis=1)
+    out = out + lax.dot_general(xb.astype(dot_dtype), wb, _dims(2, st.w_nk), precision=prec,
+                                preferred_element_type=acc)
+    return out, ss
+
+  init = (jnp.zeros((bm, bn), acc), jnp.zeros((bm,), acc))
+  out, ss = lax.fori_loop(0, pl.cdiv(k, bk), body, init)
+  out = out * lax.rsqrt(ss / k + st.eps)[:, None]   # masked rows: rsqrt(ε), never stored
+  api.store(o_ref, out.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _forward(x, w, st: _Static):
+  m, k = x.shape
+  n = w.shape[0] if st.w_nk else w.shape[1]
+  bm, bn, bk, warps, stages = tiles(m, n, k)
+  kp = pl.cdiv(k, bk) * bk
+  x_spec = pl.BlockSpec((bm, kp), lambda i, j: (i, 0))
+  w_spec = pl.BlockSpec((bn, kp), lambda i, j: (j, 0)) if st.w_nk else pl.BlockSpec((kp, bn), lambda i, j: (0, j))
+  kernel = functools.partial(_kernel, st=st, m=m, n=n, k=k, bk=bk, acc=_acc(x.dtype, w.dtype), dot_dtype=w.dtype)
+  params = None if st.interpret else pallas_api("triton").compiler_params(num_warps=warps, num_stages=stages)
+  call = pl.pallas_call(
+      kernel, grid=(pl.cdiv(m, bm), pl.cdiv(n, bn)), in_specs=[x_spec, w_spec],
+      out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+      out_shape=jax.ShapeDtypeStruct((m, n), jnp.dtype(st.out_dtype)),
+      interpret=st.interpret, compiler_params=params, name=KERNEL)
+  # cuda_only: a multi-platform export must not lower the compiled kernel for the CPU.
+  return call(x, w) if st.interpret else _compat.cuda_only(lambda x, w: [call(x, w)])(x, w)[0]
+
+
+def _ref2(x, w, st: _Static):
+  return rms_matmul_reference(x, w, eps=st.eps, out_dtype=jnp.dtype(st.out_dtype), w_nk=st.w_nk)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _core(x, w, st: _Static):
+  return _forward(x, w, st)
+
+
+def _core_fwd(x, w, st):
+  return _forward(x, w, st), (x, w)
+
+
+def _core_bwd(st, res, ct):
+  # The gradient of the same function, computed by XLA (the kernel is forward only).
+  x, w = res
+  _, vjp = jax.vjp(lambda x, w: _ref2(x, w, st), x, w)
+  return vjp(ct)
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+# --------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------
+def unsupported_reason(x_shape, x_dtype, w_shape, w_dtype) -> Optional[str]:
+  """Why the compiled kernel cannot take these operands, or None.
+
+  Example:
+      >>> unsupported_reason((8, 768), "bfloat16", (768, 2304), "bfloat16") is None
+      True
+      >>> unsupported_reason((8, 768), "float64", (768, 2304), "float64")
+      'dtype float64 is not one of float32, bfloat16, float16'
+  """
+  for dt in (x_dtype, w_dtype):
+    if np.dtype(dt).name not in SUPPORTED_DTYPES:
+      return f"dtype {np.dtype(dt).name} is not one of {', '.join(SUPPORTED_DTYPES)}"
+  if len(x_shape) == 0 or math.prod(int(d) for d in x_shape) == 0 or math.prod(int(d) for d in w_shape) == 0:
+    return f"empty operands {tuple(x_shape)} @ {tuple(w_shape)}"
+  return None
+
+
+def rms_matmul(x: jax.Array, w: jax.Array, *, eps: float, out_dtype=None, w_nk: bool = False,
+               interpret: Optional[bool] = None) -> jax.Array:
+  """``(x @ w) * rsqrt(mean(x², -1) + eps)`` in one kernel (see the module docstring).
+
+  Args:
+    x: ``(..., K)``; the statistic is computed from it in ``promote(x, w,
+      float32)``, the dot from ``x.astype(w.dtype)``.
+    w: ``(K, N)``, or ``(N, K)`` with ``w_nk`` (a tied embedding read as a head).
+    eps: added to the mean square.
+    out_dtype: the result dtype (default ``w.dtype``); the scale is applied to
+      the accumulator, before this one rounding.
+    interpret: ``True`` = the kernel in Pallas interpret mode everywhere;
+      ``False``/``None`` = the compiled kernel when lowered for CUDA (dtypes
+      float32/bfloat16/float16), :func:`rms_matmul_reference` elsewhere.
+
+  Returns ``(..., N)``. Differentiable (custom VJP: the reference's gradient).
+
+  Example:
+      >>> import jax, jax.numpy as jnp
+      >>> x = jax.random.normal(jax.random.key(0), (2, 3, 40))
+      >>> w = jax.random.normal(jax.random.key(1), (40, 24))
+      >>> y = rms_matmul(x, w, eps=1e-6, interpret=True)
+      >>> bool(jnp.allclose(y, rms_matmul_reference(x, w, eps=1e-6), atol=1e-4)), y.shape
+      (True, (2, 3, 24))
+  """
+  k = x.shape[-1]
+  if w.ndim != 2 or (w.shape[1] if w_nk else w.shape[0]) != k:
+    raise ValueError(f"w must be {'(N, K)' if w_nk else '(K, N)'} with K = {k}, got {w.shape}")
+  out_dtype = jnp.dtype(out_dtype or w.dtype)
+  st = _Static(float(eps), out_dtype.name, bool(w_nk), bool(interpret))
+  n = w.shape[0] if w_nk else w.shape[1]
+  lead = x.shape[:-1]
+
+  def kernel(x, w):
+    return _core(x.reshape(-1, k), w, st).reshape(*lead, n)
+
+  ref = functools.partial(rms_matmul_reference, eps=eps, out_dtype=out_dtype, w_nk=w_nk)
+  if interpret:
+    return kernel(x, w)
+  if unsupported_reason(x.shape, x.dtype, w.shape, w.dtype) is not None:
+    return ref(x, w)
+  return _compat.platform_dependent(x, w, cuda=kernel, default=ref)
