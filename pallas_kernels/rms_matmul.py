@@ -74,12 +74,12 @@ def _dims(x_ndim: int, w_nk: bool):
   return (((x_ndim - 1,), (1 if w_nk else 0,)), ((), ()))
 
 
-def rms_matmul_reference(x: jax.Array, w: jax.Array, *, eps: float, out_dtype=None,
-                         w_nk: bool = False) -> jax.Array:
-  """``(x.astype(w.dtype) @ w) * rsqrt(mean(x², -1) + eps)`` accumulated in
+def rms_matmul_reference(x: jax.Array, w: jax.Array, bias: Optional[jax.Array] = None, *, eps: float,
+                         out_dtype=None, w_nk: bool = False) -> jax.Array:
+  """``(x.astype(w.dtype) @ w) * rsqrt(mean(x², -1) + eps) + bias`` accumulated in
   ``promote(x, w, float32)``, returned in ``out_dtype`` (default ``w.dtype``).
 
-  ``w`` is ``(K, N)``, or ``(N, K)`` with ``w_nk``.
+  ``w`` is ``(K, N)``, or ``(N, K)`` with ``w_nk``; ``bias`` ``(N,)`` or None.
 
   Example:
       >>> import jax.numpy as jnp
@@ -89,8 +89,10 @@ def rms_matmul_reference(x: jax.Array, w: jax.Array, *, eps: float, out_dtype=No
   acc = _acc(x.dtype, w.dtype)
   xf = x.astype(acc)
   s = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-  out = lax.dot_general(x.astype(w.dtype), w, _dims(x.ndim, w_nk), preferred_element_type=acc)
-  return (out * s).astype(out_dtype or w.dtype)
+  out = lax.dot_general(x.astype(w.dtype), w, _dims(x.ndim, w_nk), preferred_element_type=acc) * s
+  if bias is not None:
+    out = out + bias.astype(acc)
+  return out.astype(out_dtype or w.dtype)
 
 
 # --------------------------------------------------------------------------
@@ -104,25 +106,32 @@ class _Static:
   interpret: bool
 
 
-def tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-  """(block_m, block_n, block_k, num_warps, num_stages) for an (m, k) @ (k, n) product.
+def tiles(m: int, n: int, k: int, itemsize: int = 2) -> tuple[int, int, int, int, int]:
+  """(block_m, block_n, block_k, num_warps, num_stages) for an (m, k) @ (k, n) product
+  of ``itemsize``-byte operands.
+
+  float32 operands take the exact (FMA, not TF32) dot, which holds more in registers:
+  shorter K steps at decode and 8 warps at prefill (no spills on sm_90a; ptxas in
+  tests/test_pallas_kernels/test_rms_matmul.py).
 
   Example:
       >>> tiles(8, 2304, 768)[:3], tiles(2048, 2304, 768)[:3]
       ((16, 16, 128), (128, 128, 32))
   """
+  wide = itemsize >= 4
   if m <= _DECODE_ROWS:
     bm = max(16, pl.next_power_of_2(m))
     rows = pl.cdiv(m, bm)
     bn = next((b for b in (128, 64, 32) if rows * pl.cdiv(n, b) >= _TARGET_PROGRAMS), 16)
-    bk = max(16, min(128, pl.next_power_of_2(k)))
+    bk = max(16, min(32 if wide else 128, pl.next_power_of_2(k)))
     return bm, bn, bk, 4, 3
   bk = max(16, min(32, pl.next_power_of_2(k)))
-  return 128, 128, bk, 4, 3
+  return 128, 128, bk, 8 if wide else 4, 3
 
 
-def _kernel(x_ref, w_ref, o_ref, *, st: _Static, m: int, n: int, k: int, bk: int, acc, dot_dtype):
+def _kernel(*refs, st: _Static, m: int, n: int, k: int, bk: int, acc, dot_dtype, has_bias: bool):
   api = pallas_api("triton")
+  x_ref, w_ref, b_ref, o_ref = refs if has_bias else (refs[0], refs[1], None, refs[2])
   bm, bn = o_ref.shape
   # program_id at the top level: interpret mode does not substitute it inside a loop body.
   row_ok = pl.program_id(0) * bm + jnp.arange(bm) < m
@@ -146,44 +155,51 @@ def _kernel(x_ref, w_ref, o_ref, *, st: _Static, m: int, n: int, k: int, bk: int
   init = (jnp.zeros((bm, bn), acc), jnp.zeros((bm,), acc))
   out, ss = lax.fori_loop(0, pl.cdiv(k, bk), body, init)
   out = out * lax.rsqrt(ss / k + st.eps)[:, None]   # masked rows: rsqrt(ε), never stored
+  if has_bias:
+    out = out + api.load(b_ref, mask=col_ok, other=0).astype(acc)[None, :]
   api.store(o_ref, out.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _forward(x, w, st: _Static):
+def _forward(x, w, b, st: _Static):
   m, k = x.shape
   n = w.shape[0] if st.w_nk else w.shape[1]
-  bm, bn, bk, warps, stages = tiles(m, n, k)
+  bm, bn, bk, warps, stages = tiles(m, n, k, max(x.dtype.itemsize, w.dtype.itemsize))
   kp = pl.cdiv(k, bk) * bk
   x_spec = pl.BlockSpec((bm, kp), lambda i, j: (i, 0))
   w_spec = pl.BlockSpec((bn, kp), lambda i, j: (j, 0)) if st.w_nk else pl.BlockSpec((kp, bn), lambda i, j: (0, j))
-  kernel = functools.partial(_kernel, st=st, m=m, n=n, k=k, bk=bk, acc=_acc(x.dtype, w.dtype), dot_dtype=w.dtype)
+  kernel = functools.partial(_kernel, st=st, m=m, n=n, k=k, bk=bk, acc=_acc(x.dtype, w.dtype), dot_dtype=w.dtype,
+                             has_bias=b is not None)
+  specs, args = [x_spec, w_spec], [x, w]
+  if b is not None:
+    specs.append(pl.BlockSpec((bn,), lambda i, j: (j,)))
+    args.append(b)
   params = None if st.interpret else pallas_api("triton").compiler_params(num_warps=warps, num_stages=stages)
   call = pl.pallas_call(
-      kernel, grid=(pl.cdiv(m, bm), pl.cdiv(n, bn)), in_specs=[x_spec, w_spec],
+      kernel, grid=(pl.cdiv(m, bm), pl.cdiv(n, bn)), in_specs=specs,
       out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
       out_shape=jax.ShapeDtypeStruct((m, n), jnp.dtype(st.out_dtype)),
       interpret=st.interpret, compiler_params=params, name=KERNEL)
   # cuda_only: a multi-platform export must not lower the compiled kernel for the CPU.
-  return call(x, w) if st.interpret else _compat.cuda_only(lambda x, w: [call(x, w)])(x, w)[0]
+  return call(*args) if st.interpret else _compat.cuda_only(lambda *a: [call(*a)])(*args)[0]
 
 
-def _ref2(x, w, st: _Static):
-  return rms_matmul_reference(x, w, eps=st.eps, out_dtype=jnp.dtype(st.out_dtype), w_nk=st.w_nk)
+def _ref2(x, w, b, st: _Static):
+  return rms_matmul_reference(x, w, b, eps=st.eps, out_dtype=jnp.dtype(st.out_dtype), w_nk=st.w_nk)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _core(x, w, st: _Static):
-  return _forward(x, w, st)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _core(x, w, b, st: _Static):
+  return _forward(x, w, b, st)
 
 
-def _core_fwd(x, w, st):
-  return _forward(x, w, st), (x, w)
+def _core_fwd(x, w, b, st):
+  return _forward(x, w, b, st), (x, w, b)
 
 
 def _core_bwd(st, res, ct):
   # The gradient of the same function, computed by XLA (the kernel is forward only).
-  x, w = res
-  _, vjp = jax.vjp(lambda x, w: _ref2(x, w, st), x, w)
+  x, w, b = res
+  _, vjp = jax.vjp(lambda x, w, b: _ref2(x, w, b, st), x, w, b)
   return vjp(ct)
 
 
@@ -210,14 +226,15 @@ def unsupported_reason(x_shape, x_dtype, w_shape, w_dtype) -> Optional[str]:
   return None
 
 
-def rms_matmul(x: jax.Array, w: jax.Array, *, eps: float, out_dtype=None, w_nk: bool = False,
-               interpret: Optional[bool] = None) -> jax.Array:
-  """``(x @ w) * rsqrt(mean(x², -1) + eps)`` in one kernel (see the module docstring).
+def rms_matmul(x: jax.Array, w: jax.Array, bias: Optional[jax.Array] = None, *, eps: float, out_dtype=None,
+               w_nk: bool = False, interpret: Optional[bool] = None) -> jax.Array:
+  """``(x @ w) * rsqrt(mean(x², -1) + eps) + bias`` in one kernel (see the module docstring).
 
   Args:
     x: ``(..., K)``; the statistic is computed from it in ``promote(x, w,
       float32)``, the dot from ``x.astype(w.dtype)``.
     w: ``(K, N)``, or ``(N, K)`` with ``w_nk`` (a tied embedding read as a head).
+    bias: ``(N,)`` or None, added after the scale (it is not scaled).
     eps: added to the mean square.
     out_dtype: the result dtype (default ``w.dtype``); the scale is applied to
       the accumulator, before this one rounding.
@@ -238,17 +255,20 @@ def rms_matmul(x: jax.Array, w: jax.Array, *, eps: float, out_dtype=None, w_nk: 
   k = x.shape[-1]
   if w.ndim != 2 or (w.shape[1] if w_nk else w.shape[0]) != k:
     raise ValueError(f"w must be {'(N, K)' if w_nk else '(K, N)'} with K = {k}, got {w.shape}")
+  n = w.shape[0] if w_nk else w.shape[1]
+  if bias is not None and bias.shape != (n,):
+    raise ValueError(f"bias must have shape ({n},), got {bias.shape}")
   out_dtype = jnp.dtype(out_dtype or w.dtype)
   st = _Static(float(eps), out_dtype.name, bool(w_nk), bool(interpret))
-  n = w.shape[0] if w_nk else w.shape[1]
   lead = x.shape[:-1]
 
-  def kernel(x, w):
-    return _core(x.reshape(-1, k), w, st).reshape(*lead, n)
+  def kernel(x, w, b):
+    return _core(x.reshape(-1, k), w, b, st).reshape(*lead, n)
 
   ref = functools.partial(rms_matmul_reference, eps=eps, out_dtype=out_dtype, w_nk=w_nk)
   if interpret:
-    return kernel(x, w)
-  if unsupported_reason(x.shape, x.dtype, w.shape, w.dtype) is not None:
-    return ref(x, w)
-  return _compat.platform_dependent(x, w, cuda=kernel, default=ref)
+    return kernel(x, w, bias)
+  if unsupported_reason(x.shape, x.dtype, w.shape, w.dtype) is not None or (
+      bias is not None and np.dtype(bias.dtype).name not in SUPPORTED_DTYPES):
+    return ref(x, w, bias)
+  return _compat.platform_dependent(x, w, bias, cuda=kernel, default=ref)

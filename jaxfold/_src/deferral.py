@@ -88,6 +88,7 @@ class RmsRead:
   x: tuple
   eps: float
   w_nk: bool               # the weight is (N, K): contracted on its dim 1
+  w_t: bool = False        # the weight is a transpose: the kernel reads it untransposed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,7 +268,27 @@ def _rms_read(level, r, aff, x, chain: tuple, assume: dict) -> tuple:
   src, eps = kernels.prove_rms_read(level, x, u, assume)
   if src is None:
     return None, eps
-  return RmsRead(src.key, eps, tuple(dd.rc) == (1,)), ""
+  return RmsRead(src.key, eps, tuple(dd.rc) == (1,), _transposed(level, w)), ""
+
+
+def _transposed(level, w) -> bool:
+  """``w`` is a transpose of a matrix (a tied embedding read as the head): the
+  kernel then reads ``wᵀ`` in the other layout, which XLA folds into the
+  transpose (no copy of W). Only a layout choice: the result is the same
+  either way."""
+  node = w.producer
+  if node is None or node.subs or len(node.ins) != 1 or rule_for(node.prim).reindex != "move":
+    return False
+  (w0,) = node.ins
+  if not isinstance(w0, Val) or tuple(w0.shape) != tuple(w.shape)[::-1]:
+    return False
+  W0 = A.atom(("w-untransposed", w0), tuple(w0.shape))
+  want = A.view_op(W0, tuple(w.shape), lambda v: v.transpose((1, 0)), ("transpose", (1, 0)))
+  with level.assuming({w0: W0}):
+    try:
+      return level.canon(w) == want
+    except A.Unrepresentable:
+      return False
 
 
 def analyse(level, accepted: list, names: list, modified: set, fuse_sites: list,
@@ -326,9 +347,9 @@ def analyse(level, accepted: list, names: list, modified: set, fuse_sites: list,
 # The rewrite.
 
 
-def _kernel(entry: Deferred, eqn: Any, invals: list, values: dict, norm_impl: str) -> Optional[list]:
-  """The reader as the RMS-matmul kernel, or None (``norm_impl`` or the values
-  say no)."""
+def _kernel(entry: Deferred, eqn: Any, invals: list, values: dict, norm_impl: str, bias) -> Optional[tuple]:
+  """``(outputs, whether the bias is in them)``: the reader as the RMS-matmul
+  kernel, or None (``norm_impl`` or the values say no)."""
   k = entry.kernel
   x, w = values.get(k.x), invals[1 - entry.operand]
   if x is None or isinstance(x, Zero) or isinstance(w, Zero):
@@ -336,17 +357,36 @@ def _kernel(entry: Deferred, eqn: Any, invals: list, values: dict, norm_impl: st
   interpret = kernels.use_matmul_kernel(norm_impl, int(np.prod(x.shape[:-1])))
   if interpret is None:
     return None
-  return [kernels.run_rms_matmul(x, w, k.eps, k.w_nk, eqn.outvars[0].aval.dtype, interpret)]
+  w_nk = k.w_nk
+  if k.w_t:
+    w, w_nk = jnp.swapaxes(w, 0, 1), not w_nk   # transpose(transpose(W)) = W: no copy
+  n = w.shape[0] if w_nk else w.shape[1]
+  # The fused bias (β·W, added to the reader's output) joins the kernel's epilogue when
+  # it is one value per output column: (..., 1, N) broadcast over the rows.
+  # (Only one that does not widen the output: the rewrite's add would promote it.)
+  dt = eqn.outvars[0].aval.dtype
+  take = (bias is not None and not isinstance(bias, Zero) and bias.ndim <= len(eqn.outvars[0].aval.shape)
+          and bias.shape[-1:] == (n,) and bias.size == n and jnp.result_type(dt, bias.dtype) == dt)
+  vec = jnp.reshape(bias, (n,)) if take else None
+  out = kernels.run_rms_matmul(x, w, vec, k.eps, w_nk, dt, interpret)
+  return [out], take
 
 
-def run(entry: Deferred, eqn: Any, invals: list, values: dict, norm_impl: str = "xla") -> Optional[list]:
-  """The contraction on ``x`` scaled by ``s`` (the RMS-matmul kernel where
-  proved and ``norm_impl`` allows it); None (compute it as written) when
-  ``x`` or ``s`` was not recorded."""
+def run(entry: Deferred, eqn: Any, invals: list, values: dict, norm_impl: str = "xla",
+        bias=None) -> tuple:
+  """``(outputs or None, whether they include bias)``: the contraction on ``x``
+  scaled by ``s`` (the RMS-matmul kernel, which may also add ``bias``, the
+  value the rewrite adds to this output, where proved and ``norm_impl``
+  allows it); None (compute it as written) when ``x`` or ``s`` was not
+  recorded."""
   if entry.kernel is not None and norm_impl != "xla":
-    out = _kernel(entry, eqn, invals, values, norm_impl)
+    out = _kernel(entry, eqn, invals, values, norm_impl, bias)
     if out is not None:
       return out
+  return _xla(entry, eqn, invals, values), False
+
+
+def _xla(entry: Deferred, eqn: Any, invals: list, values: dict) -> Optional[list]:
   x, s = values.get(entry.x), values.get(entry.s)
   if x is None or s is None or isinstance(x, Zero) or isinstance(s, Zero):
     return None

@@ -517,10 +517,11 @@ def use_matmul_kernel(impl: str, rows: int) -> Optional[bool]:
   return False if jax.default_backend() == "gpu" and rows <= MATMUL_AUTO_ROWS else None
 
 
-def run_rms_matmul(x, w, eps: float, w_nk: bool, out_dtype, interpret: bool):
-  """``(x @ w) · rsqrt(mean(x², -1) + ε)`` as the Pallas kernel (x: ``(..., K)``)."""
+def run_rms_matmul(x, w, bias, eps: float, w_nk: bool, out_dtype, interpret: bool):
+  """``(x @ w) · rsqrt(mean(x², -1) + ε) + bias`` as the Pallas kernel (x: ``(..., K)``,
+  bias ``(N,)`` or None)."""
   import pallas_kernels
-  return pallas_kernels.rms_matmul(x, w, eps=eps, w_nk=w_nk, out_dtype=out_dtype, interpret=interpret)
+  return pallas_kernels.rms_matmul(x, w, bias, eps=eps, w_nk=w_nk, out_dtype=out_dtype, interpret=interpret)
 
 
 def run_kernel(ep: Epilogue, x, gamma, beta, out_aval, interpret: bool):

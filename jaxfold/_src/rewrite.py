@@ -120,10 +120,10 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
   def read(a):
     return compat.literal_value(a) if compat.is_literal(a) else env[a]
 
-  def write(v, val, key):
+  def write(v, val, key, biased=False):
     if key in aux:
       val = _aux(val, aux[key])
-    if key in biases:
+    if key in biases and not biased:
       val = _materialize(val) + extras[biases[key]]
     if compat.is_var(v):
       env[v] = val
@@ -159,14 +159,16 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
         for ceqn in chain:
           val = compat.bind_eqn(ceqn, [val])[0]
         invals[k] = val
-    outs = None
+    outs, biased = None, False
     if path in kernels_at:
       outs = _kernel(kernels_at[path], eqn, values, plan)
     elif path in fused_at and (path, "out", 0) not in aux and (path, "out", 0) not in biases:
       # (the kernel's sum must be the value every consumer reads, unchanged)
       outs = _fused(fused_at[path], eqn, invals, values, plan)
     if outs is None and path in deferred:
-      outs = deferral.run(deferred[path], eqn, invals, values, plan.norm_impl)
+      key = (path, "out", 0)
+      bias = extras[biases[key]] if key in biases and key not in aux else None
+      outs, biased = deferral.run(deferred[path], eqn, invals, values, plan.norm_impl, bias)
     if outs is not None:
       pass
     elif path in plan.zero:
@@ -187,7 +189,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
             if key is not None and key not in values:
               values[key] = outs[k]
     for k, (v, val) in enumerate(zip(eqn.outvars, outs)):
-      write(v, val, (path, "out", k))
+      write(v, val, (path, "out", k), biased)
   return [v.materialize() if isinstance(v, Zero) else v
           for v in (read(a) for a in jaxpr.outvars)]
 

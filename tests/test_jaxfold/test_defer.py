@@ -6,6 +6,7 @@ are refused with the reader or construct named, and still compute the original.
 """
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -122,10 +123,10 @@ def test_the_statistic_is_what_makes_it_exact(x64, monkeypatch):
     assert rel_err(ref, d.apply_fn(d.params, x)) > 1e-3
   assert rel_err(ref, d.apply_fn(d.params, x)) < 1e-9
 
-  def unscaled(entry, eqn, invals, values):
+  def unscaled(entry, eqn, invals, values, *_):
     ins = list(invals)
     ins[entry.operand] = values[entry.x]
-    return compat.bind_eqn(eqn, ins)
+    return compat.bind_eqn(eqn, ins), False
   monkeypatch.setattr(deferral, "run", unscaled)
   assert rel_err(ref, d.apply_fn(d.params, x)) > 1e-3
 
@@ -386,3 +387,96 @@ def test_save_load_and_export_keep_the_deferral(x64, tmp_path):
   # Against the compiled original: on jax 0.11 XLA:CPU's fused f64 program differs from eager
   # op-by-op evaluation by ~2e-8 for the original model itself.
   assert rel_err(jax.jit(apply)(p, *ids), fn(*ids)) < 1e-9
+
+
+# ----------------------------------------------------------------------------
+# The RMS-matmul kernel (norm_impl="interpret": Pallas interpret mode on the CPU):
+# a proved reader computes (x @ W') · rsqrt(mean(x²) + ε) (+ the fused bias) in one
+# kernel that recomputes the statistic from x itself.
+
+KERNEL_SAYS = "the RMS-matmul kernel computes"
+
+
+def _pallas_calls(fn, *args) -> int:
+  return str(jax.make_jaxpr(fn)(*args)).count("pallas_call")
+
+
+@functools.lru_cache(maxsize=None)
+def _interpret_deferred(name):
+  from zoo_fused import inputs, original, shapes
+  apply, p = original(name)
+  folded = jaxfold.fold(p, apply, *inputs(name, *shapes(name)[0]), tied_weights="copy", norm_impl="interpret")
+  return jaxfold.defer_norms(jaxfold.fuse_affine(folded))
+
+
+def _zoo_errors(name, d):
+  """Max relative error at both zoo shapes against the jitted original; a fresh
+  jit per call, so a monkeypatched kernel is traced again."""
+  from zoo_fused import inputs, original, shapes
+  apply, p = original(name)
+  new = jax.jit(lambda q, *a: d.apply_fn(q, *a))
+  return [rel_err(jax.jit(apply)(p, *inputs(name, b, s)), new(d.params, *inputs(name, b, s)))
+          for b, s in shapes(name)]
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "opt-tiny"])
+def test_zoo_readers_run_the_rms_matmul_kernel(x64, name):
+  from zoo_fused import inputs, shapes
+  d = _interpret_deferred(name)
+  sites = d.report.deferred
+  assert d.report.num_deferred == len(sites) == 5
+  # Every reader of every site: QKV (one or three), MLP-in and the tied head.
+  assert all(KERNEL_SAYS in s.reason and "XLA computes" not in s.reason for s in sites), [s.reason for s in sites]
+  ids = inputs(name, *shapes(name)[1])
+  readers = sum(len(s.readers) for s in sites)
+  assert _pallas_calls(d.apply_fn, d.params, *ids) == readers
+  assert normalized_reads(d.apply_fn, d.params, *ids) == 0
+  assert max(_zoo_errors(name, d)) < 1e-9
+
+
+def test_rms_matmul_tripwires(x64, monkeypatch):
+  """The comparison sees a wrong ε in the kernel call, and a fused bias the
+  kernel drops (the rewrite no longer adds it)."""
+  from jaxfold._src import kernels
+  d = _interpret_deferred("gpt2-tiny")
+  run = kernels.run_rms_matmul
+  with monkeypatch.context() as m:
+    m.setattr(kernels, "run_rms_matmul", lambda x, w, b, eps, *a: run(x, w, b, 1e-2, *a))
+    assert max(_zoo_errors("gpt2-tiny", d)) > 1e-6
+  with monkeypatch.context() as m:
+    m.setattr(kernels, "run_rms_matmul", lambda x, w, b, eps, *a: run(x, w, None, eps, *a))
+    assert max(_zoo_errors("gpt2-tiny", d)) > 1e-3
+  assert max(_zoo_errors("gpt2-tiny", d)) < 1e-9
+
+
+def bessel_norm(p, x):
+  h = _stem(p, x)
+  c = h - h.mean(-1, keepdims=True)
+  y = c * jax.lax.rsqrt(jnp.square(c).sum(-1, keepdims=True) / (D - 1) + 1e-6) * p["g"] + p["beta"]
+  return y @ p["w2"]                                    # 1/(n-1): not the kernel's statistic
+
+
+def scaled_norm(p, x):
+  y = _ln(_stem(p, x), p["g"], p["beta"])
+  return (y * 0.5) @ p["w2"]                            # an extra scale after the norm
+
+
+KERNEL_CASES = [  # (program, readers the kernel computes)
+    (bias_then_gelu, 1), (divided_norm, None), (bessel_norm, 0), (scaled_norm, 0),
+    (rhs_reader, 0), (transposed_reader, 0), (class_token, 0)]
+
+
+@pytest.mark.parametrize("fn, n", KERNEL_CASES, ids=[c[0].__name__ for c in KERNEL_CASES])
+def test_rms_matmul_only_where_proved(x64, fn, n):
+  rng = np.random.default_rng(1)
+  p = _base(rng, {"w5": (D, 5)}.items())
+  x = _x(3, 7, 4)
+  d = jaxfold.fold(p, fn, x, defer_norms=True, norm_impl="interpret")
+  site = d.report.deferred[0]
+  calls = _pallas_calls(d.apply_fn, d.params, x)
+  if n is not None:
+    assert calls == n, site.reason
+    assert (KERNEL_SAYS in site.reason) == (n > 0) and ("XLA computes" in site.reason) == (n == 0), site.reason
+  for shape, seed in [((3, 7, 4), 1), ((2, 5, 4), 2)]:
+    x = _x(*shape, seed=seed)
+    assert rel_err(fn(p, x), jax.jit(d.apply_fn)(d.params, x)) < 1e-9

@@ -1,0 +1,156 @@
+"""pallas_kernels.rms_matmul: ``(x @ w) * rsqrt(mean(x²) + ε)`` in one kernel.
+
+CPU: the kernel in Pallas interpret mode against the pure-jnp reference (float32,
+bfloat16, float64; ragged M/N/K, one row, both weight layouts), the XLA path,
+and the gradient (custom VJP = the reference's). ``gpu_aot``: compiled ahead of
+time for the H100, one launch and no reduction besides it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+import pallas_kernels as pk  # noqa: E402
+from pallas_kernels import aot  # noqa: E402
+from pallas_kernels.rms_matmul import KERNEL, tiles  # noqa: E402
+
+EPS = 1e-5
+
+
+def _operands(m, k, n, dtype, w_nk=False, lead=()):
+  kx, kw = jax.random.split(jax.random.key(m * 1000 + k + n))
+  # A non-zero mean per row, so the statistic is not ~1 and a wrong one shows.
+  x = (jax.random.normal(kx, (*lead, m, k)) * 2.0 + 0.5).astype(dtype)
+  w = (jax.random.normal(kw, (n, k) if w_nk else (k, n)) / np.sqrt(k)).astype(dtype)
+  return x, w
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def _numpy(x, w, eps, w_nk):
+  x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  s = 1 / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps)
+  return (x @ (w.T if w_nk else w)) * s
+
+
+# (m, k, n, w_nk, lead): one row; ragged M, N and K against every tile; a leading batch dim;
+# the (N, K) layout of a tied head.
+SHAPES = [(1, 40, 24, False, ()), (70, 130, 50, False, ()), (5, 33, 17, True, ()), (3, 64, 40, False, (2,)),
+          (1, 16, 70, True, (3,))]
+
+
+@pytest.mark.parametrize("m,k,n,w_nk,lead", SHAPES)
+def test_float32_matches_the_reference(m, k, n, w_nk, lead):
+  x, w = _operands(m, k, n, jnp.float32, w_nk, lead)
+  got = pk.rms_matmul(x, w, eps=EPS, w_nk=w_nk, interpret=True)
+  assert got.shape == (*lead, m, n) and got.dtype == jnp.float32
+  assert _rel(got, pk.rms_matmul_reference(x, w, eps=EPS, w_nk=w_nk)) < 1e-5
+  assert _rel(got, _numpy(x, w, EPS, w_nk)) < 1e-5
+  b = jnp.linspace(-1.0, 2.0, n, dtype=jnp.float32)
+  got = pk.rms_matmul(x, w, b, eps=EPS, w_nk=w_nk, interpret=True)
+  assert _rel(got, _numpy(x, w, EPS, w_nk) + np.asarray(b)) < 1e-5
+
+
+@pytest.mark.parametrize("m,k,n,w_nk,lead", SHAPES[:3])
+def test_bfloat16_within_one_rounding(m, k, n, w_nk, lead):
+  x, w = _operands(m, k, n, jnp.bfloat16, w_nk, lead)
+  got = pk.rms_matmul(x, w, eps=EPS, w_nk=w_nk, interpret=True)
+  assert got.dtype == jnp.bfloat16
+  # float32 accumulation, one rounding to bf16 at the end (2^-8 relative).
+  assert _rel(got, _numpy(x, w, EPS, w_nk)) < 2 ** -7
+  assert _rel(got, pk.rms_matmul_reference(x, w, eps=EPS, w_nk=w_nk)) < 2 ** -7
+
+
+def test_wider_x_for_the_statistic_and_out_dtype():
+  """x in float32 (the statistic's precision), w in bf16 (the dot's), a float32 result."""
+  x, _ = _operands(9, 48, 20, jnp.float32)
+  _, w = _operands(9, 48, 20, jnp.bfloat16)
+  got = pk.rms_matmul(x, w, eps=EPS, out_dtype=jnp.float32, interpret=True)
+  ref = pk.rms_matmul_reference(x, w, eps=EPS, out_dtype=jnp.float32)
+  assert got.dtype == jnp.float32 and _rel(got, ref) < 1e-5
+
+
+def test_float64_in_interpret_mode(x64):
+  x, w = _operands(7, 50, 30, jnp.float64)
+  got = pk.rms_matmul(x, w, eps=EPS, interpret=True)
+  assert got.dtype == jnp.float64 and _rel(got, _numpy(x, w, EPS, False)) < 1e-13
+  # (a wrong ε is visible at this precision)
+  assert _rel(pk.rms_matmul(x, w, eps=2 * EPS, interpret=True), _numpy(x, w, EPS, False)) > 1e-7
+
+
+def test_xla_path_off_cuda_is_the_reference():
+  x, w = _operands(4, 32, 8, jnp.float32)
+  ref = jax.jit(lambda x, w: pk.rms_matmul_reference(x, w, eps=EPS))(x, w)
+  for interpret in (None, False):
+    f = jax.jit(lambda x, w, i=interpret: pk.rms_matmul(x, w, eps=EPS, interpret=i))
+    assert "triton" not in f.lower(x, w).as_text()    # the CPU lowering keeps the XLA branch only
+    assert np.array_equal(f(x, w), ref)
+  with pytest.raises(ValueError, match="K = 32"):
+    pk.rms_matmul(x, w.T, eps=EPS)
+
+
+def test_gradient_is_the_references():
+  x, w = _operands(6, 40, 12, jnp.float32)
+  ct = jax.random.normal(jax.random.key(3), (6, 12))
+  def grads(f):
+    return jax.vjp(f, x, w)[1](ct)
+  got = grads(lambda x, w: pk.rms_matmul(x, w, eps=EPS, interpret=True))
+  ref = grads(lambda x, w: pk.rms_matmul_reference(x, w, eps=EPS))
+  for g, r in zip(got, ref):
+    assert _rel(g, r) < 1e-5
+
+
+def test_tiles_fill_an_h100_at_decode():
+  bm, bn, bk, _, _ = tiles(8, 2304, 768)
+  assert bm == 16 and (2304 // bn) >= 132 and bk <= 128
+  assert tiles(2048, 3072, 768)[:2] == (128, 128)
+
+
+# --------------------------------------------------------------------------
+# Deviceless H100 compilation.
+REASON = aot.unavailable_reason()
+PTXAS = aot.ptxas_path()
+
+
+def S(shape, dtype):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+# GPT-2 small's readers: c_attn at decode (8 rows) and prefill (2x1024), c_fc, the tied head (N, K);
+# ragged odd shapes in float32 and float16.
+AOT_CASES = [(8, 768, 2304, False, "bfloat16"), (2048, 768, 3072, False, "bfloat16"),
+             (8, 768, 50257, True, "bfloat16"), (7, 130, 50, False, "float32"), (1000, 1000, 1000, True, "float16"),
+             (2048, 768, 2304, False, "float32")]
+
+
+@pytest.mark.gpu_aot
+@pytest.mark.skipif(REASON is not None, reason=f"deviceless CUDA compilation unavailable: {REASON}")
+@pytest.mark.skipif(PTXAS is None, reason="ptxas not found (nvidia-cuda-nvcc-cu12, gpu-aot extra)")
+@pytest.mark.parametrize("m,k,n,w_nk,dtype", AOT_CASES)
+def test_h100_one_launch_no_reduction(m, k, n, w_nk, dtype):
+  dt = jnp.dtype(dtype)
+  c = aot.compile(lambda x, w: pk.rms_matmul(x, w, eps=EPS, w_nk=w_nk, interpret=False),
+                  S((m, k), dt), S((n, k) if w_nk else (k, n), dt), target="h100")
+  # One launch: the Pallas Triton kernel; no reduce fusion, no rsqrt fusion, no cuBLAS GEMM.
+  assert [(kk.name, kk.kind) for kk in c.kernels] == [(KERNEL, "kCustomKernel")], c.kernels
+  assert c.reductions() == 0 and "reduce(" not in c.hlo
+  (kern,) = c.kernels
+  assert kern.custom_call_target == "__gpu$xla.gpu.triton"
+  assert kern.shared_memory <= c.target.shared_memory_per_block_optin
+  if m <= 64 and n >= 16 * c.target.core_count:   # decode: enough programs for the 132 SMs
+    assert np.prod(kern.grid) >= c.target.core_count, kern.grid
+  info = c.ptxas(KERNEL)
+  assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_frame == 0, info
