@@ -283,7 +283,7 @@ def _transposed(level, w) -> bool:
   if not isinstance(w0, Val) or tuple(w0.shape) != tuple(w.shape)[::-1]:
     return False
   W0 = A.atom(("w-untransposed", w0), tuple(w0.shape))
-  want = A.view_op(W0, tuple(w.shape), lambda v: v.transpose((1, 0)), ("transpose", (1, 0)))
+  want = A.view_op(W0, tuple(w.shape), lambda v: v.transpose((1, 0)), ("swap dims", (1, 0)))
   with level.assuming({w0: W0}):
     try:
       return level.canon(w) == want
