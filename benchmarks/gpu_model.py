@@ -310,7 +310,7 @@ BOUND_PREFILL = "2x1024,8x256,32x256"
 BOUND_DECODE = "1,8,64"
 BOUND_VARIANTS = ("original", "folded", "folded+fused", "folded+fused+deferred", "norm-free")
 BOUND_METRICS = (("launches", "launches"), ("bytes", "modelled bytes"), ("seconds", "modelled time"))
-_SUFFIX = re.compile(r"(?:[._]\d+)+$")
+_SUFFIX = re.compile(r"(?:[._]+\d+)+$")
 
 
 def norm_free(fn: Callable) -> Callable:

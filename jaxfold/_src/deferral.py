@@ -321,7 +321,10 @@ def analyse(level, accepted: list, names: list, modified: set, fuse_sites: list,
         if assume is not None:
           kern, why = _rms_read(level, r, aff, x, chain, assume)
           label = param_label(names[r.leaf])
-          (fast if kern is not None else slow).append(label if kern is not None else f"{label} ({why})")
+          if kern is not None:
+            fast.append(label)
+          else:
+            slow.append(f"{label} ({why})")
         mine.append(Deferred(r.node.path, 1 - r.w_side, x.key, s.key, aff.y.shape, chain,
                              r.y_dim, invert, kern))
     except Block as err:
@@ -330,7 +333,9 @@ def analyse(level, accepted: list, names: list, modified: set, fuse_sites: list,
     entries += mine
     how = ""
     if fast:
-      how += f"; the RMS-matmul kernel computes {', '.join(fast)}"
+      how += (f"; the RMS-matmul kernel computes {', '.join(fast)}" if norm_impl != "auto" else
+              f"; the RMS-matmul kernel computes {', '.join(fast)} at up to "
+              f"{kernels.MATMUL_AUTO_ROWS} rows (norm_impl='auto')")
     if slow:
       how += f"; XLA computes {', '.join(slow)}"
     sites.append(DeferSite(where, labels, True,
