@@ -482,3 +482,19 @@ def test_rms_matmul_only_where_proved(x64, fn, n):
   for shape, seed in [((3, 7, 4), 1), ((2, 5, 4), 2)]:
     x = _x(*shape, seed=seed)
     assert rel_err(fn(p, x), jax.jit(d.apply_fn)(d.params, x)) < 1e-9
+
+
+def test_rms_matmul_gradient_and_auto_on_cpu(x64):
+  """The kernel's backward is the XLA expression's VJP: gradients through a deferred
+  model equal the original's. ``"auto"`` on a CPU host proves nothing and runs no kernel."""
+  rng = np.random.default_rng(1)
+  p = _base(rng)
+  x = _x(3, 7, 4)
+  d = jaxfold.fold(p, bias_then_gelu, x, defer_norms=True, norm_impl="interpret")
+  assert _pallas_calls(d.apply_fn, d.params, x) == 1
+  g = jax.grad(lambda x: jnp.sum(jnp.sin(d.apply_fn(d.params, x))))(x)
+  ref = jax.grad(lambda x: jnp.sum(jnp.sin(bias_then_gelu(p, x))))(x)
+  assert rel_err(ref, g) < 1e-9
+  auto = jaxfold.fold(p, bias_then_gelu, x, defer_norms=True)
+  assert auto.report.num_deferred == 1 and KERNEL_SAYS not in auto.report.deferred[0].reason
+  assert _pallas_calls(auto.apply_fn, auto.params, x) == 0
