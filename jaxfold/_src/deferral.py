@@ -43,11 +43,12 @@ besides the above:
 * it reads ``y`` through dtype converts only, as the left operand of a
   matmul contracting its last axis (the normalized dim) with a 2-D weight
   (``(K, N)`` or ``(N, K)``), no batch dims, operands of one float dtype;
-* the operand's exact canonical form, with the fused γ = 1 and β = 0 and
-  every fused reader's output opaque, is ``x · rsqrt(Σ_d x²/n + ε)`` over
-  exactly that axis (``kernels.prove_rms_read``: the same 1/n, ε placement
-  and no other scale), which gives the kernel its ε; ``x`` is read as its
-  source (the value it exactly widens, a bf16 stream).
+* ``y``'s exact canonical form, with the fused γ = 1 and β = 0 and every
+  fused reader's output opaque, is ``x · rsqrt(Σ_d x²/n + ε)`` over exactly
+  that axis (``kernels.prove_rms_read``: the same 1/n, ε placement and no
+  other scale), which gives the kernel its ε; ``x`` is read as its source
+  (the value it exactly widens, a bf16 stream) and cast to the weight's
+  dtype for the dot, as the XLA form contracts ``chain(x)``.
 
 Otherwise the reader keeps the XLA form ``(chain(x) @ W') · s``.
 """
@@ -265,7 +266,9 @@ def _rms_read(level, r, aff, x, chain: tuple, assume: dict) -> tuple:
     return None, "its weight is not a matrix"
   if np.dtype(u.dtype) != np.dtype(w.dtype) or not jnp.issubdtype(u.dtype, jnp.floating):
     return None, "its operands have different dtypes"
-  src, eps = kernels.prove_rms_read(level, x, u, assume)
+  # Proved on y itself: the chain's converts are the deferral's own rounding points
+  # (it contracts chain(x) too), whatever the program's tolerance makes of them.
+  src, eps = kernels.prove_rms_read(level, x, aff.y, assume)
   if src is None:
     return None, eps
   return RmsRead(src.key, eps, tuple(dd.rc) == (1,), _transposed(level, w)), ""

@@ -347,7 +347,7 @@ def prove_rms_read(level, x: Val, u: Val, assume: dict) -> tuple:
   (canonical forms under ``assume``; ``x`` as an atom, read as its source: the
   value it exactly widens), else ``(None, reason)``.
 
-  What the RMS-matmul kernel needs of a deferred reader's operand ``u``: a
+  What the RMS-matmul kernel needs of a deferred norm's output ``u``: a
   contraction of ``u`` over the last axis equals the contraction of the
   source scaled by the per-row statistic the kernel computes itself. No γ, no
   β and no other scale may remain (``assume`` holds the fused γ = 1, β = 0),
