@@ -32,3 +32,43 @@ def keras_float64(monkeypatch, x64):
   if not isinstance(getattr(dtypes, "BIT64_TO_BIT32_DTYPE", None), dict):
     pytest.skip("this keras has no BIT64_TO_BIT32_DTYPE table to lift its 32-bit cap")
   monkeypatch.setitem(dtypes.BIT64_TO_BIT32_DTYPE, "float64", "float64")
+
+
+# Parametrized cases in the slow tier (`pytest -m slow`): the default run keeps one
+# representative of each test (chosen by `--durations`, 2026-11-25) so both CI legs fit
+# the time budget; the heavier cases check the same property on more models or shapes.
+SLOW_CASES = (
+  "test_gpu_model.py::test_folded_zoo_launches_fewer_kernels_and_moves_fewer_bytes[vit-b/16-8-None-1-h100]",
+  "test_gpu_model.py::test_folded_zoo_launches_fewer_kernels_and_moves_fewer_bytes[vit-b/16-8-None-1-a100]",
+  "test_gpu_model.py::test_folded_zoo_launches_fewer_kernels_and_moves_fewer_bytes[opt-125m-2-1024-0-h100]",
+  "test_gpu_model.py::test_folded_zoo_launches_fewer_kernels_and_moves_fewer_bytes[opt-125m-2-1024-0-a100]",
+  "test_gpu_model.py::test_folded_zoo_launches_fewer_kernels_and_moves_fewer_bytes[gpt2-2-1024-0-a100]",
+  "test_wav2vec2.py::test_fold[wav2vec2-tiny-test-7-0-0]",
+  "test_kernels.py::test_one_row_and_one_token_shapes_use_the_kernel[shape1]",
+  "test_kernels.py::test_one_row_and_one_token_shapes_use_the_kernel[shape2]",
+  "test_affine.py::test_kernel_fold_fuses_and_runs_the_kernel_without_gamma_beta[float32]",
+  "test_rotate.py::test_zoo_rotated_equals_original[vit-tiny-hadamard]",
+  "test_rotate.py::test_zoo_rotated_equals_original[phi-tiny-orthogonal]",
+  "test_rotate.py::test_zoo_rotated_equals_original[opt-tiny-orthogonal]",
+  "test_rms_norm.py::test_rms_norm_forward_and_grads[shape1-float32]",
+  "test_rms_norm.py::test_rms_norm_forward_and_grads[shape2-float32]",
+  "test_rms_norm.py::test_rms_norm_forward_and_grads[shape3-float32]",
+  "test_whisper.py::test_fold[True-5]",
+  "test_clip.py::test_fold[clip-vit-tiny-6-1]",
+  "test_phi.py::test_fold_all[gpt-j-tiny-False]",
+  "test_bloom.py::test_fold[False-1]",
+  "test_examples_smoke.py::test_example_smoke[train_char_gpt]",
+  "test_fold.py::test_layernorm_formulations_fold[linen]",
+  "test_transform_results.py::test_save_load_roundtrip[fused]",
+  "test_nonparam_leaves.py::test_linen_nonfloat_leaves_export[baked]",
+  "test_nonparam_leaves.py::test_linen_nonfloat_leaves_export[bundled]",
+  "test_nonparam_leaves.py::test_nnx_dropout_cbwc_values_and_float_grads[train]",
+)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+  for item in items:
+    path, _, case = item.nodeid.partition("::")
+    if f"{path.rsplit('/', 1)[-1]}::{case}" in SLOW_CASES:
+      item.add_marker(pytest.mark.slow)

@@ -427,6 +427,7 @@ def test_decay_on_v_mask(reparam):
     t.update(zero, t.init(p))   # params are required
 
 
+@pytest.mark.slow
 def test_decay_on_v_is_l2_on_v_under_adam(reparam):
   """chain(decay_on_V, scale_by_adam) == Adam on loss + wd/2·‖V‖² (coupled L2 on V)."""
   p0 = make_params(7)

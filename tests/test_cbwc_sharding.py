@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent(r'''
     import json
     import flax.linen as nn
@@ -113,6 +115,7 @@ SCRIPT = textwrap.dedent(r'''
 ''')
 
 
+@pytest.mark.slow
 def test_cbwc_sharded_training_matches_unsharded(tmp_path):
   env = dict(os.environ)
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()

@@ -28,6 +28,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import optax
+import pytest
 
 import jaxfold
 
@@ -223,6 +224,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_jax_distributed_fold_cbwc_and_checkpoint(tmp_path):
   m, params, x, y = problem()
   ref = jaxfold.fold(params, m.apply, x)         # the single-process run

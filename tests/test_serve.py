@@ -122,6 +122,7 @@ def _reference(apply, params, rows_by_seq):
           for s, rows in rows_by_seq.items()}
 
 
+@pytest.mark.slow
 def test_64_concurrent_clients_get_correct_answers(server, gpt2):
   _, apply, params = gpt2
   clients, per_client = 64, 2
@@ -231,6 +232,7 @@ def test_protocol_errors(server):
   assert m["requests"]["413"] >= 1 and m["requests"]["400"] >= 2
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_in_flight_requests_and_exits_0(tmp_path, gpt2, capsys):
   """A fold directory served; 6 requests wait in the batcher (--max-wait-ms 3000)
   when SIGTERM arrives: all are answered, then the process exits 0."""
@@ -267,6 +269,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(tmp_path, gpt2, capsys)
     _get(s.url + "/health", timeout=5)
 
 
+@pytest.mark.slow
 def test_example_serve_script(gpt2):
   art, apply, params = gpt2
   s = Server([sys.executable, os.path.join(ROOT, "examples", "serve.py"), str(art), "--host",

@@ -98,6 +98,7 @@ def _limit_fds():
   resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
 
 
+@pytest.mark.slow
 def test_idle_connections_at_1024_descriptors_do_not_stall_health(gpt2):
   s = Server([sys.executable, "-m", "jaxfold.cli", "serve", str(gpt2["meta"]), "--port", "0",
               "--max-batch", "2", "--compile-budget", "2", "--header-timeout", "4"],
@@ -148,6 +149,7 @@ def _slow_artifact(tmp_path):
   return path
 
 
+@pytest.mark.slow
 def test_sigterm_past_drain_timeout_answers_503_and_exits_nonzero(tmp_path):
   art = _slow_artifact(tmp_path)
   s = Server([sys.executable, "-m", "jaxfold.cli", "serve", str(art), "--port", "0", "--max-batch", "1",

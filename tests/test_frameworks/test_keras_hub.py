@@ -33,6 +33,7 @@ def _check(name, dtype):
 
 # The seven in the default run (~5 s each on a busy 2-core CPU); the others are slow.
 @pytest.mark.parametrize("name", _cases(["gpt2", "opt", "bloom", "bert", "vit", "whisper", "clip"]))
+@pytest.mark.slow
 def test_backbone_folds_to_its_sound_count_float32(name):
   _check(name, "float32")
 

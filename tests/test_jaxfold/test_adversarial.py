@@ -93,6 +93,7 @@ def _loss_fn(example_out):
 # The checks.
 
 
+@pytest.mark.slow
 def test_program_library_is_sane():
   """The two variants of every program differ in shape, and its parameters are
   float64 (that every program runs to finite outputs at both variants is

@@ -251,6 +251,7 @@ def test_low_precision_fuses_exactly_in_real_arithmetic(x64, dtype, bias):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.slow
 def test_low_precision_rounds_like_the_unfused_model(x64, dtype):
   """Fusing moves γ's and β's rounding from the activation into W' = γ·W and the
   bias β·W: one rounding per operand, as in the unfused model. So against the

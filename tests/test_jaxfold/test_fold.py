@@ -192,6 +192,7 @@ def test_producers_are_centered(x64, kind):
   assert f.report.num_folded == 1, f.report
 
 
+@pytest.mark.slow
 def test_conv_producer_and_grouped_conv(x64):
   class M(nn.Module):
     groups: int

@@ -78,6 +78,7 @@ def _registry():
   return all_rules()
 
 
+@pytest.mark.slow
 def test_every_rule_is_generated():
   rules = _registry()
   tags, prims = set(), set()

@@ -227,6 +227,7 @@ def test_linen_nonfloat_leaves_fold(x64):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_linen_nonfloat_leaves_cbwc(x64):
   params, apply = _linen()
   before = _snapshot(params)
@@ -245,6 +246,7 @@ def test_linen_nonfloat_leaves_cbwc(x64):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_linen_nonfloat_leaves_save_load(x64, tmp_path):
   params, apply = _linen()
   x, y = _xs()

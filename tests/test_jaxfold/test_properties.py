@@ -173,6 +173,7 @@ _SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthC
 
 @settings(max_examples=12, **_SETTINGS)
 @given(prog=programs(), aux=st.booleans())
+@pytest.mark.slow
 def test_random_programs(prog, aux):
   check_program(prog, aux)
 

@@ -179,6 +179,7 @@ def _vit_interpolated(p, img, patch=4, d=16):
   return ln(h, p["gf"], p["bf"])[:, 0] @ p["head"]
 
 
+@pytest.mark.slow
 def test_vit_at_other_resolutions_with_interpolated_positions(x64):
   """Folded at 16×16 px, batch 1; called at other resolutions (the position table is
   resized to each patch grid) and batches: exact."""

@@ -29,6 +29,7 @@ def params():
   return randomize_norms(SPEC.init(jax.random.key(0)), jax.random.key(1))
 
 
+@pytest.mark.slow
 def test_forward_shapes(params):
   for b, s in [(1, 8), (3, 5)]:
     assert SPEC.apply_fn()(params, *SPEC.example_inputs(b, s)).shape == (b, s, CFG.vocab_size)

@@ -52,6 +52,7 @@ def test_fold(name, folded, aux):
 
 
 @pytest.mark.parametrize("name,folded", [("clip-vit-b/32", 26), ("clip-vit-b/32-hidden", 1)])
+@pytest.mark.slow
 def test_real_size_abstract_fold(name, folded):
   spec = CONFIGS[name]
   f = jaxfold.fold(spec.abstract_init(), spec.apply_fn(), *spec.example_inputs(1, abstract=True))

@@ -49,6 +49,7 @@ def _fold_and_check(spec):
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.slow
 def test_forward_shape(name: str):
   spec = CONFIGS[name]
   params = _init(spec)
@@ -57,6 +58,7 @@ def test_forward_shape(name: str):
   assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree_util.tree_leaves(spec.abstract_init()))
 
 
+@pytest.mark.slow
 def test_variants_differ_only_in_statistics():
   std, per_pos = CONFIGS["cnn-gn"], CONFIGS["cnn-gn-per-position"]
   params = _init(std)
@@ -65,6 +67,7 @@ def test_variants_differ_only_in_statistics():
   assert rel_err(std.apply_fn()(params, x), per_pos.apply_fn()(params, x)) > 1e-3
 
 
+@pytest.mark.slow
 def test_standard_groupnorm_does_not_fold():
   report = _fold_and_check(CONFIGS["cnn-gn"])
   assert report.num_sites == 2

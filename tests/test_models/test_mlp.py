@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import pytest
 from helpers import rel_err
 
 from models.common import randomize_norms
@@ -29,6 +30,7 @@ def _random_params(seed: int = 0):
   return params
 
 
+@pytest.mark.slow
 def test_forward_shape():
   params = _init(SPEC)
   assert jax.jit(SPEC.apply_fn())(params, *SPEC.example_inputs(4)).shape == (4, 10)

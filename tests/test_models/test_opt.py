@@ -31,6 +31,7 @@ def case(request):
   return spec, randomize_norms(spec.init(jax.random.key(0)), jax.random.key(1))
 
 
+@pytest.mark.slow
 def test_forward_shapes(case):
   spec, params = case
   for b, s in [(1, 8), (3, 5)]:

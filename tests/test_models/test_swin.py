@@ -100,11 +100,13 @@ def _fold_and_check(spec, aux: bool):
   return folded.report
 
 
+@pytest.mark.slow
 def test_forward_shape():
   params = _init(TINY)
   assert jax.jit(TINY.apply_fn())(params, *TINY.example_inputs(3)).shape == (3, 10)
 
 
+@pytest.mark.slow
 def test_hf_layout():
   swin = _init(TINY)["swin"]
   assert swin["embeddings"]["patch_embeddings"]["projection"]["kernel"].shape == (4, 4, 3, 16)
@@ -137,6 +139,7 @@ def test_window_helpers():
 
 
 @pytest.mark.parametrize("aux", [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.slow
 def test_fold_tiny(aux: bool):
   report = _fold_and_check(TINY, aux)
   assert report.num_sites == 9

@@ -35,11 +35,13 @@ def _random_params(spec, seed: int = 0):
   return params
 
 
+@pytest.mark.slow
 def test_forward_shape():
   params = _init(TINY)
   assert jax.jit(TINY.apply_fn())(params, *TINY.example_inputs(3)).shape == (3, 10)
 
 
+@pytest.mark.slow
 def test_hf_layout():
   params = _init(TINY)
   vit = params["vit"]
@@ -61,6 +63,7 @@ def test_vit_b16_abstract_init_matches_hf_count():
   assert sum(int(np.prod(leaf.shape)) for leaf in leaves) == 86_567_656
 
 
+@pytest.mark.slow
 def test_wrong_image_size_is_rejected():
   params = _init(TINY)
   with pytest.raises(ValueError):
@@ -68,6 +71,7 @@ def test_wrong_image_size_is_rejected():
 
 
 @pytest.mark.parametrize("aux", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_fold_all_layernorms(aux: bool):
   import jaxfold
 

@@ -61,6 +61,7 @@ def test_fold(name, sites, folded, aux):
 
 
 @pytest.mark.parametrize("name,sites,folded", [("wav2vec2-base", 27, 0), ("wav2vec2-large-lv60", 57, 56)])
+@pytest.mark.slow
 def test_real_size_abstract_fold(name, sites, folded):
   spec = CONFIGS[name]
   f = jaxfold.fold(spec.abstract_init(1, 8), spec.apply_fn(), *spec.example_inputs(1, 8, abstract=True))

@@ -32,6 +32,7 @@ def _gpu_model():
 @needs_aot
 @pytest.mark.parametrize("target", aot.TARGETS)
 @pytest.mark.parametrize("rows,hidden", [(1024, 768), (5000, 1000)])
+@pytest.mark.slow
 def test_analytic_pallas_launches_match_the_compiled_program(target, rows, hidden):
     gm = _gpu_model()
     for variant in ("RMSNorm (Pallas)", "add+RMSNorm (Pallas)"):

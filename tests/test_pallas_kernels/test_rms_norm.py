@@ -129,6 +129,7 @@ def test_fused_add_rms_norm_forward_and_grads(shape, dtype, res_dtype):
         _close(got, want, tol, what)
 
 
+@pytest.mark.slow
 def test_backward_loop_over_several_row_blocks(monkeypatch):
     """Few backward programs, each looping over several row blocks (the layout of
     large inputs), with a ragged last program (masked body). The Mosaic GPU
@@ -176,6 +177,7 @@ def test_errors():
         pk.rms_norm(x, jnp.ones(7), eps=EPS)
 
 
+@pytest.mark.slow
 def test_compiled_mode_off_cuda_is_the_xla_expression():
     """interpret=False is decided per lowering platform: on the CPU it lowers the
     reference expression (the kernel is staged only in the CUDA branch)."""
