@@ -645,11 +645,12 @@ class Poly:
   labels are derived deterministically from the index remapping that produced
   them, and any remapping not modelled gets a fresh label.
   """
-  __slots__ = ("sym", "dims", "coeffs")
+  __slots__ = ("sym", "dims", "coeffs", "_pattern")
   MAX_DEGREE = 4
 
   def __init__(self, sym: int, dims: tuple, coeffs: tuple):
     self.sym, self.dims, self.coeffs = sym, tuple(dims), tuple(coeffs)
+    self._pattern = None
 
   def __repr__(self):
     return f"Poly(sym={self.sym}, dims={self.dims}, coeffs={self.coeffs})"
@@ -667,15 +668,18 @@ class Poly:
     return self.sym == other.sym and self.dims == other.dims
 
   def pattern(self) -> tuple:
-    """The dims with labels renamed by first appearance (a memo key)."""
-    names: dict = {}
-    out = []
-    for e in self.dims:
-      if e is None:
-        out.append(None)
-      else:
-        out.append((names.setdefault(e[0], len(names)), e[1]))
-    return tuple(out)
+    """The dims with labels renamed by first appearance (a memo key; asked
+    at every step of a walk, so kept)."""
+    if self._pattern is None:
+      names: dict = {}
+      out = []
+      for e in self.dims:
+        if e is None:
+          out.append(None)
+        else:
+          out.append((names.setdefault(e[0], len(names)), e[1]))
+      self._pattern = tuple(out)
+    return self._pattern
 
 
 _syms = itertools.count(1)
