@@ -192,6 +192,10 @@ class Factor:
 _FACTORS: list[Factor] = []
 _INTERN: dict = {}
 _DERIVED: dict = {}
+# Results of the costlier pure operations on expressions, by their arguments:
+# the shifts of different centerings meet the same values (a LayerNorm's
+# square and sums) with the same coefficients, only their symbols differ.
+_MEMO: dict = {}
 _DEPTH = [0]
 
 
@@ -208,6 +212,7 @@ class scope:
       _FACTORS.clear()
       _INTERN.clear()
       _DERIVED.clear()
+      _MEMO.clear()
 
 
 def _factor(kind: str, key: Any, shape: Shape, args: tuple = (), elementwise: bool = False) -> int:
@@ -224,6 +229,7 @@ def _factor(kind: str, key: Any, shape: Shape, args: tuple = (), elementwise: bo
 # Expressions.
 
 MAX_TERMS = 64
+_F0, _F1 = Fraction(0), Fraction(1)   # shared: building a Fraction is a hot path's cost
 
 
 class Expr:
@@ -264,7 +270,7 @@ class Expr:
 
   @property
   def const_value(self) -> Fraction:
-    return self.terms.get((), Fraction(0))
+    return self.terms.get((), _F0)
 
   def monomials(self):
     return self.terms.items()
@@ -279,7 +285,7 @@ def const(k) -> Expr:
 
 
 def atom(key: Any, shape: Shape) -> Expr:
-  return Expr({(_factor("atom", key, tuple(shape)),): Fraction(1)}, tuple(shape))
+  return Expr({(_factor("atom", key, tuple(shape)),): _F1}, tuple(shape))
 
 
 def factor(fid: int) -> "Factor":
@@ -289,7 +295,7 @@ def factor(fid: int) -> "Factor":
 
 def single(fid: int) -> Expr:
   """The expression made of factor ``fid`` alone."""
-  return Expr({(fid,): Fraction(1)}, _FACTORS[fid].shape)
+  return Expr({(fid,): _F1}, _FACTORS[fid].shape)
 
 
 def add(a: Expr, b: Expr, kb=1) -> Expr:
@@ -311,7 +317,8 @@ def sub(a: Expr, b: Expr) -> Expr:
 
 
 def scale(a: Expr, k) -> Expr:
-  k = Fraction(k)
+  if type(k) is not Fraction:
+    k = Fraction(k)
   if k == 1:
     return a
   return Expr({m: c * k for m, c in a.terms.items()}, a.shape) if k else ZERO
@@ -322,6 +329,10 @@ def mul(a: Expr, b: Expr) -> Expr:
     return scale(b, a.const_value)
   if b.is_const:
     return scale(a, b.const_value)
+  key = ("*", a, b)
+  hit = _MEMO.get(key)
+  if hit is not None:
+    return hit
   shape = _join(a, b)
   a, b = lift(a, shape), lift(b, shape)
   if len(a.terms) * len(b.terms) > 4 * MAX_TERMS:
@@ -330,7 +341,8 @@ def mul(a: Expr, b: Expr) -> Expr:
   for (ma, ca), (mb, cb) in itertools.product(a.terms.items(), b.terms.items()):
     m = tuple(sorted(ma + mb))
     out[m] = out.get(m, 0) + ca * cb
-  return Expr(out, shape)
+  e = _MEMO[key] = Expr(out, shape)
+  return e
 
 
 def power(a: Expr, n: int) -> Expr:
@@ -502,6 +514,10 @@ def reduce_sum(a: Expr, axes: Sequence[int], in_shape: Shape) -> Expr:
   count = math.prod(int(in_shape[d]) for d in axes)
   if a.is_const:
     return scale(a, count)
+  key = ("Σ", a, axes, tuple(in_shape)) if _concrete(in_shape) else None
+  hit = _MEMO.get(key) if key is not None else None
+  if hit is not None:
+    return hit
   a = lift(a, tuple(in_shape))
   out = ZERO
   for m, c in a.terms.items():
@@ -509,11 +525,13 @@ def reduce_sum(a: Expr, axes: Sequence[int], in_shape: Shape) -> Expr:
     outside = tuple(_drop_dims(f, axes, out_shape) for f in m if _constant_along(f, axes))
     term = Expr({tuple(sorted(outside)): c}, out_shape if outside else None)
     if inside:
-      body = Expr({inside: Fraction(1)}, tuple(in_shape))
+      body = Expr({inside: _F1}, tuple(in_shape))
       term = mul(term, app((SUM, axes, tuple(in_shape)), (body,), out_shape, False))
     else:
       term = scale(term, count)
     out = add(out, term)
+  if key is not None:
+    _MEMO[key] = out
   return out
 
 
@@ -523,8 +541,8 @@ def bilinear(tag: Any, a: Expr, b: Expr, out_shape: Shape) -> Expr:
     return ZERO
   out: dict = {}
   for (ma, ca), (mb, cb) in itertools.product(a.terms.items(), b.terms.items()):
-    ea = Expr({ma: Fraction(1)}, a.shape if ma else None)
-    eb = Expr({mb: Fraction(1)}, b.shape if mb else None)
+    ea = Expr({ma: _F1}, a.shape if ma else None)
+    eb = Expr({mb: _F1}, b.shape if mb else None)
     fid = _factor("app", tag, tuple(out_shape), (ea, eb), False)
     out[(fid,)] = out.get((fid,), 0) + ca * cb
   return Expr(out, tuple(out_shape))
@@ -627,11 +645,12 @@ class Poly:
   labels are derived deterministically from the index remapping that produced
   them, and any remapping not modelled gets a fresh label.
   """
-  __slots__ = ("sym", "dims", "coeffs")
+  __slots__ = ("sym", "dims", "coeffs", "_pattern")
   MAX_DEGREE = 4
 
   def __init__(self, sym: int, dims: tuple, coeffs: tuple):
     self.sym, self.dims, self.coeffs = sym, tuple(dims), tuple(coeffs)
+    self._pattern = None
 
   def __repr__(self):
     return f"Poly(sym={self.sym}, dims={self.dims}, coeffs={self.coeffs})"
@@ -649,15 +668,18 @@ class Poly:
     return self.sym == other.sym and self.dims == other.dims
 
   def pattern(self) -> tuple:
-    """The dims with labels renamed by first appearance (a memo key)."""
-    names: dict = {}
-    out = []
-    for e in self.dims:
-      if e is None:
-        out.append(None)
-      else:
-        out.append((names.setdefault(e[0], len(names)), e[1]))
-    return tuple(out)
+    """The dims with labels renamed by first appearance (a memo key; asked
+    at every step of a walk, so kept)."""
+    if self._pattern is None:
+      names: dict = {}
+      out = []
+      for e in self.dims:
+        if e is None:
+          out.append(None)
+        else:
+          out.append((names.setdefault(e[0], len(names)), e[1]))
+      self._pattern = tuple(out)
+    return self._pattern
 
 
 _syms = itertools.count(1)
@@ -776,14 +798,18 @@ def poly_add(p: Poly, q: Poly, kq=1) -> Optional[Poly]:
 
 def poly_mul(p: Poly, vp: Expr, q: Poly, vq: Expr) -> Optional[Poly]:
   """``(vp + Σ p_k c^k)(vq + Σ q_k c^k)`` minus its constant term."""
-  pa = [vp] + list(p.coeffs)
-  qa = [vq] + list(q.coeffs)
-  out = [ZERO] * (len(pa) + len(qa) - 1)
-  for i, a in enumerate(pa):
-    for j, b in enumerate(qa):
-      if i + j:
-        out[i + j] = add(out[i + j], mul(a, b))
-  return make(p.sym, p.dims, out[1:])
+  key = ("p*", p.coeffs, vp, q.coeffs, vq)   # the coefficients depend on no symbol
+  coeffs = _MEMO.get(key)
+  if coeffs is None:
+    pa = [vp] + list(p.coeffs)
+    qa = [vq] + list(q.coeffs)
+    out = [ZERO] * (len(pa) + len(qa) - 1)
+    for i, a in enumerate(pa):
+      for j, b in enumerate(qa):
+        if i + j:
+          out[i + j] = add(out[i + j], mul(a, b))
+    coeffs = _MEMO[key] = tuple(out[1:])
+  return make(p.sym, p.dims, coeffs)
 
 
 def poly_map(p: Poly, fn: Callable[[Expr], Expr], dims: tuple) -> Optional[Poly]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 import weakref
 from typing import Any, Callable, Literal, NamedTuple, Optional, get_args
 
@@ -218,6 +219,16 @@ def _param_diff(a: Analysis, b: Analysis, params: Any, a_name: str, b_name: str)
   return "; ".join(parts) or "the same parameters"
 
 
+def _check_fixed(apply_fn: Callable, params: Any, args: tuple, opts: FoldOptions, fixed: tuple) -> None:
+  """Raises ``PlanConflict`` unless the centerings ``fixed`` (another
+  analysis' ``param_key``) are invisible at ``args``: the proof that
+  ``analyse(..., fixed=fixed)`` starts with, without planning the sites."""
+  traced = pipeline.trace(apply_fn, pipeline.abstract_tree(params), pipeline.abstract_tree(args),
+                          error=FoldError)
+  with pipeline.analyzer(traced, through_dropout=opts.through_dropout) as an:
+    Planner(an, list(traced.names), opts, fixed=fixed).check_fixed()
+
+
 def _reconcile(call: Call, params: Any, opts: FoldOptions, an: Analysis) -> Analysis:
   """The example's analysis with parameters that its shape with no size-1
   axes proves too (batch 1 and one token are where broadcasts and real axes
@@ -225,17 +236,21 @@ def _reconcile(call: Call, params: Any, opts: FoldOptions, an: Analysis) -> Anal
   gargs = _probe_args(call.args)
   if gargs is None:
     return an
+  # The example's plan, proved at the probe shapes: what settles the usual
+  # case, and cheaper than the probe's own analysis (no site decisions).
   try:
-    gan = analyse(call.fn, params, gargs, opts)
-  except Exception:  # noqa: BLE001 - the probe shape is no valid input: nothing to compare
-    return an
-  if _compatible(gan, an) and _compatible(an, gan):
-    return an
-  try:   # the example's plan, proved at the probe shapes
-    analyse(call.fn, params, gargs, opts, fixed=an.param_key)
+    _check_fixed(call.fn, params, gargs, opts, an.param_key)
     return an
   except PlanConflict as e:
     first = str(e)
+  except Exception:  # noqa: BLE001 - the probe shape is no valid input: nothing to compare
+    return an
+  try:
+    gan = analyse(call.fn, params, gargs, opts)
+  except Exception:  # noqa: BLE001 - as above
+    return an
+  if _compatible(gan, an) and _compatible(an, gan):
+    return an
   try:   # else the probe's plan, proved at the example's shapes
     return analyse(call.fn, params, call.args, opts, fixed=gan.param_key)
   except PlanConflict as e:
@@ -387,10 +402,21 @@ def _center_leaf(x, spec):
   on_host = sharding is None or all(d.platform == "cpu" for d in sharding.device_set)
   if on_host and len(getattr(sharding, "device_set", ())) <= 1:
     # NumPy on the host: no per-shape compilation, which dominates a cold fold.
-    y = layout.center(np.asarray(x), dict(spec))
+    # Written 64-byte aligned, jax's CPU client adopts the result without a
+    # copy (an unaligned one is copied: as long as the centering itself).
+    y = layout.center(np.asarray(x), dict(spec), out=_aligned_empty(np.shape(x), x.dtype))
   else:
     y = _center_jit(dict(spec))(x)
   return jax.device_put(y, sharding) if sharding is not None else jnp.asarray(y)
+
+
+def _aligned_empty(shape: tuple, dtype: Any) -> np.ndarray:
+  """An uninitialised host array starting on a 64-byte boundary."""
+  dtype = np.dtype(dtype)
+  n = math.prod(shape) * dtype.itemsize
+  buf = np.empty(n + 64, np.uint8)
+  start = -buf.ctypes.data % 64
+  return buf[start:start + n].view(dtype).reshape(shape)
 
 
 @functools.lru_cache(maxsize=None)

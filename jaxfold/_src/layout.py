@@ -11,12 +11,13 @@ import numpy as np
 Spec = dict  # {dim: block}
 
 
-def center(x, spec: Spec):
+def center(x, spec: Spec, out=None):
   """Subtracts the mean over each joint block of ``spec``, keeping ``x``'s dtype.
 
   Works on jax and NumPy arrays alike. On the host (NumPy) the mean is
   accumulated in float64 and the subtraction writes the only full-size array
-  (no float64 copy of a large table); under jax the arithmetic runs in at
+  (no float64 copy of a large table), into ``out`` when given (a contiguous
+  array of ``x``'s shape and dtype); under jax the arithmetic runs in at
   least float32.
   """
   dtype = x.dtype
@@ -33,11 +34,15 @@ def center(x, spec: Spec):
   if isinstance(x, np.ndarray):
     z = x.reshape(split)
     m = z.mean(axis=axes, dtype=np.float64, keepdims=True)
+    dest = None if out is None else out.reshape(split)
     if dtype in (np.float32, np.float64):
-      out = z - m.astype(dtype)
+      y = np.subtract(z, m.astype(dtype), out=dest)
     else:  # bfloat16/float16: subtract in float32, round once
-      out = (z.astype(np.float32) - m.astype(np.float32)).astype(dtype)
-    return out.reshape(shape)
+      y = (z.astype(np.float32) - m.astype(np.float32)).astype(dtype)
+      if dest is not None:
+        dest[...] = y
+        y = dest
+    return y.reshape(shape)
   import jax.numpy as jnp
   acc = jnp.promote_types(dtype, jnp.float32)
   z = x.astype(acc).reshape(split)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import NamedTuple, Optional, Union
 
 import jax.numpy as jnp
@@ -125,7 +126,6 @@ class Planner:
     self.top = an.top
     self.names = names
     self.opts = options
-    self.sites = [s for lv in scan_levels(self.top) for s in find_sites(lv)]
     self.leaf_commit: dict = {}       # Val -> spec
     self.untie_commit: dict = {}      # (use node id, operand) -> LeafNeed
     self.aux_commit: dict = {}        # Val -> spec
@@ -134,6 +134,12 @@ class Planner:
     self._inexact = False
     self._ties_by_copy = False
     self._blocker_counts: collections.Counter = collections.Counter()   # (Val, spec) -> failed sites
+
+  @functools.cached_property
+  def sites(self) -> list:
+    """The mean reductions, in program order (found on first use: a check of
+    fixed centerings needs none)."""
+    return [s for lv in scan_levels(self.top) for s in find_sites(lv)]
 
   # -- invisibility (obligation 1), cached --------------------------------------
 
@@ -320,6 +326,11 @@ class Planner:
     self.decisions[i] = Decision(True, reason, tuple(dict.fromkeys(centered)), aux,
                                  not self._inexact, aux_vars)
 
+  def check_fixed(self) -> None:
+    """Proves every fixed leaf centering invisible in this program, or raises
+    ``PlanConflict``: all a fixed plan must pass (``run`` starts with it)."""
+    self._seed_fixed()
+
   def _seed_fixed(self) -> None:
     """Commits the fixed leaf centerings, each proved invisible in this program."""
     leaf_specs, untied = self.fixed
@@ -332,6 +343,7 @@ class Planner:
       self.leaf_commit[var] = spec
 
   def run(self) -> "Planner":
+    self.sites   # noqa: B018 - found before the fixed centerings are proved, as always
     if self.fixed is not None:
       self._seed_fixed()
     failed, visits = {}, {}

@@ -53,10 +53,11 @@ class Val:
   equation output, ``(level path, "in" | "const", i)`` for a program input or
   captured constant of the level that defines it.
   """
-  __slots__ = ("aval", "producer", "index", "key", "const", "program", "__weakref__")
+  __slots__ = ("aval", "producer", "index", "key", "const", "program", "_shape", "__weakref__")
 
   def __init__(self, aval, key, program, producer=None, index=0, const=None):
     self.aval = aval
+    self._shape = None
     self.key = key
     self.program = program
     self.producer = producer      # Node or None
@@ -65,7 +66,9 @@ class Val:
 
   @property
   def shape(self) -> tuple:
-    return tuple(self.aval.shape)
+    if self._shape is None:   # asked tens of thousands of times per analysis
+      self._shape = tuple(self.aval.shape)
+    return self._shape
 
   @property
   def dtype(self):

@@ -109,3 +109,24 @@ def test_sites_do_not_depend_on_the_batch_shape(shape):
   with ctx as an:
     (site,) = find_sites(an.top)
     assert site.axes == (len(shape) - 1,)
+
+
+# -- memoised algebra (fold speed, issue 20) ----------------------------------------------
+
+
+def test_memoised_products_and_sums_equal_fresh_ones_and_end_with_the_scope():
+  from jaxfold._src import algebra as A
+  with A.scope():
+    a, b = A.atom("a", (3, 4)), A.atom("b", (3, 4))
+    s = A.add(a, A.scale(b, 2))
+    p1, r1 = A.mul(s, s), A.reduce_sum(A.mul(s, a), (1,), (3, 4))
+    A._MEMO.clear()
+    assert A.mul(s, s) == p1 and A.reduce_sum(A.mul(s, a), (1,), (3, 4)) == r1
+    assert A.mul(s, s) is A.mul(s, s)
+    # A shift product depends on the coefficients, not the symbol: each poly keeps its own.
+    c1, c2 = A.pure((None, (None, 1))), A.pure((None, (None, 1)))
+    q1, q2 = A.poly_mul(c1, s, c1, s), A.poly_mul(c2, s, c2, s)
+    assert (q1.sym, q1.dims) == (c1.sym, c1.dims) and (q2.sym, q2.dims) == (c2.sym, c2.dims)
+    assert q1.coeffs == q2.coeffs == (A.scale(s, 2), A.ONE)
+    assert A._MEMO
+  assert not A._MEMO

@@ -233,3 +233,52 @@ def test_planner_outcome_is_frozen_and_builds_the_plan(model):
   an_ = jaxfold.fold(p, m.apply, x).apply_fn.analysis_for((x,))
   assert an_.leaf_specs == out.leaf_specs and an_.untied == out.untied_specs
   assert an_.plan.zero == frozenset(r.path for e in out.folded for r in e.site.reduces)
+
+
+# -- the batch-1 probe and the centered leaves (fold speed, issue 20) --------------------------
+
+
+def test_probe_check_agrees_with_a_fixed_analysis(model):
+  """``_check_fixed`` (what settles a batch-1 fold's second shape) passes and fails exactly
+  where ``analyse(..., fixed=...)`` does, with the same message."""
+  from jaxfold._src import fold as F
+  from jaxfold._src.planner import PlanConflict
+  from jaxfold._src.rules.base import freeze
+  m, p, x = model
+  x1 = x[:1]
+  opts = FoldOptions()
+  an = F.analyse(m.apply, p, (x1,), opts)
+  probe = F._probe_args((x1,))
+  assert probe[0].shape == (2, 4)
+  F._check_fixed(m.apply, p, probe, opts, an.param_key)
+  assert F.analyse(m.apply, p, probe, opts, fixed=an.param_key).leaf_specs == an.leaf_specs
+  # Centering the last kernel's output columns shifts the program's output: visible.
+  names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(p)[0]]
+  i = next(i for i, n in enumerate(names) if "Dense_1" in n and "kernel" in n)
+  bad = (an.leaf_specs + ((i, freeze({1: 3})),), an.untied)
+  with pytest.raises(PlanConflict) as fast:
+    F._check_fixed(m.apply, p, probe, opts, bad)
+  with pytest.raises(PlanConflict) as full:
+    F.analyse(m.apply, p, probe, opts, fixed=bad)
+  assert str(fast.value) == str(full.value)
+
+
+def test_batch_one_fold_is_the_fold_its_probe_shape_proves(model):
+  m, p, x = model
+  f1, f2 = jaxfold.fold(p, m.apply, x[:1]), jaxfold.fold(p, m.apply, x)
+  assert f1.apply_fn._base.param_key == f2.apply_fn._base.param_key
+  assert str(f1.report).replace("1x8", "2x8") == str(f2.report)
+  assert rel_err(f1.apply_fn(f1.params, x), m.apply(p, x)) < 1e-12
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16])
+def test_centered_leaves_equal_host_centering_and_keep_dtype_and_sharding(x64, dtype):
+  from jaxfold._src import fold as F
+  from jaxfold._src import layout
+  x = jax.random.normal(jax.random.PRNGKey(0), (48, 24), jnp.float64).astype(dtype) + 3
+  y = F._center_leaf(x, ((1, 8),))
+  assert isinstance(y, jax.Array) and y.dtype == x.dtype and y.sharding == x.sharding
+  np.testing.assert_array_equal(np.asarray(y), layout.center(np.asarray(x), {1: 8}))
+  out = F._aligned_empty((5, 7), dtype)
+  assert out.shape == (5, 7) and out.dtype == dtype and out.ctypes.data % 64 == 0
+  assert F._aligned_empty((0, 3), dtype).shape == (0, 3)
