@@ -620,12 +620,14 @@ def bound_main(args, argv) -> int:
             "the variant is listed as unavailable and lights up once the API lands")
     records = []
     if args.bound_from:  # re-render from earlier runs' JSON (several runs merged, in order)
-        names, walls = [], []
+        names, walls, runs = [], [], []
         for path in args.bound_from.split(","):
             with open(path) as f:
                 d = json.load(f)
             records += [_fractions(r) for r in d["records"]]
-            walls.append(f"{d['wall_s']:.0f} s ({d['command']})")
+            commit = d.get("versions", {}).get("jaxfold_commit")
+            walls.append(f"{d['wall_s']:.0f} s ({d['command']}" + (f"; at {commit}" if commit else "") + ")")
+            runs.append({k: d.get(k) for k in ("date", "command", "wall_s", "versions")})
         log(f"merged {len(records)} records from {args.bound_from}")
     for name in names:
         image = models.get(name).family in ("vit", "swin", "cnn", "mlp")
@@ -655,7 +657,8 @@ def bound_main(args, argv) -> int:
     with open(base + ".json", "w") as f:
         json.dump({"date": now, "command": cmd, "wall_s": round(wall, 1), "versions": versions,
                    "host": f"CPU only ({os.cpu_count()} cores); no GPU was used",
-                   "deferred_available": deferred, "cache_len": args.cache_len, "records": records}, f, indent=1)
+                   "deferred_available": deferred, "cache_len": args.cache_len,
+                   **({"runs": runs} if args.bound_from else {}), "records": records}, f, indent=1)
     log(f"wrote {base}.json")
     png = base + ".png"
     plot_bound(png, records)
