@@ -24,7 +24,8 @@ from models import random_params  # noqa: E402
 
 __all__ = ["compare_forward", "device_string", "random_params", "summarize_timings",
            "time_variants", "parse_sizes", "is_image", "max_positions", "markdown_table",
-           "write_markdown", "bar_plot", "header", "log", "RESULTS"]
+           "write_markdown", "bar_plot", "header", "model_header", "command_line", "package_versions",
+           "log", "RESULTS"]
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 IMAGE_FAMILIES = {"vit", "swin", "cnn", "mlp"}
@@ -90,6 +91,43 @@ def markdown_table(rows: list[dict], columns: Sequence[str]) -> list[str]:
   for r in rows:
     lines.append("| " + " | ".join(str(r.get(c, "")) for c in columns) + " |")
   return lines
+
+
+def command_line(script: str, argv: Sequence[str] | None) -> str:
+  """The command as run from the repository root: ``python benchmarks/<script> <args>``."""
+  return "python " + " ".join([os.path.relpath(os.path.abspath(script), ROOT)]
+                              + list(sys.argv[1:] if argv is None else argv))
+
+
+def package_versions(dists: Sequence[str], commit: bool = False) -> dict:
+  """Installed versions of ``dists`` (None where missing), the repository's short commit if asked, python."""
+  import importlib.metadata as md
+  import subprocess
+
+  out: dict = {}
+  for d in dists:
+    try:
+      out[d] = md.version(d)
+    except md.PackageNotFoundError:
+      out[d] = None
+  if commit:
+    try:
+      out["jaxfold_commit"] = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                                             capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+      out["jaxfold_commit"] = None
+  out["python"] = sys.version.split()[0]
+  return out
+
+
+def model_header(title: str, now: str, wall_text: str, command: str, versions: dict,
+                 cores: int | None = None) -> list[str]:
+  """Header of a deviceless (compiled-for-a-GPU, run-on-a-CPU) MODEL report: title, date, command, versions."""
+  host = "a shared CPU-only host" + (f" ({cores} cores)" if cores else "")
+  return [f"# {title}", "",
+          f"- date: {now}; {wall_text} on {host}; no GPU was used",
+          f"- command: `{command}`",
+          "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items())]
 
 
 def write_markdown(path: str, lines: list[str]) -> None:

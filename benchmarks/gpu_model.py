@@ -67,9 +67,12 @@ import time
 from typing import Any, Callable, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # run as `python benchmarks/gpu_model.py` from a source tree
-    sys.path.insert(0, ROOT)
+HERE = os.path.dirname(os.path.abspath(__file__))
+for _p in (ROOT, HERE):  # run as `python benchmarks/gpu_model.py` from a source tree, or loaded by path
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
+import _common as C  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
@@ -531,7 +534,7 @@ def bound_table(records: list[dict]) -> list[str]:
                 "left: bytes": _frac(fl["bytes"]), "left: time": _frac(fl["seconds"]),
                 "notes": note,
             })
-    return markdown_table(rows, BOUND_COLUMNS)
+    return C.markdown_table(rows, BOUND_COLUMNS)
 
 
 def bound_leftovers(records: list[dict], threshold: float = 0.10,
@@ -592,22 +595,8 @@ def plot_bound(path: str, records: list[dict]) -> None:
 
 
 def _versions() -> dict:
-    import importlib.metadata as md
-    import subprocess
-
-    out = {}
-    for d in ("jax", "jaxlib", "flax", "jax-cuda12-plugin", "jax-cuda12-pjrt", "nvidia-cuda-nvcc-cu12"):
-        try:
-            out[d] = md.version(d)
-        except md.PackageNotFoundError:
-            out[d] = None
-    try:
-        out["jaxfold_commit"] = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                                               capture_output=True, text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        out["jaxfold_commit"] = None
-    out["python"] = sys.version.split()[0]
-    return out
+    return C.package_versions(("jax", "jaxlib", "flax", "jax-cuda12-plugin", "jax-cuda12-pjrt",
+                               "nvidia-cuda-nvcc-cu12"), commit=True)
 
 
 def bound_main(args, argv) -> int:
@@ -631,12 +620,14 @@ def bound_main(args, argv) -> int:
             "the variant is listed as unavailable and lights up once the API lands")
     records = []
     if args.bound_from:  # re-render from earlier runs' JSON (several runs merged, in order)
-        names, walls = [], []
+        names, walls, runs = [], [], []
         for path in args.bound_from.split(","):
             with open(path) as f:
                 d = json.load(f)
             records += [_fractions(r) for r in d["records"]]
-            walls.append(f"{d['wall_s']:.0f} s ({d['command']})")
+            commit = d.get("versions", {}).get("jaxfold_commit")
+            walls.append(f"{d['wall_s']:.0f} s ({d['command']}" + (f"; at {commit}" if commit else "") + ")")
+            runs.append({k: d.get(k) for k in ("date", "command", "wall_s", "versions")})
         log(f"merged {len(records)} records from {args.bound_from}")
     for name in names:
         image = models.get(name).family in ("vit", "swin", "cnn", "mlp")
@@ -656,7 +647,7 @@ def bound_main(args, argv) -> int:
                     for v, m in vs.items() if v not in ("original", "norm-free")) + f" ({r['wall_s']:.0f} s)")
     wall = time.time() - t_start
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    cmd = "python " + " ".join([os.path.relpath(os.path.abspath(__file__), ROOT)] + list(argv or sys.argv[1:]))
+    cmd = C.command_line(__file__, argv)
     wall_text = f"wall time {wall:.0f} s"
     if args.bound_from:
         wall_text = "merged from runs of " + "; ".join(walls)
@@ -666,7 +657,8 @@ def bound_main(args, argv) -> int:
     with open(base + ".json", "w") as f:
         json.dump({"date": now, "command": cmd, "wall_s": round(wall, 1), "versions": versions,
                    "host": f"CPU only ({os.cpu_count()} cores); no GPU was used",
-                   "deferred_available": deferred, "cache_len": args.cache_len, "records": records}, f, indent=1)
+                   "deferred_available": deferred, "cache_len": args.cache_len,
+                   **({"runs": runs} if args.bound_from else {}), "records": records}, f, indent=1)
     log(f"wrote {base}.json")
     png = base + ".png"
     plot_bound(png, records)
@@ -674,10 +666,8 @@ def bound_main(args, argv) -> int:
     leftovers = bound_leftovers(records)
     deferred_diff = bound_leftovers(records, float("-inf"), ("folded+fused+deferred",))
     lines = [
-        "# GPU model: how much of the normalization overhead is left (a MODEL, not a measurement)", "",
-        f"- date: {now}; {wall_text} on a shared CPU-only host ({os.cpu_count()} cores); no GPU was used",
-        f"- command: `{cmd}`",
-        "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
+        *C.model_header("GPU model: how much of the normalization overhead is left (a MODEL, not a measurement)",
+                        now, wall_text, cmd, versions, cores=os.cpu_count()),
         "- programs: bf16 parameters and activations, compiled ahead of time for "
         "`pallas_kernels/targets/{h100,a100}.txtpb` (`pallas_kernels.aot`); launches from XLA's thunk sequence, "
         "modelled bytes = each launch's HLO operands + results once, modelled time = sum over launches of "
@@ -728,13 +718,6 @@ def _mb(b: float) -> str:
 
 def _us(b: float, target: str) -> float:
     return b / PEAK_BW[target] * 1e6
-
-
-def markdown_table(rows: list[dict], columns: list[str]) -> list[str]:
-    out = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-    for r in rows:
-        out.append("| " + " | ".join(str(r.get(c, "")) for c in columns) + " |")
-    return out
 
 
 # Memory latency a streaming kernel must hide (Little's law: bytes in flight per SM >=
@@ -867,7 +850,7 @@ def zoo_table(records: list[dict]) -> list[str]:
             "modelled ms orig -> folded": f"{o['seconds'] * 1e3:.3f} -> {f['seconds'] * 1e3:.3f}",
             "time folded/orig": f"{f['seconds'] / o['seconds']:.4f}",
         })
-    return markdown_table(rows, ZOO_COLUMNS)
+    return C.markdown_table(rows, ZOO_COLUMNS)
 
 
 def plot_zoo(path: str, records: list[dict]) -> None:
@@ -989,11 +972,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             row[f"ms/step {t}"] = f"{r[f'step_ms_{t}']:.3f}"
         row[cols[-1]] = " / ".join(f"{r[f'vs_ln_{t}']:.3f}" for t in targets)
         rows_md.append(row)
-    table = markdown_table(rows_md, cols)
+    table = C.markdown_table(rows_md, cols)
 
     kernels_md: list[str] = []
     if reason is None:
-        kernels_md = markdown_table(kernel_table(targets), KERNEL_COLUMNS)
+        kernels_md = C.markdown_table(kernel_table(targets), KERNEL_COLUMNS)
 
     zoo_md: list[str] = []
     zoo = [m for m in args.zoo.split(",") if m]
@@ -1029,7 +1012,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("\n".join(kernels_md))
 
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    cmd = "python " + " ".join([os.path.relpath(os.path.abspath(__file__), ROOT)] + list(argv or sys.argv[1:]))
+    cmd = C.command_line(__file__, argv)
     lines = [
         "# GPU model: folded vs original models, LayerNorm vs RMSNorm vs fused add+RMSNorm "
         "(a MODEL, not a measurement)", "",

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata as md
 import json
 import math
 import os
@@ -52,6 +51,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for p in (ROOT, os.path.dirname(os.path.abspath(__file__))):
   if p not in sys.path:
     sys.path.insert(0, p)
+
+import _common as C  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 EPS = 1e-6
@@ -176,16 +177,16 @@ def table(records: list[dict]) -> list[str]:
           "modelled us", "vs pallas_kernels (modelled us)"]
   ours = {(r["target"], r["rows"], r["hidden"], r["dtype"], r["pass"]): r for r in records
           if r["impl"] == "pallas_kernels"}
-  out = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+  rows = []
   for r in records:
     key = (r["target"], r["rows"], r["hidden"], r["dtype"], r["pass"])
     o = ours.get(key)
     regs = "/".join(str(k["registers"]) for k in r["kernels"] if k["registers"] is not None) or "-"
     vs = f"{r['modelled_us'] / o['modelled_us']:.2f}" if o and o["modelled_us"] else ""
-    out.append("| " + " | ".join(str(v) for v in [
+    rows.append(dict(zip(cols, [
         r["target"], f"{r['rows']}x{r['hidden']} {_short(r['dtype'])}", r["pass"], r["impl"], r["launches"], regs,
-        r["spill_bytes"], f"{r['bytes'] / 1e6:.2f}", f"{r['us_at_bw']:.1f}", f"{r['modelled_us']:.1f}", vs]) + " |")
-  return out
+        r["spill_bytes"], f"{r['bytes'] / 1e6:.2f}", f"{r['us_at_bw']:.1f}", f"{r['modelled_us']:.1f}", vs])))
+  return C.markdown_table(rows, cols)
 
 
 def wins(records: list[dict]) -> list[str]:
@@ -207,14 +208,8 @@ def wins(records: list[dict]) -> list[str]:
 
 
 def versions() -> dict:
-  out = {}
-  for d in ("jax", "jaxlib", "tokamax", "jax-cuda12-plugin", "jax-cuda12-pjrt", "nvidia-cuda-nvcc-cu12"):
-    try:
-      out[d] = md.version(d)
-    except md.PackageNotFoundError:
-      out[d] = None
-  out["python"] = sys.version.split()[0]
-  return out
+  return C.package_versions(("jax", "jaxlib", "tokamax", "jax-cuda12-plugin", "jax-cuda12-pjrt",
+                             "nvidia-cuda-nvcc-cu12"))
 
 
 def main(argv=None) -> int:
@@ -256,16 +251,15 @@ def main(argv=None) -> int:
                 f"({time.time() - t1:.0f} s)")
   wall = time.time() - t0
   now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-  cmd = "python " + " ".join([os.path.relpath(os.path.abspath(__file__), ROOT)] + list(argv or sys.argv[1:]))
+  cmd = C.command_line(__file__, argv)
   v = versions()
   os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
   with open(a.out + ".json", "w") as f:
     json.dump({"date": now, "command": cmd, "wall_s": round(wall, 1), "versions": v,
                "host": f"CPU only ({os.cpu_count()} cores); no GPU was used", "records": records}, f, indent=1)
   tab, won = table(records), wins(records)
-  lines = ["# tokamax vs pallas_kernels: RMSNorm kernels compiled for H100/A100 (a MODEL, not a measurement)", "",
-           f"- date: {now}; wall time {wall:.0f} s on a shared CPU-only host; no GPU was used",
-           f"- command: `{cmd}`", "- versions: " + ", ".join(f"{k} {x}" for k, x in v.items()),
+  lines = [*C.model_header("tokamax vs pallas_kernels: RMSNorm kernels compiled for H100/A100 "
+                           "(a MODEL, not a measurement)", now, f"wall time {wall:.0f} s", cmd, v),
            "- `tokamax` = `tokamax.layer_norm(x, scale, bias, subtract_mean=False, implementation=\"triton\")`, "
            "`tokamax (donated x)` = the same with x donated (its forward writes over its input; without donation "
            "XLA copies x first: the `kCopy` launch), `pallas_kernels` = `pallas_kernels.rms_norm(..., "

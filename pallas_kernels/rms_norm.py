@@ -60,6 +60,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat, dispatch, rms_norm_mosaic
 from pallas_kernels._compat import BACKENDS, pallas_api
+from pallas_kernels._tiling import loop_grid
 
 _F32 = jnp.float32
 # Elements one program keeps on chip in the forward pass; 4096 fp32 values in
@@ -146,42 +147,24 @@ class _Static:
     h_dtype: Optional[str]  # new_residual dtype = result_type(x, residual)
 
 
-def _largest_pow2_divisor(n: int) -> int:
-    return n & -n
-
-
-def _tiling(n_rows: int, hidden: int, masked: bool, block_elems: int = _BLOCK_ELEMS) -> tuple[int, int]:
+def _tiling(n_rows: int, hidden: int, block_elems: int = _BLOCK_ELEMS) -> tuple[int, int]:
     """(block_rows, block_cols) of a program (one loop step in the backward pass).
 
     Triton blocks must be powers of two, so the row is padded to
-    ``next_pow2(hidden)`` and masked. The unmasked (Mosaic) body needs blocks
-    that exactly tile the array: full ``hidden`` and a divisor of ``n_rows``.
+    ``next_pow2(hidden)`` and masked; rows past ``n_rows`` are masked too.
     """
-    cols = pl.next_power_of_2(hidden) if masked else hidden
-    target = max(1, block_elems // pl.next_power_of_2(hidden))
-    rows = min(target, pl.next_power_of_2(n_rows))
-    if not masked:
-        rows = min(rows, _largest_pow2_divisor(n_rows))
-    return rows, cols
+    hp = pl.next_power_of_2(hidden)
+    return min(max(1, block_elems // hp), pl.next_power_of_2(n_rows)), hp
 
 
-def _bwd_steps(n_rows: int, block_rows: int, masked: bool) -> int:
-    """Row blocks each backward program loops over (power of two)."""
-    steps = pl.next_power_of_2(max(1, pl.cdiv(n_rows, block_rows * _BWD_TARGET_PROGRAMS)))
-    if not masked:
-        steps = min(steps, _largest_pow2_divisor(n_rows // block_rows))
-    return steps
-
-
-def bwd_grid(n_rows: int, hidden: int, masked: bool = True) -> tuple[int, int, int]:
+def bwd_grid(n_rows: int, hidden: int) -> tuple[int, int, int]:
     """(block_rows, steps, programs) of the backward kernel.
 
     Each program loops ``steps`` times over ``block_rows`` rows and writes one
     float32 partial row of dscale (and dbias): ``programs x hidden`` each.
     """
-    br, _ = _tiling(n_rows, hidden, masked, _BWD_BLOCK_ELEMS)
-    steps = _bwd_steps(n_rows, br, masked)
-    return br, steps, pl.cdiv(n_rows, br * steps)
+    br, _ = _tiling(n_rows, hidden, _BWD_BLOCK_ELEMS)
+    return (br, *loop_grid(pl.cdiv(n_rows, br), _BWD_TARGET_PROGRAMS, pow2=True))
 
 
 def _num_warps(block_elems: int, elems_per_thread: int) -> int:
@@ -212,29 +195,22 @@ def _call(kernel, *, grid, in_specs, out_specs, out_shape, st: _Static, num_warp
 # --------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------
-def _masks(row0, br: int, hp: int, n_rows: int, n_cols: int, masked: bool):
-    """(row_ok (br,), col_ok (hp,), mask (br, hp)) or Nones when unmasked."""
-    if not masked:
-        return None, None, None
+def _masks(row0, br: int, hp: int, n_rows: int, n_cols: int):
+    """(row_ok (br,), col_ok (hp,), mask (br, hp))."""
     row_ok = (row0 + jnp.arange(br)) < n_rows
     col_ok = jnp.arange(hp) < n_cols
     return row_ok, col_ok, row_ok[:, None] & col_ok[None, :]
 
 
 def _load(ref, mask):
-    if mask is None:
-        return ref[...]
     return pallas_api("triton").load(ref, mask=mask, other=0)
 
 
 def _store(ref, value, mask):
-    if mask is None:
-        ref[...] = value
-    else:
-        pallas_api("triton").store(ref, value, mask=mask)
+    pallas_api("triton").store(ref, value, mask=mask)
 
 
-def _fwd_kernel(*refs, eps, n_rows, n_cols, has_res, has_bias, masked, has_rstd):
+def _fwd_kernel(*refs, eps, n_rows, n_cols, has_res, has_bias, has_rstd):
     it = iter(refs)
     x_ref = next(it)
     r_ref = next(it) if has_res else None
@@ -245,7 +221,7 @@ def _fwd_kernel(*refs, eps, n_rows, n_cols, has_res, has_bias, masked, has_rstd)
     rstd_ref = next(it) if has_rstd else None
 
     br, hp = x_ref.shape
-    row_ok, col_ok, mask = _masks(pl.program_id(0) * br, br, hp, n_rows, n_cols, masked)
+    row_ok, col_ok, mask = _masks(pl.program_id(0) * br, br, hp, n_rows, n_cols)
     x = _load(x_ref, mask).astype(_F32)
     if has_res:
         # Round the sum to the residual-stream dtype first so the normalized
@@ -263,7 +239,7 @@ def _fwd_kernel(*refs, eps, n_rows, n_cols, has_res, has_bias, masked, has_rstd)
         _store(rstd_ref, rstd, row_ok)
 
 
-def _bwd_kernel(*refs, n_rows, n_cols, steps, has_dres, has_bias, masked):
+def _bwd_kernel(*refs, n_rows, n_cols, steps, has_dres, has_bias):
     it = iter(refs)
     x_ref, scale_ref, rstd_ref, dy_ref = next(it), next(it), next(it), next(it)
     dres_ref = next(it) if has_dres else None
@@ -273,7 +249,7 @@ def _bwd_kernel(*refs, n_rows, n_cols, steps, has_dres, has_bias, masked):
 
     rows_per_prog, hp = x_ref.shape
     br = rows_per_prog // steps
-    _, col_ok, _ = _masks(0, 1, hp, n_rows, n_cols, masked)
+    _, col_ok, _ = _masks(0, 1, hp, n_rows, n_cols)
     scale = _load(scale_ref, col_ok).astype(_F32)
     # Read program_id outside the loop: interpret mode only substitutes it at
     # the top level of the kernel jaxpr, not inside a fori_loop body.
@@ -282,7 +258,7 @@ def _bwd_kernel(*refs, n_rows, n_cols, steps, has_dres, has_bias, masked):
     def body(s, acc):
         local = pl.ds(s * br, br)
         row0 = prog_row0 + s * br
-        row_ok, _, mask = _masks(row0, br, hp, n_rows, n_cols, masked)
+        row_ok, _, mask = _masks(row0, br, hp, n_rows, n_cols)
         x = _load(x_ref.at[local, :], mask).astype(_F32)
         dy = _load(dy_ref.at[local, :], mask).astype(_F32)
         rstd = _load(rstd_ref.at[local], row_ok)  # masked rows -> 0 -> xhat 0
@@ -298,7 +274,7 @@ def _bwd_kernel(*refs, n_rows, n_cols, steps, has_dres, has_bias, masked):
 
     zeros = jnp.zeros((hp,), _F32)
     dscale, dbias = lax.fori_loop(0, steps, body, (zeros, zeros))
-    col_ok2 = None if col_ok is None else col_ok[None, :]
+    col_ok2 = col_ok[None, :]
     _store(dscale_ref, dscale[None, :], col_ok2)
     if has_bias:
         _store(dbias_ref, dbias[None, :], col_ok2)
@@ -318,8 +294,7 @@ def _forward(x, residual, scale, bias, st: _Static, stats: bool = True):
                                        interpret=st.interpret)
         return y, h, None
     n_rows, hidden = x.shape
-    masked = True
-    br, hp = _tiling(n_rows, hidden, masked)
+    br, hp = _tiling(n_rows, hidden)
     has_res, has_bias = residual is not None, bias is not None
     tile = pl.BlockSpec((br, hp), lambda i: (i, 0))
     vec = pl.BlockSpec((hp,), lambda i: (0,))
@@ -337,7 +312,7 @@ def _forward(x, residual, scale, bias, st: _Static, stats: bool = True):
         out_specs.append(rows)
 
     kernel = functools.partial(
-        _fwd_kernel, eps=st.eps, n_rows=n_rows, n_cols=hidden, has_res=has_res, has_bias=has_bias, masked=masked,
+        _fwd_kernel, eps=st.eps, n_rows=n_rows, n_cols=hidden, has_res=has_res, has_bias=has_bias,
         has_rstd=stats,
     )
     outs = _call(
@@ -360,9 +335,8 @@ def _backward(xn, scale, rstd, dy, dres, has_bias: bool, dx_dtype, st: _Static):
         return rms_norm_mosaic.backward(xn, scale, dy, dres, has_bias=has_bias, dx_dtype=dx_dtype, eps=st.eps,
                                         interpret=st.interpret)
     n_rows, hidden = xn.shape
-    masked = True
-    br, steps, n_prog = bwd_grid(n_rows, hidden, masked)
-    hp = _tiling(n_rows, hidden, masked)[1]
+    br, steps, n_prog = bwd_grid(n_rows, hidden)
+    hp = _tiling(n_rows, hidden)[1]
     rpp = br * steps
     tile = pl.BlockSpec((rpp, hp), lambda i: (i, 0))
     vec = pl.BlockSpec((hp,), lambda i: (0,))
@@ -378,7 +352,7 @@ def _backward(xn, scale, rstd, dy, dres, has_bias: bool, dx_dtype, st: _Static):
         out_shape.append(jax.ShapeDtypeStruct((n_prog, hidden), _F32))
         out_specs.append(part)
     kernel = functools.partial(
-        _bwd_kernel, n_rows=n_rows, n_cols=hidden, steps=steps, has_dres=has_dres, has_bias=has_bias, masked=masked
+        _bwd_kernel, n_rows=n_rows, n_cols=hidden, steps=steps, has_dres=has_dres, has_bias=has_bias
     )
     outs = _call(
         kernel, grid=(n_prog,), in_specs=in_specs, out_specs=out_specs,

@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _compat
+from pallas_kernels._tiling import loop_grid
 
 _F32 = jnp.float32
 LANES = 128  # minor dimension of the (hidden // 128, 128) row view; one warpgroup
@@ -52,6 +53,9 @@ def unsupported_reason(hidden: int) -> str | None:
 def block_rows(n_rows: int, row_bytes: int, vec_bytes: int = 0) -> int:
   """Rows per CTA block: fill the SMEM budget (after the per-CTA vectors of
   ``vec_bytes``), but keep >= _TARGET_CTAS blocks."""
+  # Not rms_norm._tiling's numbers: these blocks are TMA copies into SMEM (a
+  # byte budget, any row count: the last block overlaps), Triton's are
+  # power-of-two register tiles sized in elements.
   fit = max(1, (_SMEM_BUDGET - vec_bytes) // row_bytes)
   want = max(1, n_rows // _TARGET_CTAS)
   return int(min(n_rows, fit, want, _MAX_BLOCK_ROWS))
@@ -60,9 +64,7 @@ def block_rows(n_rows: int, row_bytes: int, vec_bytes: int = 0) -> int:
 def bwd_grid(n_rows: int, row_bytes: int, vec_bytes: int = 0) -> tuple[int, int, int]:
   """(block_rows, steps, ctas) of the backward kernel."""
   br = block_rows(n_rows, row_bytes, vec_bytes)
-  n_blocks = pl.cdiv(n_rows, br)
-  steps = pl.cdiv(n_blocks, _BWD_TARGET_CTAS)
-  return br, steps, pl.cdiv(n_blocks, steps)
+  return (br, *loop_grid(pl.cdiv(n_rows, br), _BWD_TARGET_CTAS))
 
 
 def _view(a, k):

@@ -35,7 +35,7 @@ from jaxfold._src import compat, deferral, display, kernels, pipeline
 from jaxfold._src.analysis import Level, factor_leaf, leaf_of, vector_along
 from jaxfold._src.errors import FuseError
 from jaxfold._src.pipeline import Call, PipelineApply
-from jaxfold._src.program import Node, Val
+from jaxfold._src.program import Node, Val, upstream
 from jaxfold._src.report import param_label
 from jaxfold._src.rewrite import Plan, evaluate
 from jaxfold._src.rules import Block, rule_for
@@ -492,16 +492,9 @@ def analyse(fn: Callable, params: Any, args: tuple, defer: bool = False) -> Fuse
 
 
 def _reaches(out: Val, y: Val) -> bool:
-  """``out`` is ``y`` or a single-operand step (a cast) of it, at most 4 deep."""
-  v = out
-  for _ in range(4):
-    if v is y:
-      return True
-    node = v.producer
-    if node is None or node.subs or len(node.ins) != 1 or not isinstance(node.ins[0], Val):
-      return False
-    v = node.ins[0]
-  return False
+  """``out`` is ``y`` or a single-operand step (a cast) of it, at most 3 steps up."""
+  chain = upstream(out, 3, keep=lambda node, _: len(node.ins) == 1)
+  return any(v is y for layer in chain for v in layer)
 
 
 def _kernel_epilogues(level: Level, removed: dict, changed: list) -> list:

@@ -65,7 +65,7 @@ from jax import lax
 from jaxfold._src import algebra as A
 from jaxfold._src import compat, kernels
 from jaxfold._src.analysis import factor_leaf, vector_along
-from jaxfold._src.program import Val
+from jaxfold._src.program import Val, upstream
 from jaxfold._src.report import param_label
 from jaxfold._src.rules import Block, rule_for
 from jaxfold._src.rules.base import Facts
@@ -119,25 +119,6 @@ def _leaf_vector(level, fid: int, leaf: int, dim: int, shape: tuple) -> bool:
   return lv is not None and lv[0] == leaf and vector_along(lv[1], shape) == dim
 
 
-def _cone(level, y) -> tuple:
-  """Values within ``_CONE_DEPTH`` producers of ``y`` (BFS order) and the
-  values just beyond them."""
-  order, seen, frontier = [y], {y}, [y]
-  for _ in range(_CONE_DEPTH):
-    nxt = []
-    for v in frontier:
-      node = v.producer
-      if node is None or node.subs:
-        continue
-      for a in node.ins:
-        if isinstance(a, Val) and a not in seen:
-          seen.add(a)
-          order.append(a)
-          nxt.append(a)
-    frontier = nxt
-  return order, frontier
-
-
 def _is_form(level, y, aff, x, s, invert: bool) -> bool:
   """canon(y) == γ_d · x · s + β_d (``1/s`` with ``invert``) exactly, x and s opaque."""
   e = level.canon(y)
@@ -163,7 +144,9 @@ def _statistic(level, aff) -> tuple:
   """``(x, s, invert)`` with ``y = γ ⊙ x ⊙ s + β`` (``x / s`` with ``invert``)
   and ``s`` constant along d; raises Block."""
   y, d = aff.y, aff.dim
-  order, boundary = _cone(level, y)
+  # The cone: values within _CONE_DEPTH producers of y; its last layer bounds it.
+  layers = upstream(y, _CONE_DEPTH)
+  order, boundary = [v for layer in layers for v in layer], layers[-1]
   # Only factors of a product or quotient can be x and s (a search, not a
   # proof: the canonical check below decides).
   ops: dict = {}

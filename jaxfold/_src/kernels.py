@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxfold._src import algebra as A
 from jaxfold._src.analysis import MeanSite
-from jaxfold._src.program import Lit, Val
+from jaxfold._src.program import Lit, Val, upstream
 from jaxfold._src.rules import rule_for
 
 IMPLS = ("auto", "xla", "pallas", "interpret")
@@ -376,25 +376,6 @@ def prove_rms_read(level, x: Val, u: Val, assume: dict) -> tuple:
   return src, float(m[0])
 
 
-def _candidates(u: Val, depth: int = 3) -> list:
-  """Values of ``u``'s shape that ``u`` is computed from (``u`` first, nearest
-  first): where a norm's input may be, given the operand of its sum of squares."""
-  shape = tuple(u.shape)
-  out, frontier = [u], [u]
-  for _ in range(depth):
-    nxt = []
-    for v in frontier:
-      node = v.producer
-      if node is None or node.subs:
-        continue
-      for a in node.ins:
-        if isinstance(a, Val) and tuple(a.shape) == shape and a not in out:
-          out.append(a)
-          nxt.append(a)
-    frontier = nxt
-  return out
-
-
 def prove_epilogues(level, assume: dict) -> list:
   """``[(Epilogue, output Val)]``: every norm of ``level`` whose output equals the
   kernel's formula, proved with canonical forms under ``assume``.
@@ -414,7 +395,9 @@ def prove_epilogues(level, assume: dict) -> list:
     u = node.ins[k]
     if not isinstance(u, Val) or tuple(axes) != (len(u.shape) - 1,):
       continue
-    for x in _candidates(u):
+    # The norm's input is among the values of u's shape that u is computed from.
+    near = upstream(u, 3, keep=lambda _, a, shape=u.shape: a.shape == shape)
+    for x in (a for layer in near for a in layer):
       ep, _, out = _prove(MeanSite((), x, (len(x.shape) - 1,), level), frozenset(), assume)
       if ep is not None:
         if ep.out_path not in paths:

@@ -255,3 +255,24 @@ def shape(a: Any) -> tuple:
 
 def literal_array(a: Lit) -> np.ndarray:
   return np.asarray(a.value)
+
+
+def upstream(v: Val, depth: int, keep=None) -> list:
+  """What ``v`` is computed from, within ``depth`` producers: ``depth + 1``
+  layers ``[[v], v's operands, ...]``, each value once, in first-seen order.
+
+  ``keep(node, a)`` says whether to follow operand ``a`` of ``node``. Loop and
+  branch nodes end the walk: their bodies are another level's values."""
+  layers, seen = [[v]], {v}
+  for _ in range(depth):
+    nxt = []
+    for u in layers[-1]:
+      node = u.producer
+      if node is None or node.subs:
+        continue
+      for a in node.ins:
+        if isinstance(a, Val) and a not in seen and (keep is None or keep(node, a)):
+          seen.add(a)
+          nxt.append(a)
+    layers.append(nxt)
+  return layers

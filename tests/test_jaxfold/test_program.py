@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfold._src.program import Lit, Program, Val, is_val
+from jaxfold._src.program import Lit, Program, Val, is_val, upstream
 
 
 def _prog(fn, *args):
@@ -100,3 +100,25 @@ def test_values_have_unique_keys_across_levels():
     keys += [v.key for v in level.invars + level.consts]
     keys += [v.key for n in level.nodes for v in n.outs]
   assert len(keys) == len(set(keys))
+
+
+def test_upstream_walks_producers_by_layer():
+  def fn(x, y):
+    a = jnp.exp(x)
+    return jnp.sin(a * y) * jnp.sum(a), jax.lax.fori_loop(0, 2, lambda i, c: c * 2, a)
+
+  p = _prog(fn, jnp.ones(3), jnp.ones(3))
+  out, looped = p.outvars
+  x, y = p.invars
+  layers = upstream(out, 2)
+  assert len(layers) == 3 and layers[0] == [out]
+  assert layers[1] == [v for v in out.producer.ins if is_val(v)]
+  flat = [v for layer in layers for v in layer]
+  # `a` is reached through both factors but listed once; x is a 3rd step away.
+  assert len(flat) == len(set(flat)) and x not in flat
+  assert set(upstream(out, 3)[3]) == {x, y}
+  # Kept to one shape, the walk skips the sum and reaches x a step later.
+  same = upstream(out, 4, keep=lambda _, v: v.shape == out.shape)
+  assert x in same[4] and all(v.shape == (3,) for layer in same for v in layer)
+  # A loop's body is another level: the walk stops at the loop.
+  assert upstream(looped, 2) == [[looped], [], []]
