@@ -304,8 +304,14 @@ def analyse(level, accepted: list, names: list, modified: set, fuse_sites: list,
         except Block as err:
           raise Block(tag + str(err)) from err
         kern = None
-        if assume is not None:
+        if assume is not None and len(readers) > 1:
+          # Sibling readers (q, k, v; Phi's parallel block): XLA merges their GEMMs into
+          # one launch, which one opaque RMS-matmul call per reader cannot join (the
+          # deviceless model: OPT, Phi, ViT launch more than the folded program).
+          why = f"{len(readers)} readers share the norm, XLA merges their GEMMs"
+        elif assume is not None:
           kern, why = _rms_read(level, r, aff, x, chain, assume)
+        if assume is not None:
           label = param_label(names[r.leaf])
           if kern is not None:
             fast.append(label)
