@@ -172,6 +172,7 @@ _WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_two_processes_end_with_one_complete_fold(tmp_path, folds):
   """Two processes released together write to one directory, first a fresh one
   (exactly one wins, the other is told), then over an existing fold (both

@@ -109,6 +109,7 @@ def _read_while_writing(tmp_path, folds, seconds):
   return loads, seen
 
 
+@pytest.mark.slow
 def test_read_while_overwrite_never_mixes(tmp_path, folds):
   _read_while_writing(tmp_path, folds, 4)
 
