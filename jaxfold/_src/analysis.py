@@ -210,14 +210,14 @@ class Level:
         outs = rule_for(node.prim).facts(node, ins, self)
       except Exception:  # noqa: BLE001 - a fact a rule cannot derive is just unknown
         outs = [Facts(size_one(o.shape)) for o in node.outs]
-      keyed = any(_is_key(a.dtype) for a in node.ins) or any(_is_key(o.dtype) for o in node.outs)
+      keyed = any(compat.is_prng_key(a.dtype) for a in node.ins) or any(compat.is_prng_key(o.dtype) for o in node.outs)
       for o, f in zip(node.outs, outs):
         if keyed and not f.random:
           f = Facts(f.const, f.value, True)
         self._facts[o] = f
 
   def _invar_facts(self, v: Val, i: int, parent) -> Facts:
-    random = _is_key(v.dtype)
+    random = compat.is_prng_key(v.dtype)
     base = Facts(size_one(v.shape), None, random)
     if parent is None:
       return base
@@ -539,19 +539,6 @@ class Level:
 
 
 _MISS = object()
-_KEY_DTYPES: dict = {}
-
-
-def _is_key(dtype: Any) -> bool:
-  """``compat.is_prng_key``, remembered per dtype: it is asked of every
-  operand of every equation, and jax's subtype test is slow."""
-  try:
-    r = _KEY_DTYPES.get(dtype)
-  except TypeError:   # an unhashable dtype: ask every time
-    return compat.is_prng_key(dtype)
-  if r is None:
-    r = _KEY_DTYPES[dtype] = compat.is_prng_key(dtype)
-  return r
 
 
 def _memo_lookup(seen: dict, pat: tuple):

@@ -52,11 +52,27 @@ def literal_value(a: Any) -> Any:
   return a.val
 
 
+_KEY_DTYPES: dict = {}
+
+
 def is_prng_key(dtype: Any) -> bool:
+  """Whether ``dtype`` is a typed PRNG key's; remembered per dtype (the analysis
+  asks it of every operand of every equation, and jax's subtype test is slow)."""
   try:
-    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    known = _KEY_DTYPES.get(dtype)
+  except TypeError:   # an unhashable dtype: ask every time
+    known = None
+  if known is not None:
+    return known
+  try:
+    r = bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
   except Exception:  # pragma: no cover
     return False
+  try:
+    _KEY_DTYPES[dtype] = r
+  except TypeError:
+    pass
+  return r
 
 
 def key_impl_name(x: Any) -> str:
