@@ -79,7 +79,8 @@ def rms_matmul_reference(x: jax.Array, w: jax.Array, bias: Optional[jax.Array] =
   """``(x.astype(w.dtype) @ w) * rsqrt(mean(x², -1) + eps) + bias`` accumulated in
   ``promote(x, w, float32)``, returned in ``out_dtype`` (default ``w.dtype``).
 
-  ``w`` is ``(K, N)``, or ``(N, K)`` with ``w_nk``; ``bias`` ``(N,)`` or None.
+  ``w`` is ``(K, N)``, or ``(N, K)`` with ``w_nk``; ``bias`` ``(N,)``, a tuple of
+  ``(N,)`` vectors (each added in the accumulator, in order) or None.
 
   Example:
       >>> import jax.numpy as jnp
@@ -90,9 +91,16 @@ def rms_matmul_reference(x: jax.Array, w: jax.Array, bias: Optional[jax.Array] =
   xf = x.astype(acc)
   s = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
   out = lax.dot_general(x.astype(w.dtype), w, _dims(x.ndim, w_nk), preferred_element_type=acc) * s
-  if bias is not None:
-    out = out + bias.astype(acc)
+  for b in _biases(bias):
+    out = out + b.astype(acc)
   return out.astype(out_dtype or w.dtype)
+
+
+def _biases(bias) -> tuple:
+  """``bias`` as a tuple of vectors (None: none; one array: one)."""
+  if bias is None:
+    return ()
+  return tuple(bias) if isinstance(bias, (tuple, list)) else (bias,)
 
 
 # --------------------------------------------------------------------------
@@ -129,9 +137,9 @@ def tiles(m: int, n: int, k: int, itemsize: int = 2) -> tuple[int, int, int, int
   return 128, 128, bk, 8 if wide else 4, 3
 
 
-def _kernel(*refs, st: _Static, m: int, n: int, k: int, bk: int, acc, dot_dtype, has_bias: bool):
+def _kernel(*refs, st: _Static, m: int, n: int, k: int, bk: int, acc, dot_dtype, n_bias: int):
   api = pallas_api("triton")
-  x_ref, w_ref, b_ref, o_ref = refs if has_bias else (refs[0], refs[1], None, refs[2])
+  x_ref, w_ref, b_refs, o_ref = refs[0], refs[1], refs[2:2 + n_bias], refs[-1]
   bm, bn = o_ref.shape
   # program_id at the top level: interpret mode does not substitute it inside a loop body.
   row_ok = pl.program_id(0) * bm + jnp.arange(bm) < m
@@ -155,7 +163,7 @@ def _kernel(*refs, st: _Static, m: int, n: int, k: int, bk: int, acc, dot_dtype,
   init = (jnp.zeros((bm, bn), acc), jnp.zeros((bm,), acc))
   out, ss = lax.fori_loop(0, pl.cdiv(k, bk), body, init)
   out = out * lax.rsqrt(ss / k + st.eps)[:, None]   # masked rows: rsqrt(ε), never stored
-  if has_bias:
+  for b_ref in b_refs:   # each bias vector in the accumulator, in order
     out = out + api.load(b_ref, mask=col_ok, other=0).astype(acc)[None, :]
   api.store(o_ref, out.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -168,11 +176,11 @@ def _forward(x, w, b, st: _Static):
   x_spec = pl.BlockSpec((bm, kp), lambda i, j: (i, 0))
   w_spec = pl.BlockSpec((bn, kp), lambda i, j: (j, 0)) if st.w_nk else pl.BlockSpec((kp, bn), lambda i, j: (0, j))
   kernel = functools.partial(_kernel, st=st, m=m, n=n, k=k, bk=bk, acc=_acc(x.dtype, w.dtype), dot_dtype=w.dtype,
-                             has_bias=b is not None)
+                             n_bias=len(_biases(b)))
   specs, args = [x_spec, w_spec], [x, w]
-  if b is not None:
+  for v in _biases(b):
     specs.append(pl.BlockSpec((bn,), lambda i, j: (j,)))
-    args.append(b)
+    args.append(v)
   params = None if st.interpret else pallas_api("triton").compiler_params(num_warps=warps, num_stages=stages)
   call = pl.pallas_call(
       kernel, grid=(pl.cdiv(m, bm), pl.cdiv(n, bn)), in_specs=specs,
@@ -234,7 +242,10 @@ def rms_matmul(x: jax.Array, w: jax.Array, bias: Optional[jax.Array] = None, *, 
     x: ``(..., K)``; the statistic is computed from it in ``promote(x, w,
       float32)``, the dot from ``x.astype(w.dtype)``.
     w: ``(K, N)``, or ``(N, K)`` with ``w_nk`` (a tied embedding read as a head).
-    bias: ``(N,)`` or None, added after the scale (it is not scaled).
+    bias: ``(N,)``, a tuple of ``(N,)`` vectors or None, added after the scale
+      (not scaled), each in the accumulator dtype, before the one rounding to
+      ``out_dtype`` (a deferred reader's fused ``β·W`` and its own bias: one
+      launch, no separate sum of the two).
     eps: added to the mean square.
     out_dtype: the result dtype (default ``w.dtype``); the scale is applied to
       the accumulator, before this one rounding.
@@ -256,8 +267,13 @@ def rms_matmul(x: jax.Array, w: jax.Array, bias: Optional[jax.Array] = None, *, 
   if w.ndim != 2 or (w.shape[1] if w_nk else w.shape[0]) != k:
     raise ValueError(f"w must be {'(N, K)' if w_nk else '(K, N)'} with K = {k}, got {w.shape}")
   n = w.shape[0] if w_nk else w.shape[1]
-  if bias is not None and bias.shape != (n,):
-    raise ValueError(f"bias must have shape ({n},), got {bias.shape}")
+  if isinstance(bias, list):
+    bias = tuple(bias)
+  for b in _biases(bias):
+    if b.shape != (n,):
+      raise ValueError(f"bias must have shape ({n},), got {b.shape}")
+  if isinstance(bias, tuple) and not bias:
+    bias = None
   out_dtype = jnp.dtype(out_dtype or w.dtype)
   st = _Static(float(eps), out_dtype.name, bool(w_nk), bool(interpret))
   lead = x.shape[:-1]
@@ -269,6 +285,6 @@ def rms_matmul(x: jax.Array, w: jax.Array, bias: Optional[jax.Array] = None, *, 
   if interpret:
     return kernel(x, w, bias)
   if unsupported_reason(x.shape, x.dtype, w.shape, w.dtype) is not None or (
-      bias is not None and np.dtype(bias.dtype).name not in SUPPORTED_DTYPES):
+      any(np.dtype(b.dtype).name not in SUPPORTED_DTYPES for b in _biases(bias))):
     return ref(x, w, bias)
   return _compat.platform_dependent(x, w, bias, cuda=kernel, default=ref)

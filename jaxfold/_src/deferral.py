@@ -51,6 +51,27 @@ besides the above:
   dtype for the dot, as the XLA form contracts ``chain(x)``.
 
 Otherwise the reader keeps the XLA form ``(chain(x) @ W') · s``.
+
+The reader's own bias. A linear layer adds its bias right after the
+contraction (``t = z + b``, GPT-2's ``c_attn``): as a separate equation, which
+XLA fuses into its own GEMM's epilogue but cannot fuse into the opaque kernel
+(on the A100 it became one more launch per layer, the bias add fused with the
+slice of q). The kernel adds it in its epilogue, next to the fused ``β·W``
+(``t = s · (x @ W') + β·W + b``, the same value in real arithmetic, rounded
+once), when, besides the kernel's own proof:
+
+* ``t`` is an ``add`` of the reader's output ``z`` (either operand) and an
+  operand ``o`` of ``t``'s rank, last dim and dtype, and ``z`` has no other
+  use (no other equation and no program output reads it), ``t`` has ``z``'s
+  shape (``z`` is not broadcast), and the add is in the reader's level of the
+  program (the rewrite holds ``z`` until the add);
+* ``o`` (broadcast to ``t``) is constant along every dim but the last (the
+  analysis's facts, not a random value's): one value per output column, so
+  ``o[0, ..., 0, :]`` is the vector the kernel adds;
+* no operation between the program's inputs and ``o`` is changed by the
+  fused plan (the facts hold at run time).
+
+Otherwise the add stays an equation of its own.
 """
 
 from __future__ import annotations
@@ -90,6 +111,7 @@ class RmsRead:
   eps: float
   w_nk: bool               # the weight is (N, K): contracted on its dim 1
   w_t: bool = False        # the weight is a transpose: the kernel reads it untransposed
+  add: Optional[tuple] = None   # (path of the add of the reader's own bias, its operand index)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,6 +279,33 @@ def _rms_read(level, r, aff, x, chain: tuple, assume: dict) -> tuple:
   return RmsRead(src.key, eps, tuple(dd.rc) == (1,), _transposed(level, w)), ""
 
 
+def _bias_add(level, r, modified: set) -> Optional[tuple]:
+  """``(path, operand)`` of the add of the reader's own bias, a vector along the
+  output's last dim that the kernel may add in its epilogue (see the module
+  docstring), or None."""
+  z = r.node.outs[0]
+  prog = z.program
+  uses = prog.consumers.get(z, [])
+  if len(uses) != 1 or z in prog.output_positions:
+    return None
+  node, k = uses[0]
+  if (node.prim.name != "add" or node.subs or len(node.ins) != 2 or node.path[:-1] != r.node.path[:-1]
+      or node.path in modified):
+    return None
+  o, t = node.ins[1 - k], node.outs[0]
+  nd = len(t.shape)
+  if (not isinstance(o, Val) or o is z or tuple(t.shape) != tuple(z.shape) or nd == 0
+      or len(o.shape) != nd or o.shape[-1] != t.shape[-1] or np.dtype(o.dtype) != np.dtype(t.dtype)
+      or np.dtype(t.dtype) != np.dtype(z.dtype)):
+    return None
+  if level.facts(o).random or not level.constant_along(o, tuple(range(nd - 1)), t.shape):
+    return None
+  region = _region(level, o, set())
+  if region is None or any(n.path in modified for n in region):
+    return None
+  return node.path, 1 - k
+
+
 def _transposed(level, w) -> bool:
   """``w`` is a transpose of a matrix (a tied embedding read as the head): the
   kernel then reads ``wᵀ`` in the other layout, which XLA folds into the
@@ -311,10 +360,13 @@ def analyse(level, accepted: list, names: list, modified: set, fuse_sites: list,
           why = f"{len(readers)} readers share the norm, XLA merges their GEMMs"
         elif assume is not None:
           kern, why = _rms_read(level, r, aff, x, chain, assume)
+          add = _bias_add(level, r, modified) if kern is not None else None
+          if add is not None:
+            kern = dataclasses.replace(kern, add=add)
         if assume is not None:
           label = param_label(names[r.leaf])
           if kern is not None:
-            fast.append(label)
+            fast.append(label + (" with its bias" if kern.add is not None else ""))
           else:
             slow.append(f"{label} ({why})")
         mine.append(Deferred(r.node.path, 1 - r.w_side, x.key, s.key, aff.y.shape, chain,
@@ -344,9 +396,12 @@ def analyse(level, accepted: list, names: list, modified: set, fuse_sites: list,
 # The rewrite.
 
 
-def _kernel(entry: Deferred, eqn: Any, invals: list, values: dict, norm_impl: str, bias) -> Optional[tuple]:
+def _kernel(entry: Deferred, eqn: Any, invals: list, values: dict, norm_impl: str, bias,
+            own=None) -> Optional[tuple]:
   """``(outputs, whether the bias is in them)``: the reader as the RMS-matmul
-  kernel, or None (``norm_impl`` or the values say no)."""
+  kernel, or None (``norm_impl`` or the values say no). ``own``: the operand
+  of the add of the reader's own bias (``entry.kernel.add``), constant along
+  every dim but the last: its ``[0, ..., 0, :]`` joins the epilogue too."""
   k = entry.kernel
   x, w = values.get(k.x), invals[1 - entry.operand]
   if x is None or isinstance(x, Zero) or isinstance(w, Zero):
@@ -364,18 +419,67 @@ def _kernel(entry: Deferred, eqn: Any, invals: list, values: dict, norm_impl: st
   dt = eqn.outvars[0].aval.dtype
   take = (bias is not None and not isinstance(bias, Zero) and bias.ndim <= len(eqn.outvars[0].aval.shape)
           and bias.shape[-1:] == (n,) and bias.size == n and jnp.result_type(dt, bias.dtype) == dt)
-  vec = jnp.reshape(bias, (n,)) if take else None
+  vecs = (jnp.reshape(bias, (n,)),) if take else ()
+  if own is not None and not isinstance(own, Zero):
+    vecs += (jnp.reshape(own[(0,) * (own.ndim - 1)], (n,)),)
+  vec = None if not vecs else vecs[0] if len(vecs) == 1 else vecs
   out = kernels.run_rms_matmul(x, w, vec, k.eps, w_nk, dt, interpret)
   return [out], take
 
 
+class Pending:
+  """A kernel reader's output held until the add of its own bias
+  (``entry.kernel.add``), which runs the kernel with that bias in its epilogue
+  (``resolve``). Anything else that reads it gets ``materialize()``: the reader
+  as ``run`` computes it, with the fused bias the rewrite adds."""
+  __slots__ = ("args", "_value")
+
+  def __init__(self, entry, eqn, invals, values, norm_impl, bias):
+    self.args = (entry, eqn, list(invals), values, norm_impl, bias)
+    self._value = None
+
+  def materialize(self):
+    if self._value is None:
+      entry, eqn, invals, values, norm_impl, bias = self.args
+      outs, biased = run(entry, eqn, invals, values, norm_impl, bias)
+      out = outs[0] if outs is not None else compat.bind_eqn(
+          eqn, [v.materialize() if isinstance(v, Zero) else v for v in invals])[0]
+      if bias is not None and not biased:
+        out = (out.materialize() if isinstance(out, Zero) else out) + bias
+      self._value = out
+    return self._value
+
+
+def resolve(entry: Deferred, eqn: Any, invals: list) -> Optional[list]:
+  """The add ``eqn`` of a kernel reader's own bias (``entry.kernel.add``): the
+  kernel with both biases in its epilogue, or None (its reader was not held:
+  bind the add as written)."""
+  k = entry.kernel.add[1]
+  held, own = invals[1 - k], invals[k]
+  if not isinstance(held, Pending):
+    return None
+  e, reqn, rinvals, values, norm_impl, bias = held.args
+  got = _kernel(e, reqn, rinvals, values, norm_impl, bias, own)
+  if got is None:   # no kernel after all: the reader as written, then this add
+    ins = list(invals)
+    ins[1 - k] = held.materialize()
+    return None if isinstance(own, Zero) else compat.bind_eqn(eqn, ins)   # (Zero: the rewrite's own rule)
+  (out,), took = got
+  if bias is not None and not isinstance(bias, Zero) and not took:
+    out = out + bias
+  return [out.astype(eqn.outvars[0].aval.dtype)]
+
+
 def run(entry: Deferred, eqn: Any, invals: list, values: dict, norm_impl: str = "xla",
-        bias=None) -> tuple:
+        bias=None, hold: bool = False) -> tuple:
   """``(outputs or None, whether they include bias)``: the contraction on ``x``
   scaled by ``s`` (the RMS-matmul kernel, which may also add ``bias``, the
   value the rewrite adds to this output, where proved and ``norm_impl``
   allows it); None (compute it as written) when ``x`` or ``s`` was not
-  recorded."""
+  recorded. ``hold``: a reader whose own bias the kernel may add returns a
+  ``Pending`` (with ``bias``) for ``resolve``."""
+  if hold and entry.kernel is not None and entry.kernel.add is not None and norm_impl != "xla":
+    return [Pending(entry, eqn, invals, values, norm_impl, bias)], True
   if entry.kernel is not None and norm_impl != "xla":
     out = _kernel(entry, eqn, invals, values, norm_impl, bias)
     if out is not None:

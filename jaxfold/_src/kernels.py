@@ -502,7 +502,7 @@ def use_matmul_kernel(impl: str, rows: int) -> Optional[bool]:
 
 def run_rms_matmul(x, w, bias, eps: float, w_nk: bool, out_dtype, interpret: bool):
   """``(x @ w) · rsqrt(mean(x², -1) + ε) + bias`` as the Pallas kernel (x: ``(..., K)``,
-  bias ``(N,)`` or None)."""
+  bias ``(N,)``, a tuple of ``(N,)`` vectors added in the epilogue, or None)."""
   import pallas_kernels
   return pallas_kernels.rms_matmul(x, w, bias, eps=eps, w_nk=w_nk, out_dtype=out_dtype, interpret=interpret)
 

@@ -510,6 +510,71 @@ def test_rms_matmul_only_where_proved(x64, fn, n):
     assert rel_err(fn(p, x), jax.jit(d.apply_fn)(d.params, x)) < 1e-9
 
 
+def own_bias_first(p, x):
+  y = _ln(_stem(p, x), p["g"], p["beta"])
+  return jax.nn.gelu(p["b2"] + y @ p["w2"]) @ p["w3"]   # the bias is the add's first operand
+
+
+def own_bias_shared(p, x):
+  y = _ln(_stem(p, x), p["g"], p["beta"])
+  z = y @ p["w2"]
+  return jax.nn.gelu(z + p["b2"]) @ p["w3"] + z[..., :3]   # z without its bias is read too
+
+
+def data_added(p, x):
+  y = _ln(_stem(p, x), p["g"], p["beta"])
+  return jax.nn.gelu(y @ p["w2"] + jnp.tanh(x[..., :1]) * p["b2"]) @ p["w3"]   # varies along the rows
+
+
+def position_added(p, x):
+  y = _ln(_stem(p, x), p["g"], p["beta"])
+  return jax.nn.gelu(y @ p["w2"] + p["pos"]) @ p["w3"]     # (seq, N): varies along the sequence
+
+
+OWN_BIAS_CASES = [  # (program, whether the kernel adds the reader's own bias)
+    (bias_then_gelu, True), (own_bias_first, True), (own_bias_shared, False), (data_added, False),
+    (position_added, False)]
+
+
+@pytest.mark.parametrize("fn, own", OWN_BIAS_CASES, ids=[c[0].__name__ for c in OWN_BIAS_CASES])
+def test_rms_matmul_adds_the_readers_own_bias(x64, monkeypatch, fn, own):
+  """The add of a kernel reader's own bias (``y @ W + b``: GPT-2's c_attn, c_fc)
+  joins the kernel's epilogue next to the fused β·W: the kernel gets both
+  vectors (dropping the second loses b), and the add is gone. Not where the
+  reader's output has another use or the added value varies along the rows."""
+  from jaxfold._src import kernels
+  rng = np.random.default_rng(1)
+  p = _base(rng, {"pos": (7, 6)}.items())
+  x = _x(3, 7, 4)
+  d = jaxfold.fold(p, fn, x, defer_norms=True, norm_impl="interpret")
+  site = d.report.deferred[0]
+  assert KERNEL_SAYS in site.reason and ("with its bias" in site.reason) == own, site.reason
+  run, got = kernels.run_rms_matmul, []
+  with monkeypatch.context() as m:
+    m.setattr(kernels, "run_rms_matmul", lambda x, w, b, *a: (got.append(b), run(x, w, b, *a))[1])
+    assert _pallas_calls(d.apply_fn, d.params, x) == 1
+  assert len(got) == 1 and (isinstance(got[0], tuple) and len(got[0]) == 2) == own, got
+  shapes = [((3, 7, 4), 1), ((2, 7, 4), 2)]
+  for shape, seed in shapes:
+    xs = _x(*shape, seed=seed)
+    assert rel_err(fn(p, xs), jax.jit(d.apply_fn)(d.params, xs)) < 1e-9
+  if own:
+    with monkeypatch.context() as m:
+      m.setattr(kernels, "run_rms_matmul", lambda x, w, b, *a: run(x, w, b[0], *a))
+      assert rel_err(fn(p, x), jax.jit(lambda q, a: d.apply_fn(q, a))(d.params, x)) > 1e-3   # traced anew
+
+
+def test_gpt2_kernel_readers_add_their_own_bias(x64):
+  """GPT-2's QKV and MLP-in readers take their linear bias into the kernel (no add
+  after it: the A100 launched it as one more kernel per layer); the tied head has
+  none. Exact at both zoo shapes."""
+  d = _interpret_deferred("gpt2-tiny")
+  sites = d.report.deferred
+  assert [("with its bias" in s.reason) for s in sites] == [True] * (len(sites) - 1) + [False], \
+      [s.reason for s in sites]
+  assert max(_zoo_errors("gpt2-tiny", d)) < 1e-9
+
+
 def test_rms_matmul_gradient_and_auto_on_cpu(x64):
   """The kernel's backward is the XLA expression's VJP: gradients through a deferred
   model equal the original's. ``"auto"`` on a CPU host proves nothing and runs no kernel."""

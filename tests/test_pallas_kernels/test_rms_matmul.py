@@ -91,6 +91,25 @@ def test_float64_in_interpret_mode(x64):
   assert _rel(pk.rms_matmul(x, w, eps=2 * EPS, interpret=True), _numpy(x, w, EPS, False)) > 1e-7
 
 
+@pytest.mark.parametrize("m,k,n,w_nk,lead", SHAPES[1:3])
+def test_two_biases_in_the_epilogue(x64, m, k, n, w_nk, lead):
+  """A tuple of bias vectors (a deferred reader's fused β·W and its own bias): each
+  added after the scale, in the accumulator; the same as their sum added once."""
+  x, w = _operands(m, k, n, jnp.float64, w_nk, lead)
+  b1 = jnp.linspace(-1.0, 2.0, n, dtype=jnp.float64)
+  b2 = jnp.cos(jnp.arange(n, dtype=jnp.float64))
+  want = _numpy(x, w, EPS, w_nk) + np.asarray(b1) + np.asarray(b2)
+  for bias in ((b1, b2), [b1, b2]):
+    assert _rel(pk.rms_matmul(x, w, bias, eps=EPS, w_nk=w_nk, interpret=True), want) < 1e-13
+    assert _rel(pk.rms_matmul_reference(x, w, bias, eps=EPS, w_nk=w_nk), want) < 1e-13
+  assert _rel(pk.rms_matmul(x, w, (b1,), eps=EPS, w_nk=w_nk, interpret=True), want - np.asarray(b2)) < 1e-13
+  with pytest.raises(ValueError, match="bias must have shape"):
+    pk.rms_matmul(x, w, (b1, b2[:-1]), eps=EPS, w_nk=w_nk)
+  ct = jnp.ones_like(want)
+  gb = jax.vjp(lambda b: pk.rms_matmul(x, w, b, eps=EPS, w_nk=w_nk, interpret=True), (b1, b2))[1](ct)[0]
+  assert all(np.allclose(g, np.prod(want.shape[:-1])) for g in gb)
+
+
 def test_xla_path_off_cuda_is_the_reference():
   x, w = _operands(4, 32, 8, jnp.float32)
   ref = jax.jit(lambda x, w: pk.rms_matmul_reference(x, w, eps=EPS))(x, w)
@@ -155,3 +174,14 @@ def test_one_launch_no_reduction(target, m, k, n, w_nk, dtype):
     assert np.prod(kern.grid) >= c.target.core_count, kern.grid
   info = c.ptxas(KERNEL)
   assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_frame == 0, info
+
+
+@pytest.mark.gpu_aot
+@pytest.mark.skipif(REASON is not None, reason=f"deviceless CUDA compilation unavailable: {REASON}")
+@pytest.mark.parametrize("target", ["h100", "a100"])
+def test_two_biases_one_launch(target):
+  """GPT-2's QKV at decode with the fused β·W and c_attn's own bias: still one launch."""
+  dt = jnp.dtype("bfloat16")
+  c = aot.compile(lambda x, w, b1, b2: pk.rms_matmul(x, w, (b1, b2), eps=EPS, interpret=False),
+                  S((8, 768), dt), S((768, 2304), dt), S((2304,), dt), S((2304,), dt), target=target)
+  assert [(kk.name, kk.kind) for kk in c.kernels] == [(KERNEL, "kCustomKernel")], c.kernels
