@@ -289,7 +289,7 @@ def _bias_add(level, r, modified: set) -> Optional[tuple]:
   if len(uses) != 1 or z in prog.output_positions:
     return None
   node, k = uses[0]
-  if (node.prim.name != "add" or node.subs or len(node.ins) != 2 or node.path[:-1] != r.node.path[:-1]
+  if (node.subs or rule_for(node.prim).arith != "+" or len(node.ins) != 2 or node.path[:-1] != r.node.path[:-1]
       or node.path in modified):
     return None
   o, t = node.ins[1 - k], node.outs[0]
