@@ -72,6 +72,19 @@ once), when, besides the kernel's own proof:
   fused plan (the facts hold at run time).
 
 Otherwise the add stays an equation of its own.
+
+Sibling readers. A norm read by several matmuls (separate q, k, v; Phi's
+parallel attention and MLP inputs) runs them as ONE launch of
+``pallas_kernels.rms_matmul_group`` (the column grid is the weights' tiles one
+after another; each program computes its own weight's tile exactly as the
+single kernel does, and no weight is copied or concatenated), when every
+reader is proved for the kernel on its own (above), their weights are read in
+one layout (none transposed) and have one dtype, they are at one level of the
+program, and every weight is an input or a captured constant of the program
+(or fuse's untied copy of one): the first reader (the leader) runs the launch,
+so each weight must be known there. Their own biases stay adds. Otherwise each
+keeps XLA's deferred form, whose GEMMs XLA merges into one launch, which one
+kernel call per reader could not join.
 """
 
 from __future__ import annotations
@@ -112,6 +125,7 @@ class RmsRead:
   w_nk: bool               # the weight is (N, K): contracted on its dim 1
   w_t: bool = False        # the weight is a transpose: the kernel reads it untransposed
   add: Optional[tuple] = None   # (path of the add of the reader's own bias, its operand index)
+  group: tuple = ()        # sibling readers in one launch: ((path, weight key, out dtype), ...), leader first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,6 +293,30 @@ def _rms_read(level, r, aff, x, chain: tuple, assume: dict) -> tuple:
   return RmsRead(src.key, eps, tuple(dd.rc) == (1,), _transposed(level, w)), ""
 
 
+def _group(level, sib: list) -> tuple:
+  """``(members, "")``: the readers of one norm as one grouped kernel launch
+  (``pallas_kernels.rms_matmul_group``), each proved for the kernel on its own,
+  or ``((), why not)``. Members in program order, the first (the leader) runs
+  the launch, so every other weight must be a value of the program known then:
+  an input or a captured constant (or fuse's untied copy of one), at the
+  leader's level of the program."""
+  for r, kern, why in sib:
+    if kern is None:
+      return (), why
+  sib = sorted(sib, key=lambda t: t[0].node.index)
+  (r0, k0, _) = sib[0]
+  ws = [r.node.ins[r.w_side] for r, _, _ in sib]
+  if any(k.w_t or k.w_nk != k0.w_nk or k.x != k0.x or k.eps != k0.eps for _, k, _ in sib):
+    return (), "their weights are read in different layouts"
+  if len({np.dtype(w.dtype) for w in ws}) != 1:
+    return (), "their weights have different dtypes"
+  if any(r.node.path[:-1] != r0.node.path[:-1] or r.node.program is not r0.node.program for r, _, _ in sib):
+    return (), "they are in different parts of the program"
+  if any(not isinstance(w, Val) or w.producer is not None for w in ws):
+    return (), "a weight is computed in the program"
+  return tuple((r.node.path, w.key, np.dtype(r.node.outs[0].dtype).name) for (r, _, _), w in zip(sib, ws)), ""
+
+
 def _bias_add(level, r, modified: set) -> Optional[tuple]:
   """``(path, operand)`` of the add of the reader's own bias, a vector along the
   output's last dim that the kernel may add in its epilogue (see the module
@@ -337,7 +375,7 @@ def analyse(level, accepted: list, names: list, modified: set, fuse_sites: list,
   for aff, readers in accepted:
     where = aff.y.producer.where()
     labels = tuple(names[r.leaf] for r in readers)
-    mine, fast, slow = [], [], []
+    mine, fast, slow, sib = [], [], [], []
     try:
       x, s, invert = _statistic(level, aff)
       region = _region(level, aff.y, {x, s})
@@ -356,8 +394,12 @@ def analyse(level, accepted: list, names: list, modified: set, fuse_sites: list,
         if assume is not None and len(readers) > 1:
           # Sibling readers (q, k, v; Phi's parallel block): XLA merges their GEMMs into
           # one launch, which one opaque RMS-matmul call per reader cannot join (the
-          # deviceless model: OPT, Phi, ViT launch more than the folded program).
-          why = f"{len(readers)} readers share the norm, XLA merges their GEMMs"
+          # deviceless model: OPT, Phi, ViT launch more than the folded program); one
+          # grouped launch for all of them can (decided below, once every reader is seen).
+          sib.append((r, *_rms_read(level, r, aff, x, chain, assume)))
+          mine.append(Deferred(r.node.path, 1 - r.w_side, x.key, s.key, aff.y.shape, chain,
+                               r.y_dim, invert, None))
+          continue
         elif assume is not None:
           kern, why = _rms_read(level, r, aff, x, chain, assume)
           add = _bias_add(level, r, modified) if kern is not None else None
@@ -371,6 +413,16 @@ def analyse(level, accepted: list, names: list, modified: set, fuse_sites: list,
             slow.append(f"{label} ({why})")
         mine.append(Deferred(r.node.path, 1 - r.w_side, x.key, s.key, aff.y.shape, chain,
                              r.y_dim, invert, kern))
+      if sib:
+        group, why = _group(level, sib)
+        for i, (r, kern, _) in enumerate(sib):
+          if group:
+            mine[i] = dataclasses.replace(mine[i], kernel=dataclasses.replace(kern, group=group))
+        if group:
+          fast.append(f"{', '.join(param_label(names[r.leaf]) for r, _, _ in sib)} in one launch")
+        else:
+          slow += [f"{param_label(names[r.leaf])} ({len(readers)} readers share the norm, XLA merges "
+                   f"their GEMMs; one kernel launch cannot: {why})" for r, _, _ in sib]
     except Block as err:
       sites.append(DeferSite(where, labels, False, f"not deferred: {err}"))
       continue
@@ -480,11 +532,37 @@ def run(entry: Deferred, eqn: Any, invals: list, values: dict, norm_impl: str = 
   ``Pending`` (with ``bias``) for ``resolve``."""
   if hold and entry.kernel is not None and entry.kernel.add is not None and norm_impl != "xla":
     return [Pending(entry, eqn, invals, values, norm_impl, bias)], True
-  if entry.kernel is not None and norm_impl != "xla":
+  if entry.kernel is not None and not entry.kernel.group and norm_impl != "xla":
     out = _kernel(entry, eqn, invals, values, norm_impl, bias)
     if out is not None:
       return out
   return _xla(entry, eqn, invals, values), False
+
+
+def run_group(entries: dict, weights: list, biases: list, values: dict, norm_impl: str) -> Optional[dict]:
+  """The sibling readers of one norm (``entries[path]``, each ``.kernel.group``,
+  in the group's order; ``weights`` and the fused ``biases`` (or None) likewise)
+  in one launch of ``pallas_kernels.rms_matmul_group``: ``{path: (output,
+  whether its bias is in it)}``, or None (``norm_impl`` or the values say no:
+  each reader then keeps XLA's deferred form)."""
+  members = next(iter(entries.values())).kernel.group
+  k = entries[members[0][0]].kernel
+  x = values.get(k.x)
+  if x is None or isinstance(x, Zero) or any(w is None or isinstance(w, Zero) for w in weights):
+    return None
+  interpret = kernels.use_matmul_kernel(norm_impl, int(np.prod(x.shape[:-1])))
+  if interpret is None:
+    return None
+  vecs, took = [], []
+  for (path, _, dt), w, bias in zip(members, weights, biases):
+    n = w.shape[0] if k.w_nk else w.shape[1]
+    take = (bias is not None and not isinstance(bias, Zero) and bias.ndim <= len(x.shape)
+            and bias.shape[-1:] == (n,) and bias.size == n and jnp.result_type(dt, bias.dtype) == np.dtype(dt))
+    vecs.append(jnp.reshape(bias, (n,)) if take else None)
+    took.append(take)
+  outs = kernels.run_rms_matmul_group(x, list(weights), vecs, k.eps, k.w_nk, [dt for _, _, dt in members],
+                                      interpret)
+  return {path: (out, t) for (path, _, _), out, t in zip(members, outs, took)}
 
 
 def _xla(entry: Deferred, eqn: Any, invals: list, values: dict) -> Optional[list]:

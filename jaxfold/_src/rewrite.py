@@ -120,6 +120,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
   own_bias = ({e.kernel.add[0]: e for e in plan.deferred if e.kernel is not None and e.kernel.add is not None}
               if plan.norm_impl != "xla" else {})
   touched = plan.touched
+  grouped: dict = {}    # outputs of a sibling group's launch, for the readers after its leader
 
   def read(a):
     return compat.literal_value(a) if compat.is_literal(a) else env[a]
@@ -178,6 +179,15 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
     elif path in fused_at and (path, "out", 0) not in aux and (path, "out", 0) not in biases:
       # (the kernel's sum must be the value every consumer reads, unchanged)
       outs = _fused(fused_at[path], eqn, invals, values, plan)
+    if outs is None and path in grouped:
+      outs, biased = grouped.pop(path)
+      outs = [outs]
+    elif outs is None and path in deferred and _leads(deferred[path], plan):
+      got = _run_group(deferred, path, untied, extras, biases, aux, values, plan)
+      if got is not None:
+        grouped.update(got)
+        outs, biased = grouped.pop(path)
+        outs = [outs]
     if outs is None and path in deferred:
       key = (path, "out", 0)
       bias = extras[biases[key]] if key in biases and key not in aux else None
@@ -205,6 +215,33 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
     for k, (v, val) in enumerate(zip(eqn.outvars, outs)):
       write(v, val, (path, "out", k), biased)
   return [_materialize(v) for v in (read(a) for a in jaxpr.outvars)]
+
+
+def _leads(entry, plan) -> bool:
+  k = entry.kernel
+  return k is not None and bool(k.group) and k.group[0][0] == entry.path and plan.norm_impl != "xla"
+
+
+def _run_group(deferred, path, untied, extras, biases, aux, values, plan):
+  """At a sibling group's leader: every member's output from one launch, or None."""
+  members = deferred[path].kernel.group
+  entries = {p: deferred[p] for p, _, _ in members}
+  weights, fused = [], []
+  for p, wkey, _ in members:
+    out = (p, "out", 0)
+    if out in aux:
+      return None
+    side = 1 - entries[p].operand
+    if (p, side) in untied:
+      name, chain = untied[(p, side)]
+      w = extras[name]
+      for ceqn in chain:
+        w = compat.bind_eqn(ceqn, [w])[0]
+    else:
+      w = values.get(wkey)
+    weights.append(w)
+    fused.append(extras[biases[out]] if out in biases else None)
+  return deferral.run_group(entries, weights, fused, values, plan.norm_impl)
 
 
 def _materialize(x):
