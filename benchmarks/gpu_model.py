@@ -245,7 +245,9 @@ def modelled_seconds(kernels: list, target: str) -> float:
 def rms_matmul_work(c) -> None:
     """Adds the work of ``pallas_kernels.rms_matmul`` launches to ``c.kernels``: an opaque
     custom call whose GEMM (2·M·N·K flops, the dtype of its weight) and sum of squares (one
-    row reduction) are not in the HLO, so the roofline would see only its bytes."""
+    row reduction) are not in the HLO, so the roofline would see only its bytes. A grouped
+    launch (``rms_matmul_group``: the sibling readers of one norm) has one (M, N_i) result per
+    weight: N = Σ N_i."""
     from pallas_kernels.rms_matmul import KERNEL
 
     instrs = None
@@ -258,8 +260,8 @@ def rms_matmul_work(c) -> None:
         if ins is None or len(ins.operands) < 2 or ins.operands[0] not in instrs or ins.operands[1] not in instrs:
             continue
         out, x, w = (aot._arrays(s) for s in (ins.shape, instrs[ins.operands[0]].shape, instrs[ins.operands[1]].shape))
-        if out and x and w and len(out[0][1]) == 2 and len(x[0][1]) == 2:
-            (m, n), kk = out[0][1], x[0][1][1]
+        if out and x and w and all(len(o[1]) == 2 for o in out) and len(x[0][1]) == 2:
+            m, n, kk = out[0][1][0], sum(o[1][1] for o in out), x[0][1][1]
             k.flops, k.flops_dtype, k.reductions = 2.0 * m * n * kk, w[0][0], 1
 
 

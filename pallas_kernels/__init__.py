@@ -15,7 +15,7 @@ Example:
 
 from pallas_kernels._compat import export_disabled_checks
 from pallas_kernels.dispatch import DEFAULT_RULES, Rule, choose, get_backend, get_rules, set_backend, set_rules
-from pallas_kernels.rms_matmul import rms_matmul, rms_matmul_reference
+from pallas_kernels.rms_matmul import rms_matmul, rms_matmul_group, rms_matmul_reference
 from pallas_kernels.rms_norm import (
     BWD_KERNELS,
     FWD_KERNELS,
@@ -49,6 +49,7 @@ __all__ = [
     "get_rules",
     "resolve_backend",
     "rms_matmul",
+    "rms_matmul_group",
     "rms_matmul_reference",
     "rms_norm",
     "rms_norm_reference",

@@ -79,7 +79,8 @@ def rms_matmul_reference(x: jax.Array, w: jax.Array, bias: Optional[jax.Array] =
   """``(x.astype(w.dtype) @ w) * rsqrt(mean(x², -1) + eps) + bias`` accumulated in
   ``promote(x, w, float32)``, returned in ``out_dtype`` (default ``w.dtype``).
 
-  ``w`` is ``(K, N)``, or ``(N, K)`` with ``w_nk``; ``bias`` ``(N,)`` or None.
+  ``w`` is ``(K, N)``, or ``(N, K)`` with ``w_nk``; ``bias`` ``(N,)``, a tuple of
+  ``(N,)`` vectors (each added in the accumulator, in order) or None.
 
   Example:
       >>> import jax.numpy as jnp
@@ -90,9 +91,16 @@ def rms_matmul_reference(x: jax.Array, w: jax.Array, bias: Optional[jax.Array] =
   xf = x.astype(acc)
   s = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
   out = lax.dot_general(x.astype(w.dtype), w, _dims(x.ndim, w_nk), preferred_element_type=acc) * s
-  if bias is not None:
-    out = out + bias.astype(acc)
+  for b in _biases(bias):
+    out = out + b.astype(acc)
   return out.astype(out_dtype or w.dtype)
+
+
+def _biases(bias) -> tuple:
+  """``bias`` as a tuple of vectors (None: none; one array: one)."""
+  if bias is None:
+    return ()
+  return tuple(bias) if isinstance(bias, (tuple, list)) else (bias,)
 
 
 # --------------------------------------------------------------------------
@@ -129,13 +137,43 @@ def tiles(m: int, n: int, k: int, itemsize: int = 2) -> tuple[int, int, int, int
   return 128, 128, bk, 8 if wide else 4, 3
 
 
-def _kernel(*refs, st: _Static, m: int, n: int, k: int, bk: int, acc, dot_dtype, has_bias: bool):
-  api = pallas_api("triton")
-  x_ref, w_ref, b_ref, o_ref = refs if has_bias else (refs[0], refs[1], None, refs[2])
+def _kernel(*refs, st: _Static, m: int, n: int, k: int, bk: int, acc, dot_dtype, n_bias: int):
+  x_ref, w_ref, b_refs, o_ref = refs[0], refs[1], refs[2:2 + n_bias], refs[-1]
   bm, bn = o_ref.shape
   # program_id at the top level: interpret mode does not substitute it inside a loop body.
   row_ok = pl.program_id(0) * bm + jnp.arange(bm) < m
   col_ok = pl.program_id(1) * bn + jnp.arange(bn) < n
+  _tile(x_ref, w_ref, b_refs, o_ref, row_ok, col_ok, st=st, k=k, bk=bk, acc=acc, dot_dtype=dot_dtype)
+
+
+def _group_kernel(*refs, st: _Static, m: int, ns: tuple, starts: tuple, nb: tuple, k: int, bk: int, acc,
+                  dot_dtype):
+  """Segment ``s`` of the column grid (tiles ``starts[s]``...) computes reader ``s``:
+  its weight, its biases, its output; one launch for every reader of one norm."""
+  g = len(ns)
+  x_ref, w_refs, rest = refs[0], refs[1:1 + g], refs[1 + g:]
+  b_refs = []
+  for c in nb:
+    b_refs.append(rest[:c])
+    rest = rest[c:]
+  o_refs = rest
+  bm, bn = o_refs[0].shape
+  i, j = pl.program_id(0), pl.program_id(1)
+  row_ok = i * bm + jnp.arange(bm) < m
+  for s in range(g):
+    t = pl.cdiv(ns[s], bn)
+
+    @pl.when((j >= starts[s]) & (j < starts[s] + t))
+    def _(s=s):
+      col_ok = (j - starts[s]) * bn + jnp.arange(bn) < ns[s]
+      _tile(x_ref, w_refs[s], b_refs[s], o_refs[s], row_ok, col_ok, st=st, k=k, bk=bk, acc=acc,
+            dot_dtype=dot_dtype)
+
+
+def _tile(x_ref, w_ref, b_refs, o_ref, row_ok, col_ok, *, st: _Static, k: int, bk: int, acc, dot_dtype):
+  """One (row, column) output tile: the dot and Σx² over K, the scale, the biases."""
+  api = pallas_api("triton")
+  bm, bn = o_ref.shape
   prec = lax.Precision.HIGHEST if np.dtype(dot_dtype) == np.float32 else None
 
   def body(t, carry):
@@ -155,7 +193,7 @@ def _kernel(*refs, st: _Static, m: int, n: int, k: int, bk: int, acc, dot_dtype,
   init = (jnp.zeros((bm, bn), acc), jnp.zeros((bm,), acc))
   out, ss = lax.fori_loop(0, pl.cdiv(k, bk), body, init)
   out = out * lax.rsqrt(ss / k + st.eps)[:, None]   # masked rows: rsqrt(ε), never stored
-  if has_bias:
+  for b_ref in b_refs:   # each bias vector in the accumulator, in order
     out = out + api.load(b_ref, mask=col_ok, other=0).astype(acc)[None, :]
   api.store(o_ref, out.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -168,11 +206,11 @@ def _forward(x, w, b, st: _Static):
   x_spec = pl.BlockSpec((bm, kp), lambda i, j: (i, 0))
   w_spec = pl.BlockSpec((bn, kp), lambda i, j: (j, 0)) if st.w_nk else pl.BlockSpec((kp, bn), lambda i, j: (0, j))
   kernel = functools.partial(_kernel, st=st, m=m, n=n, k=k, bk=bk, acc=_acc(x.dtype, w.dtype), dot_dtype=w.dtype,
-                             has_bias=b is not None)
+                             n_bias=len(_biases(b)))
   specs, args = [x_spec, w_spec], [x, w]
-  if b is not None:
+  for v in _biases(b):
     specs.append(pl.BlockSpec((bn,), lambda i, j: (j,)))
-    args.append(b)
+    args.append(v)
   params = None if st.interpret else pallas_api("triton").compiler_params(num_warps=warps, num_stages=stages)
   call = pl.pallas_call(
       kernel, grid=(pl.cdiv(m, bm), pl.cdiv(n, bn)), in_specs=specs,
@@ -181,6 +219,67 @@ def _forward(x, w, b, st: _Static):
       interpret=st.interpret, compiler_params=params, name=KERNEL)
   # cuda_only: a multi-platform export must not lower the compiled kernel for the CPU.
   return call(*args) if st.interpret else _compat.cuda_only(lambda *a: [call(*a)])(*args)[0]
+
+
+def _group_forward(x, ws, bs, st: _Static, out_dtypes: tuple):
+  m, k = x.shape
+  ns = tuple(w.shape[0] if st.w_nk else w.shape[1] for w in ws)
+  bm, bn, bk, warps, stages = tiles(m, sum(ns), k, max([x.dtype.itemsize] + [w.dtype.itemsize for w in ws]))
+  kp = pl.cdiv(k, bk) * bk
+  ts = [pl.cdiv(n, bn) for n in ns]
+  starts = tuple(sum(ts[:s]) for s in range(len(ws)))
+
+  def cols(a, t):   # this segment's column tile; programs of other segments keep it in range
+    return lambda j: jnp.clip(j - a, 0, t - 1)
+
+  specs, args, out_specs, nb = [pl.BlockSpec((bm, kp), lambda i, j: (i, 0))], [x], [], []
+  for s, w in enumerate(ws):
+    c = cols(starts[s], ts[s])
+    specs.append(pl.BlockSpec((bn, kp), lambda i, j, c=c: (c(j), 0)) if st.w_nk else
+                 pl.BlockSpec((kp, bn), lambda i, j, c=c: (0, c(j))))
+    args.append(w)
+    out_specs.append(pl.BlockSpec((bm, bn), lambda i, j, c=c: (i, c(j))))
+  for s, b in enumerate(bs):
+    vs = _biases(b)
+    nb.append(len(vs))
+    c = cols(starts[s], ts[s])
+    for v in vs:
+      specs.append(pl.BlockSpec((bn,), lambda i, j, c=c: (c(j),)))
+      args.append(v)
+  acc = functools.reduce(_acc, [w.dtype for w in ws], x.dtype)
+  kernel = functools.partial(_group_kernel, st=st, m=m, ns=ns, starts=starts, nb=tuple(nb), k=k, bk=bk,
+                             acc=acc, dot_dtype=ws[0].dtype)
+  params = None if st.interpret else pallas_api("triton").compiler_params(num_warps=warps, num_stages=stages)
+  call = pl.pallas_call(
+      kernel, grid=(pl.cdiv(m, bm), sum(ts)), in_specs=specs, out_specs=out_specs,
+      out_shape=[jax.ShapeDtypeStruct((m, n), jnp.dtype(d)) for n, d in zip(ns, out_dtypes)],
+      interpret=st.interpret, compiler_params=params, name=KERNEL)
+  if st.interpret:
+    return tuple(call(*args))
+  return tuple(_compat.cuda_only(lambda *a: list(call(*a)))(*args))
+
+
+def _group_ref(x, ws, bs, st: _Static, out_dtypes: tuple):
+  return tuple(rms_matmul_reference(x, w, b, eps=st.eps, out_dtype=jnp.dtype(d), w_nk=st.w_nk)
+               for w, b, d in zip(ws, bs, out_dtypes))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _group_core(x, ws, bs, st: _Static, out_dtypes: tuple):
+  return _group_forward(x, ws, bs, st, out_dtypes)
+
+
+def _group_core_fwd(x, ws, bs, st, out_dtypes):
+  return _group_forward(x, ws, bs, st, out_dtypes), (x, ws, bs)
+
+
+def _group_core_bwd(st, out_dtypes, res, ct):
+  x, ws, bs = res
+  _, vjp = jax.vjp(lambda x, ws, bs: _group_ref(x, ws, bs, st, out_dtypes), x, ws, bs)
+  return vjp(ct)
+
+
+_group_core.defvjp(_group_core_fwd, _group_core_bwd)
 
 
 def _ref2(x, w, b, st: _Static):
@@ -234,7 +333,10 @@ def rms_matmul(x: jax.Array, w: jax.Array, bias: Optional[jax.Array] = None, *, 
     x: ``(..., K)``; the statistic is computed from it in ``promote(x, w,
       float32)``, the dot from ``x.astype(w.dtype)``.
     w: ``(K, N)``, or ``(N, K)`` with ``w_nk`` (a tied embedding read as a head).
-    bias: ``(N,)`` or None, added after the scale (it is not scaled).
+    bias: ``(N,)``, a tuple of ``(N,)`` vectors or None, added after the scale
+      (not scaled), each in the accumulator dtype, before the one rounding to
+      ``out_dtype`` (a deferred reader's fused ``β·W`` and its own bias: one
+      launch, no separate sum of the two).
     eps: added to the mean square.
     out_dtype: the result dtype (default ``w.dtype``); the scale is applied to
       the accumulator, before this one rounding.
@@ -256,8 +358,13 @@ def rms_matmul(x: jax.Array, w: jax.Array, bias: Optional[jax.Array] = None, *, 
   if w.ndim != 2 or (w.shape[1] if w_nk else w.shape[0]) != k:
     raise ValueError(f"w must be {'(N, K)' if w_nk else '(K, N)'} with K = {k}, got {w.shape}")
   n = w.shape[0] if w_nk else w.shape[1]
-  if bias is not None and bias.shape != (n,):
-    raise ValueError(f"bias must have shape ({n},), got {bias.shape}")
+  if isinstance(bias, list):
+    bias = tuple(bias)
+  for b in _biases(bias):
+    if b.shape != (n,):
+      raise ValueError(f"bias must have shape ({n},), got {b.shape}")
+  if isinstance(bias, tuple) and not bias:
+    bias = None
   out_dtype = jnp.dtype(out_dtype or w.dtype)
   st = _Static(float(eps), out_dtype.name, bool(w_nk), bool(interpret))
   lead = x.shape[:-1]
@@ -269,6 +376,62 @@ def rms_matmul(x: jax.Array, w: jax.Array, bias: Optional[jax.Array] = None, *, 
   if interpret:
     return kernel(x, w, bias)
   if unsupported_reason(x.shape, x.dtype, w.shape, w.dtype) is not None or (
-      bias is not None and np.dtype(bias.dtype).name not in SUPPORTED_DTYPES):
+      any(np.dtype(b.dtype).name not in SUPPORTED_DTYPES for b in _biases(bias))):
     return ref(x, w, bias)
   return _compat.platform_dependent(x, w, bias, cuda=kernel, default=ref)
+
+
+def rms_matmul_group(x: jax.Array, ws, biases=None, *, eps: float, out_dtypes=None, w_nk: bool = False,
+                     interpret: Optional[bool] = None) -> tuple:
+  """``rms_matmul(x, w_i, b_i)`` for every weight ``w_i`` of ``ws`` in ONE launch.
+
+  The readers of one norm (separate q, k, v projections; Phi's parallel attention
+  and MLP inputs): the column grid is the weights' tiles one after another, and a
+  program computes its own weight's tile exactly as :func:`rms_matmul` does (its
+  own Σx² over the row it loads, the scale, its biases). No weight is copied or
+  concatenated. ``ws``: ``(K, N_i)`` each (``(N_i, K)`` with ``w_nk``), one dtype;
+  ``biases``: None or one entry per weight (None, ``(N_i,)`` or a tuple of them);
+  ``out_dtypes``: one per weight (default each weight's dtype).
+
+  Returns a tuple of ``(..., N_i)``. Differentiable (the reference's VJP).
+
+  Example:
+      >>> import jax, jax.numpy as jnp
+      >>> x = jax.random.normal(jax.random.key(0), (3, 40))
+      >>> ws = [jax.random.normal(jax.random.key(i), (40, n)) for i, n in ((1, 24), (2, 7))]
+      >>> ys = rms_matmul_group(x, ws, eps=1e-6, interpret=True)
+      >>> [bool(jnp.allclose(y, rms_matmul_reference(x, w, eps=1e-6), atol=1e-4)) for y, w in zip(ys, ws)]
+      [True, True]
+  """
+  ws = tuple(ws)
+  k = x.shape[-1]
+  if not ws or any(w.ndim != 2 or (w.shape[1] if w_nk else w.shape[0]) != k for w in ws):
+    raise ValueError(f"every weight must be {'(N, K)' if w_nk else '(K, N)'} with K = {k}")
+  if len({np.dtype(w.dtype) for w in ws}) != 1:
+    raise ValueError("the weights must have one dtype")
+  ns = [w.shape[0] if w_nk else w.shape[1] for w in ws]
+  bs = tuple(biases) if biases is not None else (None,) * len(ws)
+  if len(bs) != len(ws):
+    raise ValueError(f"{len(bs)} biases for {len(ws)} weights")
+  bs = tuple(None if not _biases(b) else tuple(_biases(b)) for b in bs)
+  for b, n in zip(bs, ns):
+    for v in _biases(b):
+      if v.shape != (n,):
+        raise ValueError(f"bias must have shape ({n},), got {v.shape}")
+  out_dtypes = tuple(np.dtype(d).name for d in (out_dtypes or [w.dtype for w in ws]))
+  st = _Static(float(eps), out_dtypes[0], bool(w_nk), bool(interpret))
+  lead = x.shape[:-1]
+
+  def kernel(x, ws, bs):
+    outs = _group_core(x.reshape(-1, k), ws, bs, st, out_dtypes)
+    return tuple(o.reshape(*lead, n) for o, n in zip(outs, ns))
+
+  def ref(x, ws, bs):
+    return _group_ref(x, ws, bs, st, out_dtypes)
+
+  if interpret:
+    return kernel(x, ws, bs)
+  if any(unsupported_reason(x.shape, x.dtype, w.shape, w.dtype) is not None for w in ws) or any(
+      np.dtype(v.dtype).name not in SUPPORTED_DTYPES for b in bs for v in _biases(b)):
+    return ref(x, ws, bs)
+  return tuple(_compat.platform_dependent(x, ws, bs, cuda=kernel, default=ref))

@@ -51,6 +51,40 @@ besides the above:
   dtype for the dot, as the XLA form contracts ``chain(x)``.
 
 Otherwise the reader keeps the XLA form ``(chain(x) @ W') · s``.
+
+The reader's own bias. A linear layer adds its bias right after the
+contraction (``t = z + b``, GPT-2's ``c_attn``): as a separate equation, which
+XLA fuses into its own GEMM's epilogue but cannot fuse into the opaque kernel
+(on the A100 it became one more launch per layer, the bias add fused with the
+slice of q). The kernel adds it in its epilogue, next to the fused ``β·W``
+(``t = s · (x @ W') + β·W + b``, the same value in real arithmetic, rounded
+once), when, besides the kernel's own proof:
+
+* ``t`` is an ``add`` of the reader's output ``z`` (either operand) and an
+  operand ``o`` of ``t``'s rank, last dim and dtype, and ``z`` has no other
+  use (no other equation and no program output reads it), ``t`` has ``z``'s
+  shape (``z`` is not broadcast), and the add is in the reader's level of the
+  program (the rewrite holds ``z`` until the add);
+* ``o`` (broadcast to ``t``) is constant along every dim but the last (the
+  analysis's facts, not a random value's): one value per output column, so
+  ``o[0, ..., 0, :]`` is the vector the kernel adds;
+* no operation between the program's inputs and ``o`` is changed by the
+  fused plan (the facts hold at run time).
+
+Otherwise the add stays an equation of its own.
+
+Sibling readers. A norm read by several matmuls (separate q, k, v; Phi's
+parallel attention and MLP inputs) runs them as ONE launch of
+``pallas_kernels.rms_matmul_group`` (the column grid is the weights' tiles one
+after another; each program computes its own weight's tile exactly as the
+single kernel does, and no weight is copied or concatenated), when every
+reader is proved for the kernel on its own (above), their weights are read in
+one layout (none transposed) and have one dtype, they are at one level of the
+program, and every weight is an input or a captured constant of the program
+(or fuse's untied copy of one): the first reader (the leader) runs the launch,
+so each weight must be known there. Their own biases stay adds. Otherwise each
+keeps XLA's deferred form, whose GEMMs XLA merges into one launch, which one
+kernel call per reader could not join.
 """
 
 from __future__ import annotations
@@ -90,6 +124,8 @@ class RmsRead:
   eps: float
   w_nk: bool               # the weight is (N, K): contracted on its dim 1
   w_t: bool = False        # the weight is a transpose: the kernel reads it untransposed
+  add: Optional[tuple] = None   # (path of the add of the reader's own bias, its operand index)
+  group: tuple = ()        # sibling readers in one launch: ((path, weight key, out dtype), ...), leader first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,6 +293,57 @@ def _rms_read(level, r, aff, x, chain: tuple, assume: dict) -> tuple:
   return RmsRead(src.key, eps, tuple(dd.rc) == (1,), _transposed(level, w)), ""
 
 
+def _group(level, sib: list) -> tuple:
+  """``(members, "")``: the readers of one norm as one grouped kernel launch
+  (``pallas_kernels.rms_matmul_group``), each proved for the kernel on its own,
+  or ``((), why not)``. Members in program order, the first (the leader) runs
+  the launch, so every other weight must be a value of the program known then:
+  an input or a captured constant (or fuse's untied copy of one), at the
+  leader's level of the program."""
+  for r, kern, why in sib:
+    if kern is None:
+      return (), why
+  sib = sorted(sib, key=lambda t: t[0].node.index)
+  (r0, k0, _) = sib[0]
+  ws = [r.node.ins[r.w_side] for r, _, _ in sib]
+  if any(k.w_t or k.w_nk != k0.w_nk or k.x != k0.x or k.eps != k0.eps for _, k, _ in sib):
+    return (), "their weights are read in different layouts"
+  if len({np.dtype(w.dtype) for w in ws}) != 1:
+    return (), "their weights have different dtypes"
+  if any(r.node.path[:-1] != r0.node.path[:-1] or r.node.program is not r0.node.program for r, _, _ in sib):
+    return (), "they are in different parts of the program"
+  if any(not isinstance(w, Val) or w.producer is not None for w in ws):
+    return (), "a weight is computed in the program"
+  return tuple((r.node.path, w.key, np.dtype(r.node.outs[0].dtype).name) for (r, _, _), w in zip(sib, ws)), ""
+
+
+def _bias_add(level, r, modified: set) -> Optional[tuple]:
+  """``(path, operand)`` of the add of the reader's own bias, a vector along the
+  output's last dim that the kernel may add in its epilogue (see the module
+  docstring), or None."""
+  z = r.node.outs[0]
+  prog = z.program
+  uses = prog.consumers.get(z, [])
+  if len(uses) != 1 or z in prog.output_positions:
+    return None
+  node, k = uses[0]
+  if (node.subs or rule_for(node.prim).arith != "+" or len(node.ins) != 2 or node.path[:-1] != r.node.path[:-1]
+      or node.path in modified):
+    return None
+  o, t = node.ins[1 - k], node.outs[0]
+  nd = len(t.shape)
+  if (not isinstance(o, Val) or o is z or tuple(t.shape) != tuple(z.shape) or nd == 0
+      or len(o.shape) != nd or o.shape[-1] != t.shape[-1] or np.dtype(o.dtype) != np.dtype(t.dtype)
+      or np.dtype(t.dtype) != np.dtype(z.dtype)):
+    return None
+  if level.facts(o).random or not level.constant_along(o, tuple(range(nd - 1)), t.shape):
+    return None
+  region = _region(level, o, set())
+  if region is None or any(n.path in modified for n in region):
+    return None
+  return node.path, 1 - k
+
+
 def _transposed(level, w) -> bool:
   """``w`` is a transpose of a matrix (a tied embedding read as the head): the
   kernel then reads ``wᵀ`` in the other layout, which XLA folds into the
@@ -288,7 +375,7 @@ def analyse(level, accepted: list, names: list, modified: set, fuse_sites: list,
   for aff, readers in accepted:
     where = aff.y.producer.where()
     labels = tuple(names[r.leaf] for r in readers)
-    mine, fast, slow = [], [], []
+    mine, fast, slow, sib = [], [], [], []
     try:
       x, s, invert = _statistic(level, aff)
       region = _region(level, aff.y, {x, s})
@@ -307,18 +394,35 @@ def analyse(level, accepted: list, names: list, modified: set, fuse_sites: list,
         if assume is not None and len(readers) > 1:
           # Sibling readers (q, k, v; Phi's parallel block): XLA merges their GEMMs into
           # one launch, which one opaque RMS-matmul call per reader cannot join (the
-          # deviceless model: OPT, Phi, ViT launch more than the folded program).
-          why = f"{len(readers)} readers share the norm, XLA merges their GEMMs"
+          # deviceless model: OPT, Phi, ViT launch more than the folded program); one
+          # grouped launch for all of them can (decided below, once every reader is seen).
+          sib.append((r, *_rms_read(level, r, aff, x, chain, assume)))
+          mine.append(Deferred(r.node.path, 1 - r.w_side, x.key, s.key, aff.y.shape, chain,
+                               r.y_dim, invert, None))
+          continue
         elif assume is not None:
           kern, why = _rms_read(level, r, aff, x, chain, assume)
+          add = _bias_add(level, r, modified) if kern is not None else None
+          if add is not None:
+            kern = dataclasses.replace(kern, add=add)
         if assume is not None:
           label = param_label(names[r.leaf])
           if kern is not None:
-            fast.append(label)
+            fast.append(label + (" with its bias" if kern.add is not None else ""))
           else:
             slow.append(f"{label} ({why})")
         mine.append(Deferred(r.node.path, 1 - r.w_side, x.key, s.key, aff.y.shape, chain,
                              r.y_dim, invert, kern))
+      if sib:
+        group, why = _group(level, sib)
+        for i, (r, kern, _) in enumerate(sib):
+          if group:
+            mine[i] = dataclasses.replace(mine[i], kernel=dataclasses.replace(kern, group=group))
+        if group:
+          fast.append(f"{', '.join(param_label(names[r.leaf]) for r, _, _ in sib)} in one launch")
+        else:
+          slow += [f"{param_label(names[r.leaf])} ({len(readers)} readers share the norm, XLA merges "
+                   f"their GEMMs; one kernel launch cannot: {why})" for r, _, _ in sib]
     except Block as err:
       sites.append(DeferSite(where, labels, False, f"not deferred: {err}"))
       continue
@@ -344,9 +448,12 @@ def analyse(level, accepted: list, names: list, modified: set, fuse_sites: list,
 # The rewrite.
 
 
-def _kernel(entry: Deferred, eqn: Any, invals: list, values: dict, norm_impl: str, bias) -> Optional[tuple]:
+def _kernel(entry: Deferred, eqn: Any, invals: list, values: dict, norm_impl: str, bias,
+            own=None) -> Optional[tuple]:
   """``(outputs, whether the bias is in them)``: the reader as the RMS-matmul
-  kernel, or None (``norm_impl`` or the values say no)."""
+  kernel, or None (``norm_impl`` or the values say no). ``own``: the operand
+  of the add of the reader's own bias (``entry.kernel.add``), constant along
+  every dim but the last: its ``[0, ..., 0, :]`` joins the epilogue too."""
   k = entry.kernel
   x, w = values.get(k.x), invals[1 - entry.operand]
   if x is None or isinstance(x, Zero) or isinstance(w, Zero):
@@ -364,23 +471,98 @@ def _kernel(entry: Deferred, eqn: Any, invals: list, values: dict, norm_impl: st
   dt = eqn.outvars[0].aval.dtype
   take = (bias is not None and not isinstance(bias, Zero) and bias.ndim <= len(eqn.outvars[0].aval.shape)
           and bias.shape[-1:] == (n,) and bias.size == n and jnp.result_type(dt, bias.dtype) == dt)
-  vec = jnp.reshape(bias, (n,)) if take else None
+  vecs = (jnp.reshape(bias, (n,)),) if take else ()
+  if own is not None and not isinstance(own, Zero):
+    vecs += (jnp.reshape(own[(0,) * (own.ndim - 1)], (n,)),)
+  vec = None if not vecs else vecs[0] if len(vecs) == 1 else vecs
   out = kernels.run_rms_matmul(x, w, vec, k.eps, w_nk, dt, interpret)
   return [out], take
 
 
+class Pending:
+  """A kernel reader's output held until the add of its own bias
+  (``entry.kernel.add``), which runs the kernel with that bias in its epilogue
+  (``resolve``). Anything else that reads it gets ``materialize()``: the reader
+  as ``run`` computes it, with the fused bias the rewrite adds."""
+  __slots__ = ("args", "_value")
+
+  def __init__(self, entry, eqn, invals, values, norm_impl, bias):
+    self.args = (entry, eqn, list(invals), values, norm_impl, bias)
+    self._value = None
+
+  def materialize(self):
+    if self._value is None:
+      entry, eqn, invals, values, norm_impl, bias = self.args
+      outs, biased = run(entry, eqn, invals, values, norm_impl, bias)
+      out = outs[0] if outs is not None else compat.bind_eqn(
+          eqn, [v.materialize() if isinstance(v, Zero) else v for v in invals])[0]
+      if bias is not None and not biased:
+        out = (out.materialize() if isinstance(out, Zero) else out) + bias
+      self._value = out
+    return self._value
+
+
+def resolve(entry: Deferred, eqn: Any, invals: list) -> Optional[list]:
+  """The add ``eqn`` of a kernel reader's own bias (``entry.kernel.add``): the
+  kernel with both biases in its epilogue, or None (its reader was not held:
+  bind the add as written)."""
+  k = entry.kernel.add[1]
+  held, own = invals[1 - k], invals[k]
+  if not isinstance(held, Pending):
+    return None
+  e, reqn, rinvals, values, norm_impl, bias = held.args
+  got = _kernel(e, reqn, rinvals, values, norm_impl, bias, own)
+  if got is None:   # no kernel after all: the reader as written, then this add
+    ins = list(invals)
+    ins[1 - k] = held.materialize()
+    return None if isinstance(own, Zero) else compat.bind_eqn(eqn, ins)   # (Zero: the rewrite's own rule)
+  (out,), took = got
+  if bias is not None and not isinstance(bias, Zero) and not took:
+    out = out + bias
+  return [out.astype(eqn.outvars[0].aval.dtype)]
+
+
 def run(entry: Deferred, eqn: Any, invals: list, values: dict, norm_impl: str = "xla",
-        bias=None) -> tuple:
+        bias=None, hold: bool = False) -> tuple:
   """``(outputs or None, whether they include bias)``: the contraction on ``x``
   scaled by ``s`` (the RMS-matmul kernel, which may also add ``bias``, the
   value the rewrite adds to this output, where proved and ``norm_impl``
   allows it); None (compute it as written) when ``x`` or ``s`` was not
-  recorded."""
-  if entry.kernel is not None and norm_impl != "xla":
+  recorded. ``hold``: a reader whose own bias the kernel may add returns a
+  ``Pending`` (with ``bias``) for ``resolve``."""
+  if hold and entry.kernel is not None and entry.kernel.add is not None and norm_impl != "xla":
+    return [Pending(entry, eqn, invals, values, norm_impl, bias)], True
+  if entry.kernel is not None and not entry.kernel.group and norm_impl != "xla":
     out = _kernel(entry, eqn, invals, values, norm_impl, bias)
     if out is not None:
       return out
   return _xla(entry, eqn, invals, values), False
+
+
+def run_group(entries: dict, weights: list, biases: list, values: dict, norm_impl: str) -> Optional[dict]:
+  """The sibling readers of one norm (``entries[path]``, each ``.kernel.group``,
+  in the group's order; ``weights`` and the fused ``biases`` (or None) likewise)
+  in one launch of ``pallas_kernels.rms_matmul_group``: ``{path: (output,
+  whether its bias is in it)}``, or None (``norm_impl`` or the values say no:
+  each reader then keeps XLA's deferred form)."""
+  members = next(iter(entries.values())).kernel.group
+  k = entries[members[0][0]].kernel
+  x = values.get(k.x)
+  if x is None or isinstance(x, Zero) or any(w is None or isinstance(w, Zero) for w in weights):
+    return None
+  interpret = kernels.use_matmul_kernel(norm_impl, int(np.prod(x.shape[:-1])))
+  if interpret is None:
+    return None
+  vecs, took = [], []
+  for (path, _, dt), w, bias in zip(members, weights, biases):
+    n = w.shape[0] if k.w_nk else w.shape[1]
+    take = (bias is not None and not isinstance(bias, Zero) and bias.ndim <= len(x.shape)
+            and bias.shape[-1:] == (n,) and bias.size == n and jnp.result_type(dt, bias.dtype) == np.dtype(dt))
+    vecs.append(jnp.reshape(bias, (n,)) if take else None)
+    took.append(take)
+  outs = kernels.run_rms_matmul_group(x, list(weights), vecs, k.eps, k.w_nk, [dt for _, _, dt in members],
+                                      interpret)
+  return {path: (out, t) for (path, _, _), out, t in zip(members, outs, took)}
 
 
 def _xla(entry: Deferred, eqn: Any, invals: list, values: dict) -> Optional[list]:

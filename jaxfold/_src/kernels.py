@@ -502,9 +502,16 @@ def use_matmul_kernel(impl: str, rows: int) -> Optional[bool]:
 
 def run_rms_matmul(x, w, bias, eps: float, w_nk: bool, out_dtype, interpret: bool):
   """``(x @ w) · rsqrt(mean(x², -1) + ε) + bias`` as the Pallas kernel (x: ``(..., K)``,
-  bias ``(N,)`` or None)."""
+  bias ``(N,)``, a tuple of ``(N,)`` vectors added in the epilogue, or None)."""
   import pallas_kernels
   return pallas_kernels.rms_matmul(x, w, bias, eps=eps, w_nk=w_nk, out_dtype=out_dtype, interpret=interpret)
+
+
+def run_rms_matmul_group(x, ws, biases, eps: float, w_nk: bool, out_dtypes, interpret: bool):
+  """``run_rms_matmul`` for every weight of ``ws`` in one launch (a tuple of outputs)."""
+  import pallas_kernels
+  return pallas_kernels.rms_matmul_group(x, ws, biases, eps=eps, w_nk=w_nk, out_dtypes=out_dtypes,
+                                         interpret=interpret)
 
 
 def run_kernel(ep: Epilogue, x, gamma, beta, out_aval, interpret: bool):

@@ -42,6 +42,7 @@ class Plan:
     paths |= {u for u, *_ in self.untied}
     paths |= {k[0] for k, _ in self.biases}
     paths |= {e.path for e in self.deferred} | {k[0] for e in self.deferred for k in (e.x, e.s)}
+    paths |= {e.kernel.add[0] for e in self.deferred if e.kernel is not None and e.kernel.add is not None}
     if self.norm_impl != "xla":
       paths |= {e.out_path for e in self.epilogues}
       paths |= {e.add_path for e in self.epilogues if e.add_path is not None}
@@ -115,7 +116,11 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
   centered = dict(plan.consts)
   untied = {(u, k): (name, chain) for u, k, name, chain in plan.untied}
   deferred = {e.path: e for e in plan.deferred}
+  # The add of a kernel reader's own bias: the reader is held (deferral.Pending) until it.
+  own_bias = ({e.kernel.add[0]: e for e in plan.deferred if e.kernel is not None and e.kernel.add is not None}
+              if plan.norm_impl != "xla" else {})
   touched = plan.touched
+  grouped: dict = {}    # outputs of a sibling group's launch, for the readers after its leader
 
   def read(a):
     return compat.literal_value(a) if compat.is_literal(a) else env[a]
@@ -127,7 +132,8 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
       val = _materialize(val) + extras[biases[key]]
     if compat.is_var(v):
       env[v] = val
-    values[key] = val
+    if not isinstance(val, deferral.Pending):   # (a kernel substitution reading it computes it as written)
+      values[key] = val
 
   for i, (v, c) in enumerate(zip(compat.constvars(jaxpr), consts)):
     key = (prefix, "const", i)
@@ -152,6 +158,8 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
     path = prefix + (i,)
     rule = rule_for(eqn.primitive)
     invals = [read(a) for a in eqn.invars]
+    if path not in own_bias:
+      invals = [_materialize(v) if isinstance(v, deferral.Pending) else v for v in invals]
     for k in range(len(invals)):
       if (path, k) in untied:
         name, chain = untied[(path, k)]
@@ -160,15 +168,31 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
           val = compat.bind_eqn(ceqn, [val])[0]
         invals[k] = val
     outs, biased = None, False
-    if path in kernels_at:
+    if path in own_bias:
+      outs = deferral.resolve(own_bias[path], eqn, invals)
+      if outs is None:
+        invals = [_materialize(v) if isinstance(v, deferral.Pending) else v for v in invals]
+    if outs is not None:
+      pass
+    elif path in kernels_at:
       outs = _kernel(kernels_at[path], eqn, values, plan)
     elif path in fused_at and (path, "out", 0) not in aux and (path, "out", 0) not in biases:
       # (the kernel's sum must be the value every consumer reads, unchanged)
       outs = _fused(fused_at[path], eqn, invals, values, plan)
+    if outs is None and path in grouped:
+      outs, biased = grouped.pop(path)
+      outs = [outs]
+    elif outs is None and path in deferred and _leads(deferred[path], plan):
+      got = _run_group(deferred, path, untied, extras, biases, aux, values, plan)
+      if got is not None:
+        grouped.update(got)
+        outs, biased = grouped.pop(path)
+        outs = [outs]
     if outs is None and path in deferred:
       key = (path, "out", 0)
       bias = extras[biases[key]] if key in biases and key not in aux else None
-      outs, biased = deferral.run(deferred[path], eqn, invals, values, plan.norm_impl, bias)
+      outs, biased = deferral.run(deferred[path], eqn, invals, values, plan.norm_impl, bias,
+                                  key not in aux)    # hold: a kernel reader with its own bias
     if outs is not None:
       pass
     elif path in plan.zero:
@@ -190,12 +214,38 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
               values[key] = outs[k]
     for k, (v, val) in enumerate(zip(eqn.outvars, outs)):
       write(v, val, (path, "out", k), biased)
-  return [v.materialize() if isinstance(v, Zero) else v
-          for v in (read(a) for a in jaxpr.outvars)]
+  return [_materialize(v) for v in (read(a) for a in jaxpr.outvars)]
+
+
+def _leads(entry, plan) -> bool:
+  k = entry.kernel
+  return k is not None and bool(k.group) and k.group[0][0] == entry.path and plan.norm_impl != "xla"
+
+
+def _run_group(deferred, path, untied, extras, biases, aux, values, plan):
+  """At a sibling group's leader: every member's output from one launch, or None."""
+  members = deferred[path].kernel.group
+  entries = {p: deferred[p] for p, _, _ in members}
+  weights, fused = [], []
+  for p, wkey, _ in members:
+    out = (p, "out", 0)
+    if out in aux:
+      return None
+    side = 1 - entries[p].operand
+    if (p, side) in untied:
+      name, chain = untied[(p, side)]
+      w = extras[name]
+      for ceqn in chain:
+        w = compat.bind_eqn(ceqn, [w])[0]
+    else:
+      w = values.get(wkey)
+    weights.append(w)
+    fused.append(extras[biases[out]] if out in biases else None)
+  return deferral.run_group(entries, weights, fused, values, plan.norm_impl)
 
 
 def _materialize(x):
-  return x.materialize() if isinstance(x, Zero) else x
+  return x.materialize() if isinstance(x, (Zero, deferral.Pending)) else x
 
 
 def _call_out_keys(eqn, path) -> list:

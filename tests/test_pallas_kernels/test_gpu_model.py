@@ -111,3 +111,23 @@ def test_folded_zoo_launches_fewer_kernels_and_moves_fewer_bytes(name, batch, se
 @pytest.mark.parametrize("name,batch,seq,xla_sites", ZOO_FAST)
 def test_folded_tiny_zoo_launches_fewer_kernels(name, batch, seq, xla_sites, target):
     _check_zoo(name, batch, seq, xla_sites, target)
+
+
+@pytest.mark.gpu_aot
+@needs_aot
+def test_rms_matmul_launches_are_charged_their_gemm():
+    """An opaque rms_matmul launch is charged 2·M·N·K flops; a grouped one (the sibling
+    readers of one norm) 2·M·ΣN_i·K, one (M, N_i) result per weight."""
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_kernels as pk
+
+    gm, S, bf = _gpu_model(), jax.ShapeDtypeStruct, jnp.bfloat16
+    one = aot.compile(lambda x, a: pk.rms_matmul(x, a, eps=1e-5), S((8, 768), bf), S((768, 512), bf),
+                      target="a100")
+    group = aot.compile(lambda x, a, b: pk.rms_matmul_group(x, [a, b], eps=1e-5), S((8, 768), bf),
+                        S((768, 768), bf), S((768, 512), bf), target="a100")
+    for c, n in ((one, 512), (group, 1280)):
+        gm.rms_matmul_work(c)
+        assert [(k.name, k.flops, k.flops_dtype) for k in c.kernels] == [("rms_matmul_fwd", 2.0 * 8 * n * 768, "bf16")]

@@ -91,6 +91,51 @@ def test_float64_in_interpret_mode(x64):
   assert _rel(pk.rms_matmul(x, w, eps=2 * EPS, interpret=True), _numpy(x, w, EPS, False)) > 1e-7
 
 
+@pytest.mark.parametrize("m,k,n,w_nk,lead", SHAPES[1:3])
+def test_two_biases_in_the_epilogue(x64, m, k, n, w_nk, lead):
+  """A tuple of bias vectors (a deferred reader's fused β·W and its own bias): each
+  added after the scale, in the accumulator; the same as their sum added once."""
+  x, w = _operands(m, k, n, jnp.float64, w_nk, lead)
+  b1 = jnp.linspace(-1.0, 2.0, n, dtype=jnp.float64)
+  b2 = jnp.cos(jnp.arange(n, dtype=jnp.float64))
+  want = _numpy(x, w, EPS, w_nk) + np.asarray(b1) + np.asarray(b2)
+  for bias in ((b1, b2), [b1, b2]):
+    assert _rel(pk.rms_matmul(x, w, bias, eps=EPS, w_nk=w_nk, interpret=True), want) < 1e-13
+    assert _rel(pk.rms_matmul_reference(x, w, bias, eps=EPS, w_nk=w_nk), want) < 1e-13
+  assert _rel(pk.rms_matmul(x, w, (b1,), eps=EPS, w_nk=w_nk, interpret=True), want - np.asarray(b2)) < 1e-13
+  with pytest.raises(ValueError, match="bias must have shape"):
+    pk.rms_matmul(x, w, (b1, b2[:-1]), eps=EPS, w_nk=w_nk)
+  ct = jnp.ones_like(want)
+  gb = jax.vjp(lambda b: pk.rms_matmul(x, w, b, eps=EPS, w_nk=w_nk, interpret=True), (b1, b2))[1](ct)[0]
+  assert all(np.allclose(g, np.prod(want.shape[:-1])) for g in gb)
+
+
+@pytest.mark.parametrize("w_nk", [False, True])
+def test_group_is_one_rms_matmul_per_weight(x64, w_nk):
+  """``rms_matmul_group``: each weight's output (ragged widths, a leading batch dim,
+  per-weight biases: none, one, two) equals ``rms_matmul`` of that weight alone;
+  the XLA path and the gradient are the reference's."""
+  x, _ = _operands(5, 33, 1, jnp.float64, lead=(2,))
+  ns = (24, 17, 70)
+  ws = [_operands(5, 33, n, jnp.float64, w_nk)[1] * (1 + i) for i, n in enumerate(ns)]
+  bs = [None, jnp.linspace(-1.0, 2.0, 17), (jnp.cos(jnp.arange(70.0)), jnp.ones(70))]
+  got = pk.rms_matmul_group(x, ws, bs, eps=EPS, w_nk=w_nk, interpret=True)
+  assert [g.shape for g in got] == [(2, 5, n) for n in ns]
+  for g, w, b in zip(got, ws, bs):
+    want = _numpy(x, w, EPS, w_nk) + sum(np.asarray(v) for v in (() if b is None else b if isinstance(b, tuple) else (b,)))
+    assert _rel(g, want) < 1e-13
+    assert _rel(g, pk.rms_matmul(x, w, b, eps=EPS, w_nk=w_nk, interpret=True)) < 1e-13
+  for g, r in zip(pk.rms_matmul_group(x, ws, bs, eps=EPS, w_nk=w_nk), got):
+    assert _rel(g, r) < 1e-13
+  ct = [jnp.ones_like(g) for g in got]
+  f = lambda x, ws: pk.rms_matmul_group(x, ws, bs, eps=EPS, w_nk=w_nk, interpret=True)
+  r = lambda x, ws: tuple(pk.rms_matmul_reference(x, w, b, eps=EPS, w_nk=w_nk) for w, b in zip(ws, bs))
+  for g, h in zip(jax.tree.leaves(jax.vjp(f, x, ws)[1](tuple(ct))), jax.tree.leaves(jax.vjp(r, x, ws)[1](tuple(ct)))):
+    assert _rel(g, h) < 1e-12
+  with pytest.raises(ValueError, match="one dtype"):
+    pk.rms_matmul_group(x, [ws[0], ws[1].astype(jnp.float32)], eps=EPS, w_nk=w_nk)
+
+
 def test_xla_path_off_cuda_is_the_reference():
   x, w = _operands(4, 32, 8, jnp.float32)
   ref = jax.jit(lambda x, w: pk.rms_matmul_reference(x, w, eps=EPS))(x, w)
@@ -153,5 +198,32 @@ def test_one_launch_no_reduction(target, m, k, n, w_nk, dtype):
   assert kern.shared_memory <= c.target.shared_memory_per_block_optin
   if m <= 64 and n >= 16 * c.target.core_count:   # decode: enough programs for the SMs
     assert np.prod(kern.grid) >= c.target.core_count, kern.grid
+  info = c.ptxas(KERNEL)
+  assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_frame == 0, info
+
+
+@pytest.mark.gpu_aot
+@pytest.mark.skipif(REASON is not None, reason=f"deviceless CUDA compilation unavailable: {REASON}")
+@pytest.mark.parametrize("target", ["h100", "a100"])
+def test_two_biases_one_launch(target):
+  """GPT-2's QKV at decode with the fused β·W and c_attn's own bias: still one launch."""
+  dt = jnp.dtype("bfloat16")
+  c = aot.compile(lambda x, w, b1, b2: pk.rms_matmul(x, w, (b1, b2), eps=EPS, interpret=False),
+                  S((8, 768), dt), S((768, 2304), dt), S((2304,), dt), S((2304,), dt), target=target)
+  assert [(kk.name, kk.kind) for kk in c.kernels] == [(KERNEL, "kCustomKernel")], c.kernels
+
+
+@pytest.mark.gpu_aot
+@pytest.mark.skipif(REASON is not None, reason=f"deviceless CUDA compilation unavailable: {REASON}")
+@pytest.mark.skipif(PTXAS is None, reason="ptxas not found (nvidia-cuda-nvcc-cu12, gpu-aot extra)")
+@pytest.mark.parametrize("target,m", [("h100", 8), ("a100", 8), ("a100", 2048)])
+def test_group_one_launch_no_spills(target, m):
+  """OPT's q, k, v (with their fused biases) as one grouped launch, no register spills."""
+  dt = jnp.dtype("bfloat16")
+  c = aot.compile(lambda x, a, b, v, bias: pk.rms_matmul_group(x, [a, b, v], [bias, bias, None], eps=EPS),
+                  S((m, 768), dt), S((768, 768), dt), S((768, 768), dt), S((768, 768), dt), S((768,), dt),
+                  target=target)
+  assert [(kk.name, kk.kind) for kk in c.kernels] == [(KERNEL, "kCustomKernel")], c.kernels
+  assert c.reductions() == 0
   info = c.ptxas(KERNEL)
   assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_frame == 0, info
