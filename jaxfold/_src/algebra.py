@@ -16,6 +16,7 @@ implicit broadcasting is made explicit by a view when operands meet.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from fractions import Fraction
@@ -70,8 +71,7 @@ class View:
 
   @property
   def is_identity(self) -> bool:
-    return (self.src == self.shape and self.offset == 0
-            and self.strides == View.identity(self.shape).strides)
+    return self.src == self.shape and self.offset == 0 and self.strides == _identity_strides(self.shape)
 
   def constant_along(self, d: int) -> bool:
     return self.strides[d] == 0
@@ -166,6 +166,12 @@ def _row_major(shape: Shape) -> tuple:
   return tuple(reversed(out))
 
 
+@functools.lru_cache(maxsize=4096)
+def _identity_strides(shape: Shape) -> tuple:
+  """``View.identity(shape).strides`` (size-1 dims stride 0), without building the view."""
+  return tuple(0 if n == 1 else s for n, s in zip(shape, _row_major(shape)))
+
+
 # ----------------------------------------------------------------------------
 # Factors, interned so that a monomial is a sorted tuple of small ints.
 
@@ -248,7 +254,10 @@ class Expr:
 
   def __hash__(self):
     if self._hash is None:
-      self._hash = hash(frozenset(self.terms.items()))
+      # The monomials only: equal terms have equal monomials, and hashing a
+      # Fraction (a modular inverse, in Python) dominated the interning of
+      # factors and the memo lookups; coefficients are compared on a match.
+      self._hash = hash(frozenset(self.terms))
     return self._hash
 
   def __repr__(self):
@@ -306,7 +315,7 @@ def add(a: Expr, b: Expr, kb=1) -> Expr:
   out = dict(a.terms)
   for m, c in b.terms.items():
     if kb != 1:   # (Fraction arithmetic dominates the analysis: skip the identities)
-      c = kb * c
+      c = -c if kb == -1 else kb * c
     prev = out.get(m)
     out[m] = c if prev is None else prev + c
   return Expr(out, shape)
@@ -340,7 +349,9 @@ def mul(a: Expr, b: Expr) -> Expr:
   out: dict = {}
   for (ma, ca), (mb, cb) in itertools.product(a.terms.items(), b.terms.items()):
     m = tuple(sorted(ma + mb))
-    out[m] = out.get(m, 0) + ca * cb
+    c = ca * cb
+    prev = out.get(m)
+    out[m] = c if prev is None else prev + c
   e = _MEMO[key] = Expr(out, shape)
   return e
 
@@ -430,21 +441,33 @@ def _only_factor(a: Expr) -> Optional[Factor]:
 
 def view_op(a: Expr, out_shape: Shape, op: Callable[[View], Optional[View]], tag: Any) -> Expr:
   """Applies an index-remapping primitive: constants pass, views compose, and
-  the op distributes over sums, products and elementwise functions."""
+  the op distributes over sums, products and elementwise functions.
+
+  ``tag`` names the op: with the operand's shape and ``out_shape`` it must
+  determine ``op`` (a non-strided result is the opaque application
+  ``("layout", tag, shape)``, and results are memoised by tag within a scope:
+  the shifts of different centerings view the same coefficients alike)."""
   if a.is_const:
     return a
   out_shape = tuple(out_shape)
+  key = ("view", a, out_shape, tag)
+  hit = _MEMO.get(key)
+  if hit is not None:
+    return hit
   out: dict = {}
-  memo: dict = {}
   for m, c in a.terms.items():
-    nm = tuple(sorted(_view_factor(f, out_shape, op, tag, memo) for f in m))
-    out[nm] = out.get(nm, 0) + c
-  return Expr(out, out_shape)
+    nm = tuple(sorted(_view_factor(f, out_shape, op, tag) for f in m))
+    prev = out.get(nm)
+    out[nm] = c if prev is None else prev + c
+  e = _MEMO[key] = Expr(out, out_shape)
+  return e
 
 
-def _view_factor(fid: int, out_shape: Shape, op, tag, memo) -> int:
-  if fid in memo:
-    return memo[fid]
+def _view_factor(fid: int, out_shape: Shape, op, tag) -> int:
+  key = ("vf", fid, out_shape, tag)
+  hit = _MEMO.get(key)
+  if hit is not None:
+    return hit
   f = _FACTORS[fid]
   if f.kind == "app" and f.elementwise:
     args = tuple(view_op(x, out_shape, op, tag) for x in f.args)
@@ -461,7 +484,7 @@ def _view_factor(fid: int, out_shape: Shape, op, tag, memo) -> int:
       res = base
     else:
       res = _factor("view", new, out_shape, (base,))
-  memo[fid] = res
+  _MEMO[key] = res
   return res
 
 
@@ -492,7 +515,7 @@ def _drop_dims(fid: int, dims: Sequence[int], out_shape: Shape) -> int:
     args = tuple(_drop_expr(x, dims, out_shape) for x in f.args)
     return _factor("app", f.key, out_shape, args, True)
   # An atom or opaque app with size 1 along dims: a reshape dropping them.
-  return _view_factor(fid, out_shape, lambda v: v.reshape(out_shape), _DROP, {})
+  return _view_factor(fid, out_shape, lambda v: v.reshape(out_shape), _DROP)
 
 
 def _drop_expr(e: Expr, dims, out_shape) -> Expr:
@@ -501,7 +524,8 @@ def _drop_expr(e: Expr, dims, out_shape) -> Expr:
   out: dict = {}
   for m, c in e.terms.items():
     nm = tuple(sorted(_drop_dims(f, dims, out_shape) for f in m))
-    out[nm] = out.get(nm, 0) + c
+    prev = out.get(nm)
+    out[nm] = c if prev is None else prev + c
   return Expr(out, out_shape)
 
 
@@ -544,7 +568,9 @@ def bilinear(tag: Any, a: Expr, b: Expr, out_shape: Shape) -> Expr:
     ea = Expr({ma: _F1}, a.shape if ma else None)
     eb = Expr({mb: _F1}, b.shape if mb else None)
     fid = _factor("app", tag, tuple(out_shape), (ea, eb), False)
-    out[(fid,)] = out.get((fid,), 0) + ca * cb
+    c = ca * cb
+    prev = out.get((fid,))
+    out[(fid,)] = c if prev is None else prev + c
   return Expr(out, tuple(out_shape))
 
 
@@ -596,10 +622,29 @@ def exact(value: Any) -> Optional[Fraction]:
 
 def ulp(x: Fraction, dtype: Any) -> Fraction:
   """One unit in the last place of ``x`` in the float ``dtype``."""
+  minexp, nmant = _float_info(dtype)
+  e = max(math.frexp(float(abs(x)))[1] - 1, minexp)
+  return Fraction(2) ** (e - nmant)
+
+
+def _float_info(dtype: Any) -> tuple:
+  """``(finfo.minexp, finfo.nmant)`` of a float dtype (memoised: jnp.finfo is slow)."""
+  try:
+    return _float_info_cached(np.dtype(dtype))
+  except TypeError:
+    info = _finfo(dtype)
+    return int(info.minexp), int(info.nmant)
+
+
+def _finfo(dtype: Any):
   import jax.numpy as jnp
-  info = jnp.finfo(dtype)
-  e = max(math.frexp(float(abs(x)))[1] - 1, int(info.minexp))
-  return Fraction(2) ** (e - int(info.nmant))
+  return jnp.finfo(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _float_info_cached(dtype: np.dtype) -> tuple:
+  info = _finfo(dtype)
+  return int(info.minexp), int(info.nmant)
 
 
 def snap(k: Fraction, dtype: Any) -> Fraction:
@@ -624,6 +669,18 @@ def snap(k: Fraction, dtype: Any) -> Fraction:
 
 
 def _is_float(dtype: Any) -> bool:
+  try:
+    return _is_float_cached(dtype)
+  except TypeError:   # an unhashable dtype-like
+    return _is_float_uncached(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _is_float_cached(dtype: Any) -> bool:
+  return _is_float_uncached(dtype)
+
+
+def _is_float_uncached(dtype: Any) -> bool:
   import jax.numpy as jnp
   try:
     return bool(jnp.issubdtype(dtype, jnp.floating))

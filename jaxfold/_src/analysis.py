@@ -238,23 +238,27 @@ class Level:
     if a in memo:
       return memo[a]
     stack = [a]
+    expanded = set()   # values whose operands were pushed (not direct: no need to ask again)
     while stack:
       v = stack[-1]
       if v in memo:
         stack.pop()
         continue
-      direct = self._direct_canon(v)
-      if direct is not None:
-        memo[v] = direct
-        stack.pop()
-        continue
+      if v not in expanded:
+        direct = self._direct_canon(v)
+        if direct is not None:
+          memo[v] = direct
+          stack.pop()
+          continue
       node = v.producer
       pending = [x for x in node.ins if isinstance(x, Val) and x not in memo]
       if pending:
+        expanded.add(v)
         stack.extend(pending)
         continue
       stack.pop()
-      ins = [self.canon(x) for x in node.ins]
+      # Every Val operand is in memo now (pending was empty).
+      ins = [memo[x] if isinstance(x, Val) else _lit_canon(x) for x in node.ins]
       try:
         outs = rule_for(node.prim).canon(node, ins, self)
       except Exception:  # noqa: BLE001 - an opaque atom is always sound

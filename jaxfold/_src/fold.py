@@ -108,19 +108,24 @@ def analyse(apply_fn: Callable, params: Any, args: tuple, opts: FoldOptions,
   ``fixed`` (another analysis' ``param_key``) the plan keeps exactly those
   centered parameters or raises ``PlanConflict``."""
   _check_params(params)
-  traced = pipeline.trace(apply_fn, pipeline.abstract_tree(params), pipeline.abstract_tree(args),
-                          error=FoldError)
-  key = (opts, cbwc, traced.names, fixed)
-  cached = _ANALYSES.get(traced.closed, key)
-  if cached is not None:
-    return cached
-  with pipeline.analyzer(traced, cbwc=cbwc, through_dropout=opts.through_dropout) as an:
-    planner = Planner(an, list(traced.names), opts, fixed=fixed).run()
-    outcome = planner.outcome()
-    plan, kernel_sites = _plan(outcome, opts)
-    report = planner.report(kernel_sites).on_platform(jax.default_backend(), kernels.may_use_kernel(opts.norm_impl))
-  result = Analysis(traced.jaxpr, traced.consts, traced.out_tree, plan,
-                    outcome.leaf_specs, outcome.untied_specs, report)
+  # One collector pause for the trace and the analysis (pipeline.no_gc): the
+  # analysis' object graph is garbage before the collector runs again, so
+  # the next collection frees it young instead of promoting it alive.
+  with pipeline.no_gc():
+    traced = pipeline.trace(apply_fn, pipeline.abstract_tree(params), pipeline.abstract_tree(args),
+                            error=FoldError)
+    key = (opts, cbwc, traced.names, fixed)
+    cached = _ANALYSES.get(traced.closed, key)
+    if cached is not None:
+      return cached
+    with pipeline.analyzer(traced, cbwc=cbwc, through_dropout=opts.through_dropout) as an:
+      planner = Planner(an, list(traced.names), opts, fixed=fixed).run()
+      outcome = planner.outcome()
+      plan, kernel_sites = _plan(outcome, opts)
+      report = planner.report(kernel_sites).on_platform(jax.default_backend(), kernels.may_use_kernel(opts.norm_impl))
+    result = Analysis(traced.jaxpr, traced.consts, traced.out_tree, plan,
+                      outcome.leaf_specs, outcome.untied_specs, report)
+    del planner, outcome, an
   _ANALYSES.put(traced.closed, key, result)
   return result
 
@@ -223,10 +228,12 @@ def _check_fixed(apply_fn: Callable, params: Any, args: tuple, opts: FoldOptions
   """Raises ``PlanConflict`` unless the centerings ``fixed`` (another
   analysis' ``param_key``) are invisible at ``args``: the proof that
   ``analyse(..., fixed=fixed)`` starts with, without planning the sites."""
-  traced = pipeline.trace(apply_fn, pipeline.abstract_tree(params), pipeline.abstract_tree(args),
-                          error=FoldError)
-  with pipeline.analyzer(traced, through_dropout=opts.through_dropout) as an:
-    Planner(an, list(traced.names), opts, fixed=fixed).check_fixed()
+  with pipeline.no_gc():   # as in analyse: the check's graph is garbage when the collector resumes
+    traced = pipeline.trace(apply_fn, pipeline.abstract_tree(params), pipeline.abstract_tree(args),
+                            error=FoldError)
+    with pipeline.analyzer(traced, through_dropout=opts.through_dropout) as an:
+      Planner(an, list(traced.names), opts, fixed=fixed).check_fixed()
+    del an, traced
 
 
 def _reconcile(call: Call, params: Any, opts: FoldOptions, an: Analysis) -> Analysis:
@@ -460,7 +467,8 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
     raise FoldError(f"apply_fn must be callable, got {type(apply_fn).__name__}")
   _refuse_traced(params)
   call = pipeline.bind(apply_fn, example_args, example_kwargs)
-  an = _reconcile(call, params, opts, analyse(call.fn, params, call.args, opts))
+  with pipeline.no_gc():   # one pause for both analyses (see analyse); the collector resumes below
+    an = _reconcile(call, params, opts, analyse(call.fn, params, call.args, opts))
   leaves, tree = jax.tree_util.tree_flatten(params)
   specs = dict(an.leaf_specs)
   new_leaves = [_center_leaf(x, specs[i]) if i in specs else x for i, x in enumerate(leaves)]
