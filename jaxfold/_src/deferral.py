@@ -300,7 +300,7 @@ def _group(level, sib: list) -> tuple:
   the launch, so every other weight must be a value of the program known then:
   an input or a captured constant (or fuse's untied copy of one), at the
   leader's level of the program."""
-  for r, kern, why in sib:
+  for _reader, kern, why in sib:
     if kern is None:
       return (), why
   sib = sorted(sib, key=lambda t: t[0].node.index)
@@ -415,7 +415,7 @@ def analyse(level, accepted: list, names: list, modified: set, fuse_sites: list,
                              r.y_dim, invert, kern))
       if sib:
         group, why = _group(level, sib)
-        for i, (r, kern, _) in enumerate(sib):
+        for i, (_reader, kern, _) in enumerate(sib):
           if group:
             mine[i] = dataclasses.replace(mine[i], kernel=dataclasses.replace(kern, group=group))
         if group:
@@ -554,7 +554,7 @@ def run_group(entries: dict, weights: list, biases: list, values: dict, norm_imp
   if interpret is None:
     return None
   vecs, took = [], []
-  for (path, _, dt), w, bias in zip(members, weights, biases):
+  for (_path, _, dt), w, bias in zip(members, weights, biases):
     n = w.shape[0] if k.w_nk else w.shape[1]
     take = (bias is not None and not isinstance(bias, Zero) and bias.ndim <= len(x.shape)
             and bias.shape[-1:] == (n,) and bias.size == n and jnp.result_type(dt, bias.dtype) == np.dtype(dt))

@@ -122,7 +122,8 @@ def test_group_is_one_rms_matmul_per_weight(x64, w_nk):
   got = pk.rms_matmul_group(x, ws, bs, eps=EPS, w_nk=w_nk, interpret=True)
   assert [g.shape for g in got] == [(2, 5, n) for n in ns]
   for g, w, b in zip(got, ws, bs):
-    want = _numpy(x, w, EPS, w_nk) + sum(np.asarray(v) for v in (() if b is None else b if isinstance(b, tuple) else (b,)))
+    extra = () if b is None else b if isinstance(b, tuple) else (b,)
+    want = _numpy(x, w, EPS, w_nk) + sum(np.asarray(v) for v in extra)
     assert _rel(g, want) < 1e-13
     assert _rel(g, pk.rms_matmul(x, w, b, eps=EPS, w_nk=w_nk, interpret=True)) < 1e-13
   for g, r in zip(pk.rms_matmul_group(x, ws, bs, eps=EPS, w_nk=w_nk), got):
