@@ -397,15 +397,11 @@ def analyse(level, accepted: list, names: list, modified: set, fuse_sites: list,
           # deviceless model: OPT, Phi, ViT launch more than the folded program); one
           # grouped launch for all of them can (decided below, once every reader is seen).
           sib.append((r, *_rms_read(level, r, aff, x, chain, assume)))
-          mine.append(Deferred(r.node.path, 1 - r.w_side, x.key, s.key, aff.y.shape, chain,
-                               r.y_dim, invert, None))
-          continue
         elif assume is not None:
           kern, why = _rms_read(level, r, aff, x, chain, assume)
           add = _bias_add(level, r, modified) if kern is not None else None
           if add is not None:
             kern = dataclasses.replace(kern, add=add)
-        if assume is not None:
           label = param_label(names[r.leaf])
           if kern is not None:
             fast.append(label + (" with its bias" if kern.add is not None else ""))
@@ -465,18 +461,26 @@ def _kernel(entry: Deferred, eqn: Any, invals: list, values: dict, norm_impl: st
   if k.w_t:
     w, w_nk = jnp.swapaxes(w, 0, 1), not w_nk   # transpose(transpose(W)) = W: no copy
   n = w.shape[0] if w_nk else w.shape[1]
-  # The fused bias (β·W, added to the reader's output) joins the kernel's epilogue when
-  # it is one value per output column: (..., 1, N) broadcast over the rows.
-  # (Only one that does not widen the output: the rewrite's add would promote it.)
   dt = eqn.outvars[0].aval.dtype
-  take = (bias is not None and not isinstance(bias, Zero) and bias.ndim <= len(eqn.outvars[0].aval.shape)
-          and bias.shape[-1:] == (n,) and bias.size == n and jnp.result_type(dt, bias.dtype) == dt)
-  vecs = (jnp.reshape(bias, (n,)),) if take else ()
+  fused = _epilogue_bias(bias, n, dt, len(eqn.outvars[0].aval.shape))
+  take = fused is not None
+  vecs = (fused,) if take else ()
   if own is not None and not isinstance(own, Zero):
     vecs += (jnp.reshape(own[(0,) * (own.ndim - 1)], (n,)),)
   vec = None if not vecs else vecs[0] if len(vecs) == 1 else vecs
   out = kernels.run_rms_matmul(x, w, vec, k.eps, w_nk, dt, interpret)
   return [out], take
+
+
+def _epilogue_bias(bias, n: int, out_dtype, ndim: int):
+  """The fused bias (β·W, added to a reader's rank-``ndim`` output) as the kernel's
+  ``(n,)`` epilogue vector, or None. Only one value per output column ((..., 1, N)
+  broadcast over the rows) that does not widen the output (the rewrite's add would
+  promote it)."""
+  if (bias is None or isinstance(bias, Zero) or bias.ndim > ndim or bias.shape[-1:] != (n,) or bias.size != n
+      or jnp.result_type(out_dtype, bias.dtype) != np.dtype(out_dtype)):
+    return None
+  return jnp.reshape(bias, (n,))
 
 
 class Pending:
@@ -553,13 +557,9 @@ def run_group(entries: dict, weights: list, biases: list, values: dict, norm_imp
   interpret = kernels.use_matmul_kernel(norm_impl, int(np.prod(x.shape[:-1])))
   if interpret is None:
     return None
-  vecs, took = [], []
-  for (_path, _, dt), w, bias in zip(members, weights, biases):
-    n = w.shape[0] if k.w_nk else w.shape[1]
-    take = (bias is not None and not isinstance(bias, Zero) and bias.ndim <= len(x.shape)
-            and bias.shape[-1:] == (n,) and bias.size == n and jnp.result_type(dt, bias.dtype) == np.dtype(dt))
-    vecs.append(jnp.reshape(bias, (n,)) if take else None)
-    took.append(take)
+  vecs = [_epilogue_bias(bias, w.shape[0] if k.w_nk else w.shape[1], dt, len(x.shape))
+          for (_path, _, dt), w, bias in zip(members, weights, biases)]
+  took = [v is not None for v in vecs]
   outs = kernels.run_rms_matmul_group(x, list(weights), vecs, k.eps, k.w_nk, [dt for _, _, dt in members],
                                       interpret)
   return {path: (out, t) for (path, _, _), out, t in zip(members, outs, took)}

@@ -159,19 +159,15 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
     rule = rule_for(eqn.primitive)
     invals = [read(a) for a in eqn.invars]
     if path not in own_bias:
-      invals = [_materialize(v) if isinstance(v, deferral.Pending) else v for v in invals]
+      invals = _unhold(invals)
     for k in range(len(invals)):
       if (path, k) in untied:
-        name, chain = untied[(path, k)]
-        val = extras[name]
-        for ceqn in chain:
-          val = compat.bind_eqn(ceqn, [val])[0]
-        invals[k] = val
+        invals[k] = _untied_value(untied[(path, k)], extras)
     outs, biased = None, False
     if path in own_bias:
       outs = deferral.resolve(own_bias[path], eqn, invals)
       if outs is None:
-        invals = [_materialize(v) if isinstance(v, deferral.Pending) else v for v in invals]
+        invals = _unhold(invals)
     if outs is not None:
       pass
     elif path in kernels_at:
@@ -179,15 +175,11 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
     elif path in fused_at and (path, "out", 0) not in aux and (path, "out", 0) not in biases:
       # (the kernel's sum must be the value every consumer reads, unchanged)
       outs = _fused(fused_at[path], eqn, invals, values, plan)
-    if outs is None and path in grouped:
-      outs, biased = grouped.pop(path)
-      outs = [outs]
-    elif outs is None and path in deferred and _leads(deferred[path], plan):
-      got = _run_group(deferred, path, untied, extras, biases, aux, values, plan)
-      if got is not None:
-        grouped.update(got)
-        outs, biased = grouped.pop(path)
-        outs = [outs]
+    if outs is None and path not in grouped and path in deferred and _leads(deferred[path], plan):
+      grouped.update(_run_group(deferred, path, untied, extras, biases, aux, values, plan) or {})
+    if outs is None and path in grouped:   # (a sibling group's launch ran at its leader)
+      out, biased = grouped.pop(path)
+      outs = [out]
     if outs is None and path in deferred:
       key = (path, "out", 0)
       bias = extras[biases[key]] if key in biases and key not in aux else None
@@ -232,16 +224,24 @@ def _run_group(deferred, path, untied, extras, biases, aux, values, plan):
     if out in aux:
       return None
     side = 1 - entries[p].operand
-    if (p, side) in untied:
-      name, chain = untied[(p, side)]
-      w = extras[name]
-      for ceqn in chain:
-        w = compat.bind_eqn(ceqn, [w])[0]
-    else:
-      w = values.get(wkey)
-    weights.append(w)
+    weights.append(_untied_value(untied[(p, side)], extras) if (p, side) in untied else values.get(wkey))
     fused.append(extras[biases[out]] if out in biases else None)
   return deferral.run_group(entries, weights, fused, values, plan.norm_impl)
+
+
+def _untied_value(entry: tuple, extras: dict):
+  """An untied operand: its copy in ``extras`` through the chain of equations
+  (converts, reshapes) between the tied parameter and the reader."""
+  name, chain = entry
+  val = extras[name]
+  for ceqn in chain:
+    val = compat.bind_eqn(ceqn, [val])[0]
+  return val
+
+
+def _unhold(invals: list) -> list:
+  """``invals`` with every held kernel reader (``deferral.Pending``) computed."""
+  return [v.materialize() if isinstance(v, deferral.Pending) else v for v in invals]
 
 
 def _materialize(x):
