@@ -24,6 +24,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from jaxfold._src import compat
+
 Shape = tuple
 
 
@@ -627,23 +629,11 @@ def ulp(x: Fraction, dtype: Any) -> Fraction:
   return Fraction(2) ** (e - nmant)
 
 
+@compat.per_dtype
 def _float_info(dtype: Any) -> tuple:
-  """``(finfo.minexp, finfo.nmant)`` of a float dtype (memoised: jnp.finfo is slow)."""
-  try:
-    return _float_info_cached(np.dtype(dtype))
-  except TypeError:
-    info = _finfo(dtype)
-    return int(info.minexp), int(info.nmant)
-
-
-def _finfo(dtype: Any):
+  """``(finfo.minexp, finfo.nmant)`` of a float dtype (jnp.finfo is slow)."""
   import jax.numpy as jnp
-  return jnp.finfo(dtype)
-
-
-@functools.lru_cache(maxsize=64)
-def _float_info_cached(dtype: np.dtype) -> tuple:
-  info = _finfo(dtype)
+  info = jnp.finfo(dtype)
   return int(info.minexp), int(info.nmant)
 
 
@@ -668,19 +658,8 @@ def snap(k: Fraction, dtype: Any) -> Fraction:
   return k
 
 
+@compat.per_dtype
 def _is_float(dtype: Any) -> bool:
-  try:
-    return _is_float_cached(dtype)
-  except TypeError:   # an unhashable dtype-like
-    return _is_float_uncached(dtype)
-
-
-@functools.lru_cache(maxsize=64)
-def _is_float_cached(dtype: Any) -> bool:
-  return _is_float_uncached(dtype)
-
-
-def _is_float_uncached(dtype: Any) -> bool:
   import jax.numpy as jnp
   try:
     return bool(jnp.issubdtype(dtype, jnp.floating))

@@ -52,27 +52,31 @@ def literal_value(a: Any) -> Any:
   return a.val
 
 
-_KEY_DTYPES: dict = {}
+def per_dtype(fn):
+  """``fn(dtype)`` remembered per dtype: the analysis asks such questions of every
+  operand of every equation, and jax's dtype tests are slow. An unhashable
+  dtype-like is asked every time."""
+  memo: dict = {}
+
+  @functools.wraps(fn)
+  def call(dtype):
+    try:
+      return memo[dtype]
+    except KeyError:
+      r = memo[dtype] = fn(dtype)
+      return r
+    except TypeError:
+      return fn(dtype)
+  return call
 
 
+@per_dtype
 def is_prng_key(dtype: Any) -> bool:
-  """Whether ``dtype`` is a typed PRNG key's; remembered per dtype (the analysis
-  asks it of every operand of every equation, and jax's subtype test is slow)."""
+  """Whether ``dtype`` is a typed PRNG key's."""
   try:
-    known = _KEY_DTYPES.get(dtype)
-  except TypeError:   # an unhashable dtype: ask every time
-    known = None
-  if known is not None:
-    return known
-  try:
-    r = bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+    return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
   except Exception:  # pragma: no cover
     return False
-  try:
-    _KEY_DTYPES[dtype] = r
-  except TypeError:
-    pass
-  return r
 
 
 def key_impl_name(x: Any) -> str:
