@@ -484,7 +484,7 @@ def test_sibling_readers_in_one_launch(x64, monkeypatch, fn, grouped):
   if not grouped:
     assert "different layouts" in site.reason, site.reason
   assert _pallas_calls(d.apply_fn, d.params, x) == grouped
-  for shape, seed in [((3, 7, 4), 1), ((2, 5, 4), 2)]:
+  for shape, seed in [((3, 7, 4), 1), ((2, 5, 4), 2), ((1, 7, 4), 3), ((1, 1, 4), 4)]:
     xs = _x(*shape, seed=seed)
     assert rel_err(fn(p, xs), jax.jit(lambda q, a: d.apply_fn(q, a))(d.params, xs)) < 1e-9
   if grouped:
@@ -590,7 +590,9 @@ def test_rms_matmul_adds_the_readers_own_bias(x64, monkeypatch, fn, own):
     m.setattr(kernels, "run_rms_matmul", lambda x, w, b, *a: (got.append(b), run(x, w, b, *a))[1])
     assert _pallas_calls(d.apply_fn, d.params, x) == 1
   assert len(got) == 1 and (isinstance(got[0], tuple) and len(got[0]) == 2) == own, got
-  shapes = [((3, 7, 4), 1), ((2, 7, 4), 2)]
+  shapes = [((3, 7, 4), 1), ((2, 7, 4), 2), ((1, 7, 4), 3)]   # batch 1 too
+  if fn is not position_added:    # (its added (7, N) table fixes the sequence length)
+    shapes += [((2, 5, 4), 4), ((1, 1, 4), 5)]
   for shape, seed in shapes:
     xs = _x(*shape, seed=seed)
     assert rel_err(fn(p, xs), jax.jit(d.apply_fn)(d.params, xs)) < 1e-9
