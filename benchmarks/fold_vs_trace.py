@@ -98,39 +98,39 @@ def main(argv=None) -> int:
   from models.common import randomize_norms
 
   rows = []
+
+  def row(model: str, batch: int, seq: int, s: dict) -> None:
+    lo, hi = s["ratio_ci"]["fold"]
+    rows.append({"model": model, "batch x seq": f"{batch}x{seq}",
+                 "make_jaxpr ms": f"{s['median_ms']['make_jaxpr']:.0f}", "fold ms": f"{s['median_ms']['fold']:.0f}",
+                 "fold / make_jaxpr": f"{s['ratio']['fold']:.2f} [{lo:.2f}, {hi:.2f}]",
+                 "A/A": f"{s['ratio']['make_jaxpr A/A']:.2f}",
+                 "fold - make_jaxpr ms": f"{s['median_ms']['fold'] - s['median_ms']['make_jaxpr']:.0f}"})
+    C.log(f"  {rows[-1]}")
+
   spec = models.get("gpt2")
   for batch, seq in args.sizes:
     C.log(f"gpt2 {batch}x{seq}")
     params = jax.block_until_ready(randomize_norms(spec.init(jax.random.PRNGKey(0), batch, seq),
                                                    jax.random.PRNGKey(1)))
-    x = spec.example_inputs(batch, seq)
-    s = fold_vs_trace(spec, params, x, args.rounds)
-    lo, hi = s["ratio_ci"]["fold"]
-    rows.append({"model": "gpt2 (124M, real weights)", "batch x seq": f"{batch}x{seq}",
-                 "make_jaxpr ms": f"{s['median_ms']['make_jaxpr']:.0f}",
-                 "fold ms": f"{s['median_ms']['fold']:.0f}",
-                 "fold / make_jaxpr": f"{s['ratio']['fold']:.2f} [{lo:.2f}, {hi:.2f}]",
-                 "A/A": f"{s['ratio']['make_jaxpr A/A']:.2f}",
-                 "fold - make_jaxpr ms": f"{s['median_ms']['fold'] - s['median_ms']['make_jaxpr']:.0f}"})
-    C.log(f"  {rows[-1]}")
+    row("gpt2 (124M, real weights)", batch, seq,
+        fold_vs_trace(spec, params, spec.example_inputs(batch, seq), args.rounds))
+    del params
+    C.log(f"gpt2 {batch}x{seq} (abstract)")
+    row("gpt2 (124M, abstract: no centering)", batch, seq, abstract_fold(spec, batch, seq, args.rounds))
   big = opt66b_spec()
   for batch, seq in args.big:
     C.log(f"{big.name} {batch}x{seq} (abstract)")
     s = abstract_fold(big, batch, seq, args.big_rounds)
-    lo, hi = s["ratio_ci"]["fold"]
-    rows.append({"model": f"{big.name} ({s['params'] / 1e9:.1f}B, abstract; {s['folded']} folded)",
-                 "batch x seq": f"{batch}x{seq}",
-                 "make_jaxpr ms": f"{s['median_ms']['make_jaxpr']:.0f}", "fold ms": f"{s['median_ms']['fold']:.0f}",
-                 "fold / make_jaxpr": f"{s['ratio']['fold']:.2f} [{lo:.2f}, {hi:.2f}]",
-                 "A/A": f"{s['ratio']['make_jaxpr A/A']:.2f}",
-                 "fold - make_jaxpr ms": f"{s['analysis_ms']:.0f}"})
-    C.log(f"  {rows[-1]}")
+    row(f"{big.name} ({s['params'] / 1e9:.1f}B, abstract; {s['folded']} folded)", batch, seq, s)
 
   cols = ["model", "batch x seq", "make_jaxpr ms", "fold ms", "fold / make_jaxpr", "A/A", "fold - make_jaxpr ms"]
   lines = C.header("fold time against a trace (issue 20, item 5)", sys.argv[1:] if argv is None else argv)
   lines += [f"GPT-2: {args.rounds} interleaved rounds (order rotated), one call per measurement, each of a new "
             "function object; median times, ratio of medians with its 95% bootstrap interval; A/A = "
-            "make_jaxpr against itself (the noise). The fold includes centering the real weights. "
+            "make_jaxpr against itself (the noise). The fold includes centering the real weights; "
+            "the abstract GPT-2 rows fold jax.ShapeDtypeStruct parameters (the same program, no "
+            "centering), which separates the analysis from the memory-bound centering. "
             f"{big.name}: parameters and inputs are jax.ShapeDtypeStructs (nothing allocated), timed the "
             f"same way with {args.big_rounds} rounds; fold - make_jaxpr is what the fold adds to a trace "
             "(analysis, planning and, at batch 1, the second-shape proof). Target: fold <= 1.5x make_jaxpr, "

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import math
+import os
 import weakref
 from typing import Any, Callable, Literal, NamedTuple, Optional, get_args
 
@@ -401,20 +403,95 @@ class Reparameterized(NamedTuple):
   analysis: Analysis
 
 
+def _on_host(x) -> bool:
+  """A concrete array on one CPU device (or NumPy): centered with NumPy."""
+  sharding = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
+  return sharding is None or (all(d.platform == "cpu" for d in sharding.device_set)
+                              and len(sharding.device_set) <= 1)
+
+
+def _host_center(x, spec: dict) -> np.ndarray:
+  # NumPy on the host: no per-shape compilation, which dominates a cold fold.
+  # Written 64-byte aligned, jax's CPU client adopts the result without a
+  # copy (an unaligned one is copied: as long as the centering itself).
+  return layout.center(x, spec, out=_aligned_empty(np.shape(x), x.dtype))
+
+
+def _adopt(y, like):
+  """``y`` (centered on the host) as a jax array placed like ``like``."""
+  sharding = getattr(like, "sharding", None) if isinstance(like, jax.Array) else None
+  return jax.device_put(y, sharding) if sharding is not None else jnp.asarray(y)
+
+
 def _center_leaf(x, spec):
   """Centers one parameter, keeping its dtype, device and sharding."""
   if isinstance(x, jax.ShapeDtypeStruct):
     return x
-  sharding = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
-  on_host = sharding is None or all(d.platform == "cpu" for d in sharding.device_set)
-  if on_host and len(getattr(sharding, "device_set", ())) <= 1:
-    # NumPy on the host: no per-shape compilation, which dominates a cold fold.
-    # Written 64-byte aligned, jax's CPU client adopts the result without a
-    # copy (an unaligned one is copied: as long as the centering itself).
-    y = layout.center(np.asarray(x), dict(spec), out=_aligned_empty(np.shape(x), x.dtype))
-  else:
-    y = _center_jit(dict(spec))(x)
-  return jax.device_put(y, sharding) if sharding is not None else jnp.asarray(y)
+  if _on_host(x):
+    return _adopt(_host_center(np.asarray(x), dict(spec)), x)
+  y = _center_jit(dict(spec))(x)
+  sharding = getattr(x, "sharding", None)
+  return jax.device_put(y, sharding) if sharding is not None else y
+
+
+_POOL: list = []   # the centering workers, made on first use
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+  if not _POOL:
+    _POOL.append(concurrent.futures.ThreadPoolExecutor(
+        max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="jaxfold-center"))
+  return _POOL[0]
+
+
+class _Centering:
+  """A plan's centered parameters (``Analysis.param_key``), computed on worker
+  threads: NumPy releases the GIL in its loops, so large leaves center in
+  parallel with each other and beside Python work (the probe's trace at
+  batch 1), and memory bandwidth, not one core, bounds the time."""
+
+  _PARALLEL_BYTES = 1 << 20   # smaller leaves: a thread hop costs more than it saves
+
+  def __init__(self, leaves: list, an: Analysis):
+    self.key = an.param_key
+    self._leaves = leaves
+    jobs = [(("leaf", i), i, s) for i, s in an.leaf_specs] + [(("untied", n), i, s) for n, i, s in an.untied]
+    self._jobs = jobs
+    self._futures = {}
+    self._hosted = {}
+    big = []
+    for key, i, spec in jobs:
+      x = leaves[i]
+      if isinstance(x, jax.ShapeDtypeStruct) or not _on_host(x):
+        continue
+      h = np.asarray(x)
+      self._hosted[key] = h
+      if h.nbytes >= self._PARALLEL_BYTES:
+        big.append((h.nbytes, key, h, dict(spec)))
+    for _, key, h, spec in sorted(big, key=lambda t: -t[0]):   # largest first: balanced workers
+      self._futures[key] = _pool().submit(_host_center, h, spec)
+
+  def cancel(self) -> None:
+    for f in self._futures.values():
+      f.cancel()
+
+  def result(self) -> tuple:
+    """``(new leaves, untied copies)``."""
+    done = {}
+    for key, i, spec in self._jobs:
+      x = self._leaves[i]
+      if key in self._futures:
+        done[key] = _adopt(self._futures[key].result(), x)
+      elif key in self._hosted:
+        done[key] = _adopt(_host_center(self._hosted[key], dict(spec)), x)
+      else:
+        done[key] = _center_leaf(x, spec)
+    new = list(self._leaves)
+    for (kind, name), _, _ in self._jobs:
+      if kind == "leaf":
+        new[name] = done[(kind, name)]
+    untied = {name: done[(kind, name)] for (kind, name), _, _ in self._jobs if kind == "untied"}
+    return new, untied
 
 
 def _aligned_empty(shape: tuple, dtype: Any) -> np.ndarray:
@@ -467,14 +544,22 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
     raise FoldError(f"apply_fn must be callable, got {type(apply_fn).__name__}")
   _refuse_traced(params)
   call = pipeline.bind(apply_fn, example_args, example_kwargs)
-  with pipeline.no_gc():   # one pause for both analyses (see analyse); the collector resumes below
-    an = _reconcile(call, params, opts, analyse(call.fn, params, call.args, opts))
   leaves, tree = jax.tree_util.tree_flatten(params)
-  specs = dict(an.leaf_specs)
-  new_leaves = [_center_leaf(x, specs[i]) if i in specs else x for i, x in enumerate(leaves)]
-  new_params = jax.tree_util.tree_unflatten(tree, new_leaves)
-  extras = {name: _center_leaf(leaves[i], spec) for name, i, spec in an.untied}
-  new_params = FoldedParams(new_params, extras)
+  with pipeline.no_gc():   # one pause for both analyses (see analyse); the collector resumes below
+    first = analyse(call.fn, params, call.args, opts)
+    # The example's plan is almost always the fold's: center its parameters
+    # on worker threads while the other shapes are proved.
+    centering = _Centering(leaves, first)
+    try:
+      an = _reconcile(call, params, opts, first)
+    except BaseException:
+      centering.cancel()
+      raise
+  if an.param_key != centering.key:
+    centering.cancel()
+    centering = _Centering(leaves, an)
+  new_leaves, extras = centering.result()
+  new_params = FoldedParams(jax.tree_util.tree_unflatten(tree, new_leaves), extras)
   fn = FoldedApply(apply_fn, pipeline.abstract_tree(params), tree, opts, an, call, False, example_args,
                    example_kwargs)
   return Folded(new_params, fn, an.report)

@@ -2,6 +2,7 @@
 hierarchy, the typed fold options and the planner's frozen outcome."""
 
 import dataclasses
+import types
 import typing
 
 import flax.linen as nn
@@ -282,3 +283,29 @@ def test_centered_leaves_equal_host_centering_and_keep_dtype_and_sharding(x64, d
   out = F._aligned_empty((5, 7), dtype)
   assert out.shape == (5, 7) and out.dtype == dtype and out.ctypes.data % 64 == 0
   assert F._aligned_empty((0, 3), dtype).shape == (0, 3)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_threaded_centering_equals_leaf_by_leaf(x64, dtype):
+  """``_Centering`` (large leaves on worker threads, small ones inline, abstract
+  ones kept, untied copies) gives exactly ``_center_leaf``'s values and leaves
+  the inputs untouched."""
+  from jaxfold._src import fold as F
+  key = jax.random.PRNGKey(1)
+  shapes = [(600, 512), (24, 16), (512,), (300, 2048)]   # two above the thread threshold
+  leaves = [jax.random.normal(jax.random.fold_in(key, i), s, jnp.float32).astype(dtype) + 2
+            for i, s in enumerate(shapes)] + [jax.ShapeDtypeStruct((8, 8), dtype)]
+  before = [np.asarray(x).copy() for x in leaves[:-1]]
+  specs = (((0, 600),), ((1, 4),), ((0, 128),), ((1, 2048),), ((1, 8),))
+  an = types.SimpleNamespace(param_key=None, leaf_specs=tuple((i, s) for i, s in enumerate(specs) if i != 2),
+                             untied=(("copy", 2, specs[2]), ("big", 3, ((0, 300),))))
+  new, untied = F._Centering(leaves, an).result()
+  assert new[2] is leaves[2] and new[4] is leaves[4]
+  for i in (0, 1, 3):
+    assert new[i].dtype == dtype
+    np.testing.assert_array_equal(np.asarray(new[i]), np.asarray(F._center_leaf(leaves[i], specs[i])))
+  np.testing.assert_array_equal(np.asarray(untied["copy"]), np.asarray(F._center_leaf(leaves[2], specs[2])))
+  np.testing.assert_array_equal(np.asarray(untied["big"]), np.asarray(F._center_leaf(leaves[3], ((0, 300),))))
+  assert np.abs(np.asarray(new[3], np.float64).sum(axis=1)).max() < 1e-2 * 2048
+  for x, b in zip(leaves, before):
+    np.testing.assert_array_equal(np.asarray(x), b)
