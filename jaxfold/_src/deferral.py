@@ -81,8 +81,10 @@ single kernel does, and no weight is copied or concatenated), when every
 reader is proved for the kernel on its own (above), their weights are read in
 one layout (none transposed) and have one dtype, they are at one level of the
 program, and every weight is an input or a captured constant of the program
-(or fuse's untied copy of one): the first reader (the leader) runs the launch,
-so each weight must be known there. Their own biases stay adds. Otherwise each
+(or fuse's untied copy of one), or dtype conversions and re-indexing steps
+of one that the fused plan does not change (mixed precision: float32
+parameters, bfloat16 matmuls): the first reader (the leader) runs the launch,
+so each weight must be known there (it applies those steps itself). Their own biases stay adds. Otherwise each
 keeps XLA's deferred form, whose GEMMs XLA merges into one launch, which one
 kernel call per reader could not join.
 """
@@ -90,7 +92,7 @@ kernel call per reader could not join.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -116,6 +118,18 @@ class DeferSite:
   reason: str
 
 
+class GroupMember(NamedTuple):
+  """One reader of a sibling group's launch: the reader's path, the key of the
+  value its weight is made from (an input or captured constant of the
+  program), the reader's output dtype, and the dtype conversions (equations)
+  from that value to the weight the reader reads (mixed precision: the
+  parameters in float32, the matmul in bfloat16) or re-indexing steps."""
+  path: tuple
+  w: tuple
+  dtype: str
+  convert: tuple = ()
+
+
 @dataclasses.dataclass(frozen=True)
 class RmsRead:
   """A deferred reader the RMS-matmul kernel may compute: it reads ``x`` (a
@@ -125,7 +139,7 @@ class RmsRead:
   w_nk: bool               # the weight is (N, K): contracted on its dim 1
   w_t: bool = False        # the weight is a transpose: the kernel reads it untransposed
   add: Optional[tuple] = None   # (path of the add of the reader's own bias, its operand index)
-  group: tuple = ()        # sibling readers in one launch: ((path, weight key, out dtype), ...), leader first
+  group: tuple = ()        # sibling readers in one launch: GroupMember, ..., leader first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,13 +307,14 @@ def _rms_read(level, r, aff, x, chain: tuple, assume: dict) -> tuple:
   return RmsRead(src.key, eps, tuple(dd.rc) == (1,), _transposed(level, w)), ""
 
 
-def _group(level, sib: list) -> tuple:
+def _group(level, sib: list, modified: set) -> tuple:
   """``(members, "")``: the readers of one norm as one grouped kernel launch
   (``pallas_kernels.rms_matmul_group``), each proved for the kernel on its own,
   or ``((), why not)``. Members in program order, the first (the leader) runs
   the launch, so every other weight must be a value of the program known then:
   an input or a captured constant (or fuse's untied copy of one), at the
-  leader's level of the program."""
+  leader's level of the program, or casts and re-indexing steps of one
+  (which the leader then applies)."""
   for _reader, kern, why in sib:
     if kern is None:
       return (), why
@@ -312,9 +327,32 @@ def _group(level, sib: list) -> tuple:
     return (), "their weights have different dtypes"
   if any(r.node.path[:-1] != r0.node.path[:-1] or r.node.program is not r0.node.program for r, _, _ in sib):
     return (), "they are in different parts of the program"
-  if any(not isinstance(w, Val) or w.producer is not None for w in ws):
-    return (), "a weight is computed in the program"
-  return tuple((r.node.path, w.key, np.dtype(r.node.outs[0].dtype).name) for (r, _, _), w in zip(sib, ws)), ""
+  members = []
+  for (r, _, _), w in zip(sib, ws):
+    src = _weight_source(w, modified)
+    if src is None:
+      return (), "a weight is computed in the program (not by casts and re-indexing of an input)"
+    members.append(GroupMember(r.node.path, src[0].key, np.dtype(r.node.outs[0].dtype).name, src[1]))
+  return tuple(members), ""
+
+
+def _weight_source(w, modified: set) -> Optional[tuple]:
+  """``(w0, steps)``: ``w`` is an input or captured constant ``w0`` of its part
+  of the program (known at the group's leader) seen through dtype conversions
+  and re-indexing steps only (equations, ``w0``'s first, which the leader
+  applies to get exactly the reader's weight), none of which the fused plan
+  changes; or None."""
+  chain = []
+  while isinstance(w, Val) and w.producer is not None:
+    node = w.producer
+    if (node.subs or len(node.ins) != 1 or rule_for(node.prim).reindex not in ("convert", "move")
+        or node.path in modified):
+      return None
+    chain.append(node.eqn)
+    w = node.ins[0]
+  if not isinstance(w, Val):
+    return None
+  return w, tuple(reversed(chain))
 
 
 def _bias_add(level, r, modified: set) -> Optional[tuple]:
@@ -410,15 +448,15 @@ def analyse(level, accepted: list, names: list, modified: set, fuse_sites: list,
         mine.append(Deferred(r.node.path, 1 - r.w_side, x.key, s.key, aff.y.shape, chain,
                              r.y_dim, invert, kern))
       if sib:
-        group, why = _group(level, sib)
+        group, why = _group(level, sib, modified)
         for i, (_reader, kern, _) in enumerate(sib):
           if group:
             mine[i] = dataclasses.replace(mine[i], kernel=dataclasses.replace(kern, group=group))
         if group:
           fast.append(f"{', '.join(param_label(names[r.leaf]) for r, _, _ in sib)} in one launch")
         else:
-          slow += [f"{param_label(names[r.leaf])} ({len(readers)} readers share the norm, XLA merges "
-                   f"their GEMMs; one kernel launch cannot: {why})" for r, _, _ in sib]
+          slow.append(f"{', '.join(param_label(names[r.leaf]) for r, _, _ in sib)} ({len(readers)} readers "
+                      f"share the norm, XLA merges their GEMMs; one kernel launch cannot: {why})")
     except Block as err:
       sites.append(DeferSite(where, labels, False, f"not deferred: {err}"))
       continue
@@ -550,7 +588,7 @@ def run_group(entries: dict, weights: list, biases: list, values: dict, norm_imp
   whether its bias is in it)}``, or None (``norm_impl`` or the values say no:
   each reader then keeps XLA's deferred form)."""
   members = next(iter(entries.values())).kernel.group
-  k = entries[members[0][0]].kernel
+  k = entries[members[0].path].kernel
   x = values.get(k.x)
   if x is None or isinstance(x, Zero) or any(w is None or isinstance(w, Zero) for w in weights):
     return None
@@ -558,11 +596,11 @@ def run_group(entries: dict, weights: list, biases: list, values: dict, norm_imp
   if interpret is None:
     return None
   vecs = [_epilogue_bias(bias, w.shape[0] if k.w_nk else w.shape[1], dt, len(x.shape))
-          for (_path, _, dt), w, bias in zip(members, weights, biases)]
+          for m, w, bias in zip(members, weights, biases) for dt in (m.dtype,)]
   took = [v is not None for v in vecs]
-  outs = kernels.run_rms_matmul_group(x, list(weights), vecs, k.eps, k.w_nk, [dt for _, _, dt in members],
+  outs = kernels.run_rms_matmul_group(x, list(weights), vecs, k.eps, k.w_nk, [m.dtype for m in members],
                                       interpret)
-  return {path: (out, t) for (path, _, _), out, t in zip(members, outs, took)}
+  return {m.path: (out, t) for m, out, t in zip(members, outs, took)}
 
 
 def _xla(entry: Deferred, eqn: Any, invals: list, values: dict) -> Optional[list]:

@@ -211,20 +211,26 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
 
 def _leads(entry, plan) -> bool:
   k = entry.kernel
-  return k is not None and bool(k.group) and k.group[0][0] == entry.path and plan.norm_impl != "xla"
+  return k is not None and bool(k.group) and k.group[0].path == entry.path and plan.norm_impl != "xla"
 
 
 def _run_group(deferred, path, untied, extras, biases, aux, values, plan):
   """At a sibling group's leader: every member's output from one launch, or None."""
   members = deferred[path].kernel.group
-  entries = {p: deferred[p] for p, _, _ in members}
+  entries = {m.path: deferred[m.path] for m in members}
   weights, fused = [], []
-  for p, wkey, _ in members:
-    out = (p, "out", 0)
+  for m in members:
+    out = (m.path, "out", 0)
     if out in aux:
       return None
-    side = 1 - entries[p].operand
-    weights.append(_untied_value(untied[(p, side)], extras) if (p, side) in untied else values.get(wkey))
+    side = 1 - entries[m.path].operand
+    if (m.path, side) in untied:
+      w = _untied_value(untied[(m.path, side)], extras)
+    else:
+      w = values.get(m.w)
+      for ceqn in m.convert:   # (mixed precision: the member's own cast, computed here first)
+        w = None if w is None else compat.bind_eqn(ceqn, [_materialize(w)])[0]
+    weights.append(w)
     fused.append(extras[biases[out]] if out in biases else None)
   return deferral.run_group(entries, weights, fused, values, plan.norm_impl)
 

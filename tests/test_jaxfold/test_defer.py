@@ -468,7 +468,16 @@ def siblings_other_layout(p, x):
   return (y @ p["w2"]) @ p["w3"] + jnp.tanh(y @ p["w5t"].T)[..., :3]   # one weight read transposed
 
 
-@pytest.mark.parametrize("fn, grouped", [(siblings, True), (siblings_other_layout, False)])
+def siblings_cast(p, x):
+  """Mixed precision: each sibling casts (and reshapes) its own float32 weight
+  right before its matmul, the second one after the first reader has run."""
+  y = _ln(_stem(p, x), p["g"], p["beta"])
+  q = y @ p["w2"].astype(jnp.float64) + p["b2"]
+  return q @ p["w3"] + jnp.tanh(y @ p["w5"].reshape(D, 5).astype(jnp.float64))[..., :3]
+
+
+@pytest.mark.parametrize("fn, grouped", [(siblings, True), (siblings_other_layout, False),
+                                         (siblings_cast, True)])
 def test_sibling_readers_in_one_launch(x64, monkeypatch, fn, grouped):
   """Two readers of one norm: one grouped launch (each reader's fused β·W in its
   own epilogue), exact at two shapes; a tripwire swaps the readers' outputs. Not
@@ -476,17 +485,26 @@ def test_sibling_readers_in_one_launch(x64, monkeypatch, fn, grouped):
   from jaxfold._src import kernels
   rng = np.random.default_rng(3)
   p = _base(rng, {"w5": (D, 5), "w5t": (5, D)}.items())
+  tol = 1e-9
+  if fn is siblings_cast:   # fuse's γ·W is rounded to the weights' float32
+    p = dict(p, w2=p["w2"].astype(jnp.float32), w5=p["w5"].astype(jnp.float32)[None])
+    tol = 1e-6
   x = _x(3, 7, 4)
   d = jaxfold.fold(p, fn, x, defer_norms=True, norm_impl="interpret")
   (site,) = d.report.deferred[:1]
   assert site.deferred and len(site.readers) == 2, site.reason
   assert (KERNEL_SAYS in site.reason and "in one launch" in site.reason) == grouped, site.reason
-  if not grouped:
+  if fn is siblings_other_layout:
     assert "different layouts" in site.reason, site.reason
   assert _pallas_calls(d.apply_fn, d.params, x) == grouped
   for shape, seed in [((3, 7, 4), 1), ((2, 5, 4), 2), ((1, 7, 4), 3), ((1, 1, 4), 4)]:
     xs = _x(*shape, seed=seed)
-    assert rel_err(fn(p, xs), jax.jit(lambda q, a: d.apply_fn(q, a))(d.params, xs)) < 1e-9
+    assert rel_err(fn(p, xs), jax.jit(lambda q, a: d.apply_fn(q, a))(d.params, xs)) < tol
+  if fn is siblings_cast:   # against XLA's deferred form of the same fused weights: exact
+    dx = jaxfold.fold(p, fn, x, defer_norms=True, norm_impl="xla")
+    for shape, seed in [((3, 7, 4), 1), ((1, 1, 4), 4)]:
+      xs = _x(*shape, seed=seed)
+      assert rel_err(dx.apply_fn(dx.params, xs), jax.jit(lambda q, a: d.apply_fn(q, a))(d.params, xs)) < 1e-12
   if grouped:
     run = kernels.run_rms_matmul_group
 
