@@ -435,6 +435,8 @@ def _center_leaf(x, spec):
 
 
 _POOL: list = []   # the centering workers, made on first use
+# A forked child has none of the parent's threads: it makes its own pool.
+os.register_at_fork(after_in_child=_POOL.clear)
 
 
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
