@@ -148,7 +148,10 @@ class FuseAnalysis:
   def key(self) -> tuple:
     key = (self.removed, self.scaled, self.copies, tuple(b[:4] + b[5:8] for b in self.biases))
     if self.defer:
-      key += (tuple((e.path, e.operand) for e in self.plan.deferred),)
+      # Per site, which readers are deferred: not their paths, which the jaxpr at
+      # another shape numbers differently (a batch-1 trace drops a broadcast) for
+      # the same deferral. The parameters do not depend on it at all.
+      key += (tuple((s.readers, s.deferred) for s in self.report.deferred),)
     return key
 
 
@@ -612,6 +615,14 @@ def _fused_params(an: FuseAnalysis, leaves: list, tree, bias_dtype=None) -> Fuse
   return FusedParams(jax.tree_util.tree_unflatten(tree, out), extras)
 
 
+def _defer_diff(base: tuple, other: tuple) -> str:
+  """The first deferral site that differs between two analyses, in words."""
+  for i, (a, b) in enumerate(zip(base, other)):
+    if (a.readers, a.deferred) != (b.readers, b.deferred):
+      return f"site {i} ({a.where}) {a.reason} at the example, {b.reason} here"
+  return f"{len(base)} norm sites at the example, {len(other)} here"
+
+
 class FusedApply(PipelineApply):
   """The fused apply function; re-analyses (and caches) per input signature
   (and per value of static keyword arguments, as the fold's does)."""
@@ -630,9 +641,13 @@ class FusedApply(PipelineApply):
 
   def _analyse(self, call: Call) -> FuseAnalysis:
     an = analyse(call.fn, self._params, pipeline.abstract_tree(call.args, FuseError), self._base.defer)
-    if an.key != self._base.key:
+    if an.key[:4] != self._base.key[:4]:
       raise FuseError(f"inputs of these shapes ({pipeline.shapes_text(call.args)}) fuse differently from "
                       "the example fuse_affine was given; call fuse_affine again for them")
+    if an.key != self._base.key:
+      raise FuseError(f"inputs of these shapes ({pipeline.shapes_text(call.args)}) defer differently from "
+                      "the example defer_norms was given (the report would not hold for them): "
+                      + _defer_diff(self._base.report.deferred, an.report.deferred))
     return an
 
   def __call__(self, params: FusedParams, *args, **kwargs):

@@ -1,0 +1,127 @@
+"""Adversarial programs against ``defer_norms`` and ``fuse_affine`` (adv6).
+
+Each program is compared with the *original* (unfolded) function in float64 with
+random non-uniform γ, β and biases, at the example shape and at others (batch 1,
+one token); where jaxfold must refuse, the refusal is checked by its reason and
+the result must still equal the original.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import rel_err
+from jax import lax
+
+import jaxfold
+
+D = 16
+
+
+def _x(*shape, seed=1, dtype=jnp.float64):
+  return jax.random.normal(jax.random.PRNGKey(seed), shape, dtype)
+
+
+def _params(seed=0, **shapes):
+  rng = np.random.default_rng(seed)
+  out = {}
+  for k, s in shapes.items():
+    if k.startswith("g"):
+      out[k] = jnp.asarray(1 + 0.5 * rng.normal(size=s))      # γ: non-uniform
+    elif k.startswith("b"):
+      out[k] = jnp.asarray(rng.normal(size=s) + 0.3)          # β, biases: non-zero mean
+    else:
+      out[k] = jnp.asarray(rng.normal(size=s) / np.sqrt(s[0]))
+  return out
+
+
+BASE = dict(w1=(4, D), b1=(D,), g=(D,), beta=(D,), w2=(D, 6), b2=(6,), w3=(6, 3))
+
+
+def _stem(p, x):
+  return x @ p["w1"] + p["b1"]
+
+
+def _ln(h, g, b, eps=1e-6):
+  m = h.mean(-1, keepdims=True)
+  return (h - m) * lax.rsqrt(jnp.square(h - m).mean(-1, keepdims=True) + eps) * g + b
+
+
+def _check(fn, p, d, shapes, tol=1e-9):
+  for k, shape in enumerate(shapes):
+    x = _x(*shape, seed=10 + k)
+    err = rel_err(fn(p, x), jax.jit(lambda q, a: d.apply_fn(q, a))(d.params, x))
+    assert err < tol, (shape, err, [s.reason for s in d.report.deferred])
+
+
+# ----------------------------------------------------------------------------
+# Shapes: a deferred model folded at one shape serves others. The deferral's
+# decisions are per site (which readers are deferred), not the paths of its
+# readers, which a batch-1 trace numbers differently (bug: FuseError "fuse
+# differently ... call fuse_affine again" for identical fused parameters).
+
+
+def keras_ln_block(p, x):
+  h = _stem(p, x)
+  mean = h.mean(-1, keepdims=True)
+  var = jnp.square(h).mean(-1, keepdims=True) - jnp.square(mean)   # Keras 3: E[h²] − E[h]²
+  inv = lax.rsqrt(var + 1e-6) * p["g"]
+  return (h * inv + (-mean * inv + p["beta"])) @ p["w2"] + p["b2"]
+
+
+def squeezed_token(p, x):
+  y = _ln(jnp.squeeze(_stem(p, x[:, :1]), 1), p["g"], p["beta"])   # (B, D): one token per example
+  return y @ p["w2"]
+
+
+SHAPES = [(3, 7, 4), (1, 1, 4), (1, 7, 4), (4, 1, 4)]
+
+
+@pytest.mark.parametrize("fn", [keras_ln_block, squeezed_token])
+@pytest.mark.parametrize("norm_impl", ["xla", "interpret"])
+@pytest.mark.parametrize("at", [(1, 1, 4), (3, 7, 4)])
+def test_deferred_model_serves_other_shapes(x64, fn, norm_impl, at):
+  p = _params(**BASE)
+  d = jaxfold.fold(p, fn, _x(*at), defer_norms=True, norm_impl=norm_impl)
+  assert d.report.num_deferred == 1, d.report
+  _check(fn, p, d, SHAPES)
+
+
+# ----------------------------------------------------------------------------
+# Range: deferral contracts the un-normalized input. In float16 (5 exponent bits)
+# a residual stream of a few ten thousand overflows to inf where the original,
+# which rounds the normalized value, is finite (bug: NaN outputs). Refused with
+# the dtype named; the result is the fused model's.
+
+
+def f16_reader(p, x):
+  h = (x @ p["w1"] + p["b1"]) * 40000.0                # a large float32 residual stream
+  y = _ln(h, p["g"], p["beta"], 1e-5).astype(jnp.float16)
+  return jnp.dot(y, p["w2"], preferred_element_type=jnp.float32) + p["b2"]
+
+
+def f16_reader_f16_out(p, x):
+  h = (x @ p["w1"] + p["b1"]) * 40000.0
+  y = _ln(h, p["g"], p["beta"], 1e-5).astype(jnp.float16)
+  return (y @ p["w2"]).astype(jnp.float32) + p["b2"]
+
+
+def f32_reader_of_f64(p, x):
+  y = _ln(_stem(p, x) * 1e300, p["g"], p["beta"]).astype(jnp.float32)   # x past float32's range
+  return jnp.dot(y, p["w2"].astype(jnp.float32), preferred_element_type=jnp.float64)
+
+
+@pytest.mark.parametrize("fn", [f16_reader, f16_reader_f16_out, f32_reader_of_f64])
+@pytest.mark.parametrize("norm_impl", ["xla", "interpret"])
+def test_narrow_range_reader_is_not_deferred(x64, fn, norm_impl):
+  p = _params(**BASE)
+  if fn is not f32_reader_of_f64:
+    p = {k: v.astype(jnp.float16 if k == "w2" else jnp.float32) for k, v in p.items()}
+  x = _x(3, 7, 4, dtype=jnp.float32 if fn is not f32_reader_of_f64 else jnp.float64)
+  d = jaxfold.fold(p, fn, x, defer_norms=True, norm_impl=norm_impl)
+  (site,) = d.report.deferred
+  assert not site.deferred and "range is narrower" in site.reason, site.reason
+  ref, out = fn(p, x), d.apply_fn(d.params, x)
+  assert bool(jnp.all(jnp.isfinite(ref))) and bool(jnp.all(jnp.isfinite(out)))
+  fu = jaxfold.fuse_affine(jaxfold.fold(p, fn, x, norm_impl=norm_impl))
+  assert rel_err(fu.apply_fn(fu.params, x), out) == 0.0
