@@ -125,3 +125,42 @@ def test_narrow_range_reader_is_not_deferred(x64, fn, norm_impl):
   assert bool(jnp.all(jnp.isfinite(ref))) and bool(jnp.all(jnp.isfinite(out)))
   fu = jaxfold.fuse_affine(jaxfold.fold(p, fn, x, norm_impl=norm_impl))
   assert rel_err(fu.apply_fn(fu.params, x), out) == 0.0
+
+
+# ----------------------------------------------------------------------------
+# One weight read twice under one norm, along different axes (bug: fuse_affine
+# named both untied copies "W@fusedγ" and both biases "W@biasβ", so the second
+# overwrote the first: rel err 0.5, or a broadcasting TypeError). Each reading
+# gets its own copy and bias; equal readings share one.
+
+
+def square_both_ways(p, x):
+  y = _ln(_stem(p, x), p["g"], p["beta"])
+  return jnp.tanh(y @ p["wsq"]) + y @ p["wsq"].T           # W (D, D) contracted on either axis
+
+
+def lhs_and_rhs(p, x):
+  y = _ln(_stem(p, x), p["g"], p["beta"])
+  return y @ p["w2"] + (p["w2"].T @ jnp.swapaxes(y, -1, -2)).swapaxes(-1, -2)   # y on either side
+
+
+def same_weight_twice(p, x):
+  y = _ln(_stem(p, x), p["g"], p["beta"])
+  return jnp.tanh(y @ p["w2"]) + y @ p["w2"]                # one reading: one copy, one bias
+
+
+@pytest.mark.parametrize("fn, copies, biases",
+                         [(square_both_ways, 2, 2), (lhs_and_rhs, 1, 2), (same_weight_twice, 1, 1)])
+@pytest.mark.parametrize("defer", [False, True])
+def test_one_weight_read_differently_by_one_norm(x64, fn, copies, biases, defer):
+  p = _params(**BASE, wsq=(D, D))
+  x = _x(3, 7, 4)
+  fo = jaxfold.fold(p, fn, x)
+  d = jaxfold.fuse_affine(fo)
+  if defer:
+    d = jaxfold.defer_norms(d)
+    assert d.report.num_deferred == 1, d.report
+  assert d.report.num_fused == 1, d.report
+  assert len([k for k in d.params.extras if "@fused" in k]) == copies, sorted(d.params.extras)
+  assert len([k for k in d.params.extras if "@bias" in k]) == biases, sorted(d.params.extras)
+  _check(fn, p, d, [(3, 7, 4), (2, 5, 4), (1, 1, 4)])
