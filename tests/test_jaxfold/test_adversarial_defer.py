@@ -164,3 +164,29 @@ def test_one_weight_read_differently_by_one_norm(x64, fn, copies, biases, defer)
   assert len([k for k in d.params.extras if "@fused" in k]) == copies, sorted(d.params.extras)
   assert len([k for k in d.params.extras if "@bias" in k]) == biases, sorted(d.params.extras)
   _check(fn, p, d, [(3, 7, 4), (2, 5, 4), (1, 1, 4)])
+
+
+# ----------------------------------------------------------------------------
+# rotate(defer_norms(fused), q), the documented order, with kernel readers (bug:
+# RotateError "the rotated stream reaches `pallas_call`": the proof traced the
+# kernels as they run). The proof reads their XLA expression, which each kernel
+# computes exactly; the rotated model still runs the kernels.
+
+
+def two_blocks(p, x):
+  h = _stem(p, x)
+  h = h + jnp.tanh(_ln(h, p["g"], p["beta"]) @ p["wa"] + p["ba"]) @ p["wb"]
+  y = _ln(h, p["g2"], p["beta2"])
+  return y @ p["w2"] + p["b2"], y @ p["w5"]             # one reader with its bias, then two siblings
+
+
+def test_rotate_a_deferred_model_with_kernel_readers(x64):
+  p = _params(**BASE, wa=(D, 8), ba=(8,), wb=(8, D), g2=(D,), beta2=(D,), w5=(D, 5))
+  d = jaxfold.fold(p, two_blocks, _x(3, 7, 4), defer_norms=True, norm_impl="interpret")
+  assert all("the RMS-matmul kernel computes" in s.reason for s in d.report.deferred), d.report
+  q, _ = np.linalg.qr(np.random.default_rng(0).normal(size=(D, D)))
+  r = jaxfold.rotate(d, jnp.asarray(q))
+  assert str(jax.make_jaxpr(r.apply_fn)(r.params, _x(3, 7, 4))).count("pallas_call") == 2
+  for k, shape in enumerate([(3, 7, 4), (1, 1, 4), (2, 5, 4)]):
+    x = _x(*shape, seed=20 + k)
+    assert rel_err(two_blocks(p, x), jax.jit(lambda q_, a: r.apply_fn(q_, a))(r.params, x)) < 1e-9
