@@ -1327,6 +1327,36 @@ _add("rc20_keras_ln_reduced_products", init_from(_SPEC20), _rc20_keras_reduced_p
      "(shift-invariant: (h + c)·r - (mean + c)·r)", True, "rc20")
 
 
+def _rc20_keras_variant(second):
+  """h·r - second(mean, r, var) with r = rsqrt(E[h²] - E[h]² + eps), per row."""
+  def apply(p, x):
+    h = x @ p["w"] + p["b"]
+    mean, var = _keras_moments(h)
+    r = lax.rsqrt(var + EPS)
+    return (h * r - second(mean, r, var)) * p["g"] + p["be"]
+  return apply
+
+
+for _name, _second, _note, _expect in [
+    ("other_rsqrt", lambda m, r, v: m * lax.rsqrt(2 * v + EPS), "mean times another statistic", False),
+    ("first_token_row", lambda m, r, v: (m * r)[:, :1], "mean·r of the first token only, broadcast over the "
+     "sequence (the shift varies along it)", False),
+    ("sequence_reversed", lambda m, r, v: (m * r)[:, ::-1], "mean·r of the tokens in reverse order", False)]:
+  _add(f"rc20_keras_ln_{_name}", init_from(_SPEC20), _rc20_keras_variant(_second), x_args,
+       f"h·r - (per-row product, then broadcast) with {_note}: not shift-invariant", _expect, "rc20")
+
+
+def _rc20_keras_grouped(p, x):
+  h = x @ p["w"] + p["b"]
+  g2 = h.reshape(h.shape[:-1] + (4, 4))
+  mean, var = _keras_moments(g2)
+  r = lax.rsqrt(var + EPS)
+  return (g2 * r - mean * r).reshape(h.shape) * p["g"] + p["be"]
+
+
+_add("rc20_keras_group_norm_reduced_products", init_from(_SPEC20), _rc20_keras_grouped, x_args,
+     "per-token GroupNorm (groups of 4) spelled g·r - mean·r, the second product per group", True, "rc20")
+
 def _rc20_merge_batch_seq(p, x):
   h = x @ p["w"] + p["b"]
   y = ln_two_pass(h.reshape(-1, D), p["g"], p["be"]).reshape(h.shape)   # batch and sequence merged

@@ -197,10 +197,7 @@ def test_centering_invisible(name):
 
 # Sound folds the analysis does not find yet: control flow and scatter-add
 # are the coverage issue's work. Strict, so a fix shows up as XPASS.
-# rc20_keras_ln_reduced_products: h·r - mean·r with mean·r formed per row (B, T, 1) and then
-# broadcast; the same with both products at (B, T, D) folds (rc20_keras_ln_inv_gamma), so the
-# shift's coefficients c·bcast(r) and bcast(c·r) do not meet in one canonical form.
-COVERAGE_TODO: set = {"rc20_keras_ln_reduced_products"}  # a sound fold exists, the analysis misses it (strict xfail)
+COVERAGE_TODO: set = set()  # programs a sound fold exists for but the analysis misses (strict xfail)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
