@@ -69,6 +69,13 @@ def keras_ln_block(p, x):
   return (h * inv + (-mean * inv + p["beta"])) @ p["w2"] + p["b2"]
 
 
+def keras_reduced_products(p, x):
+  h = _stem(p, x)
+  mean = h.mean(-1, keepdims=True)
+  r = lax.rsqrt(jnp.square(h).mean(-1, keepdims=True) - jnp.square(mean) + 1e-6)
+  return ((h * r - mean * r) * p["g"] + p["beta"]) @ p["w2"] + p["b2"]   # mean·r per row, then broadcast
+
+
 def squeezed_token(p, x):
   y = _ln(jnp.squeeze(_stem(p, x[:, :1]), 1), p["g"], p["beta"])   # (B, D): one token per example
   return y @ p["w2"]
@@ -77,13 +84,15 @@ def squeezed_token(p, x):
 SHAPES = [(3, 7, 4), (1, 1, 4), (1, 7, 4), (4, 1, 4)]
 
 
-@pytest.mark.parametrize("fn", [keras_ln_block, squeezed_token])
+@pytest.mark.parametrize("fn", [keras_ln_block, keras_reduced_products, squeezed_token])
 @pytest.mark.parametrize("norm_impl", ["xla", "interpret"])
 @pytest.mark.parametrize("at", [(1, 1, 4), (3, 7, 4)])
 def test_deferred_model_serves_other_shapes(x64, fn, norm_impl, at):
   p = _params(**BASE)
   d = jaxfold.fold(p, fn, _x(*at), defer_norms=True, norm_impl=norm_impl)
-  assert d.report.num_deferred == 1, d.report
+  assert d.report.num_fused == d.report.num_deferred == 1, d.report
+  if norm_impl == "interpret":
+    assert "the RMS-matmul kernel computes" in d.report.deferred[0].reason, d.report
   _check(fn, p, d, SHAPES)
 
 
