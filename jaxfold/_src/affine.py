@@ -148,7 +148,10 @@ class FuseAnalysis:
   def key(self) -> tuple:
     key = (self.removed, self.scaled, self.copies, tuple(b[:4] + b[5:8] for b in self.biases))
     if self.defer:
-      key += (tuple((e.path, e.operand) for e in self.plan.deferred),)
+      # Per site, which readers are deferred: not their paths, which the jaxpr at
+      # another shape numbers differently (a batch-1 trace drops a broadcast) for
+      # the same deferral. The parameters do not depend on it at all.
+      key += (tuple((s.readers, s.deferred) for s in self.report.deferred),)
     return key
 
 
@@ -410,6 +413,7 @@ def analyse(fn: Callable, params: Any, args: tuple, defer: bool = False) -> Fuse
   norm_impl = next(iter(asked)) if len(asked) == 1 else "xla"
   names = traced.names
   removed, scaled, copies, biases, untied, plan_biases, sites = {}, [], [], [], [], [], []
+  made: dict = {}   # name of each new parameter (untied copy, bias) -> what it holds
   extra, ys, changed, epilogues = 0, [], [], ()
   accepted, deferred, dsites = [], (), ()
   with pipeline.analyzer(traced) as an:
@@ -451,18 +455,21 @@ def analyse(fn: Callable, params: Any, args: tuple, defer: bool = False) -> Fuse
           claimed.add(r.leaf)
           scaled.append((r.leaf, aff.gamma, r.dim))
         else:
-          cname = f"{wname}@fused{gname}"
-          copies.append((cname, r.leaf, aff.gamma, r.dim))
+          cname, new = _extra_name(f"{wname}@fused{gname}", (r.leaf, aff.gamma, r.dim), made)
+          if new:
+            copies.append((cname, r.leaf, aff.gamma, r.dim))
+            extra += nbytes
           untied.append((r.node.path, r.w_side, cname, tuple(c.eqn for c in r.chain)))
-          extra += nbytes
         if aff.beta is not None:
-          bias = f"{wname}@bias{bname}"
           z = r.node.outs[0]
-          biases.append((bias, aff.beta, r.leaf, r.w_side, rule_for(r.node.prim).contraction(r.node).numbers,
-                         len(r.node.ins[1 - r.w_side].shape), r.y_dim, _dtype_tag(z.dtype),
-                         tuple(c.eqn for c in r.chain)))
+          spec = (aff.beta, r.leaf, r.w_side, rule_for(r.node.prim).contraction(r.node).numbers,
+                  len(r.node.ins[1 - r.w_side].shape), r.y_dim, _dtype_tag(z.dtype))
+          # (a chain of re-indexing steps is its own: equal only when there is none)
+          bias, new = _extra_name(f"{wname}@bias{bname}", spec + (tuple(id(c) for c in r.chain),), made)
+          if new:
+            biases.append((bias,) + spec + (tuple(c.eqn for c in r.chain),))
+            extra += int(np.prod(wv.shape)) // wv.shape[r.dim] * np.dtype(z.dtype).itemsize
           plan_biases.append((z.key, bias))
-          extra += int(np.prod(wv.shape)) // wv.shape[r.dim] * np.dtype(z.dtype).itemsize
       reason = "γ into " + ", ".join(
           param_label(names[r.leaf]) + ("" if r.in_place else " (untied copy)") for r in readers)
       if aff.beta is not None:
@@ -612,6 +619,28 @@ def _fused_params(an: FuseAnalysis, leaves: list, tree, bias_dtype=None) -> Fuse
   return FusedParams(jax.tree_util.tree_unflatten(tree, out), extras)
 
 
+def _extra_name(name: str, spec: tuple, made: dict) -> tuple:
+  """``(name, whether it is new)`` for a new parameter holding ``spec``: the
+  readers of one norm that read one weight alike share it, and readers that
+  read it differently (``y @ W`` and ``y @ W.T``, or ``W`` on either side) get
+  one each (one name for both made the second overwrite the first)."""
+  base, k = name, 1
+  while name in made and made[name] != spec:
+    k += 1
+    name = f"{base}#{k}"
+  new = name not in made
+  made[name] = spec
+  return name, new
+
+
+def _defer_diff(base: tuple, other: tuple) -> str:
+  """The first deferral site that differs between two analyses, in words."""
+  for i, (a, b) in enumerate(zip(base, other)):
+    if (a.readers, a.deferred) != (b.readers, b.deferred):
+      return f"site {i} ({a.where}) {a.reason} at the example, {b.reason} here"
+  return f"{len(base)} norm sites at the example, {len(other)} here"
+
+
 class FusedApply(PipelineApply):
   """The fused apply function; re-analyses (and caches) per input signature
   (and per value of static keyword arguments, as the fold's does)."""
@@ -630,9 +659,13 @@ class FusedApply(PipelineApply):
 
   def _analyse(self, call: Call) -> FuseAnalysis:
     an = analyse(call.fn, self._params, pipeline.abstract_tree(call.args, FuseError), self._base.defer)
-    if an.key != self._base.key:
+    if an.key[:4] != self._base.key[:4]:
       raise FuseError(f"inputs of these shapes ({pipeline.shapes_text(call.args)}) fuse differently from "
                       "the example fuse_affine was given; call fuse_affine again for them")
+    if an.key != self._base.key:
+      raise FuseError(f"inputs of these shapes ({pipeline.shapes_text(call.args)}) defer differently from "
+                      "the example defer_norms was given (the report would not hold for them): "
+                      + _defer_diff(self._base.report.deferred, an.report.deferred))
     return an
 
   def __call__(self, params: FusedParams, *args, **kwargs):

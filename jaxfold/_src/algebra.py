@@ -776,6 +776,37 @@ def derived(p: Poly, factor: Expr, const_dims: frozenset, out_shape: Shape) -> P
   return Poly(sym, dims, p.coeffs)
 
 
+def broadcast_derived(p: Poly, q: Poly, in_shape: Shape, out_shape: Shape) -> Poly:
+  """``q``, the size-1 expansion of a derived shift ``p`` (``c0·F`` at a shape
+  with size-1 dims, e.g. ``mean·inv`` per row) to ``out_shape``, under the
+  symbol :func:`derived` gives ``c0·lift(F)`` made at ``out_shape``: they are
+  the same tensor (``c0`` is constant along the expanded dims, as ``p``'s dims
+  say), so ``h·inv - bcast(mean·inv)`` cancels as ``h·inv - mean·inv`` at full
+  shape does. ``q`` unchanged where ``p`` is no derived shift indexed as made,
+  or the expansion moves a dim."""
+  info = _DERIVED.get(("info", p.sym))
+  if (info is None or info[3] != p.dims or q.sym != p.sym or len(q.dims) != len(p.dims)
+      or len(out_shape) != len(p.dims) or len(in_shape) != len(p.dims) or not p.is_pure):
+    return q
+  base, base_dims, f = info[:3]
+  grown = [d for d, (a, b) in enumerate(zip(in_shape, out_shape)) if a != b]
+  if (len(base_dims) != len(p.dims) or any(in_shape[d] != 1 for d in grown)
+      or any(base_dims[d] is not None or p.dims[d] is not None or q.dims[d] is not None for d in grown)):
+    return q   # (c0 must be constant along every expanded dim: one block of a varying c0 is not c0)
+  try:
+    f = lift(f, tuple(out_shape)) if f is not None else None
+  except Unrepresentable:
+    return q
+  shape = tuple(None if e is None else e[1] for e in q.dims)
+  key = (base, base_dims, f, shape, tuple(out_shape))
+  sym = _DERIVED.get(key)
+  if sym is None:
+    sym = _DERIVED[key] = next(_syms)
+  dims = tuple(None if b is None else (("derived", sym, d), b) for d, b in enumerate(shape))
+  _DERIVED[("info", sym)] = (base, base_dims, f, dims)
+  return Poly(sym, dims, q.coeffs)
+
+
 def exp_of(p: Poly, value: Expr, out: Any) -> Poly:
   """``exp(x + k*c) = exp(x) * (1 + d)`` with ``d = exp(k*c) - 1``: a pure
   shift becomes a *proportional* one (coefficient = the value itself, here

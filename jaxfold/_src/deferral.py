@@ -29,7 +29,11 @@ Proof obligations, each checked on the traced folded program (the one
   which commute with the elementwise product, and ``s`` pushed through the
   same steps is constant along the contracted dim (the rules' facts facets);
 * ``x``, ``s`` and the reader are not separated by a remat boundary (the
-  rewrite cannot see values across one).
+  rewrite cannot see values across one);
+* every float dtype the deferred reader computes in (``x``'s casts, its
+  operand, its output) has at least float32's exponent range, and ``x``'s
+  (``_check_range``): ``x @ W`` is ``rms(x)`` times the normalized product and
+  overflows a float16 where the original does not.
 
 Anything else keeps the site as fused (normalized) and the report names the
 reader and the reason.
@@ -270,6 +274,32 @@ def _chain(level, reader, y, s, dim_y: int) -> tuple:
   return tuple(n.eqn for n in nodes)
 
 
+# Exponent bits of float32 (and bfloat16): below them (float16, float8) the
+# un-normalized values overflow at magnitudes a normalized activation never has.
+_RANGE_BITS = 8
+
+
+def _check_range(x, chain: tuple, reader) -> None:
+  """Raises Block when a float dtype the deferred reader computes in (``x``'s
+  re-indexing and casts, its operand, its output) has a narrower exponent range
+  than ``max(x's dtype, float32)``. The original rounds the *normalized* value
+  to it (|y| ~ γ, β); the deferred form casts ``x`` and forms ``x @ W`` in it,
+  ``rms(x)`` times larger: a float16 residual stream of a few thousand, or a
+  float64 one past 3e38 cast to float32, overflows to inf where the original
+  is finite."""
+  dts = [x.dtype] + [e.outvars[0].aval.dtype for e in chain]
+  dts += [reader.node.ins[1 - reader.w_side].dtype, reader.node.outs[0].dtype]
+  dts = [np.dtype(d) for d in dts if jnp.issubdtype(d, jnp.floating)]
+  if not dts:
+    return
+  need = max(_RANGE_BITS, jnp.finfo(dts[0]).nexp) if jnp.issubdtype(x.dtype, jnp.floating) else _RANGE_BITS
+  narrow = [d for d in dts if jnp.finfo(d).nexp < need]
+  if narrow:
+    raise Block(f"it would contract the un-normalized input in {narrow[0].name}, whose range is narrower "
+                f"than {np.dtype(x.dtype).name if need > _RANGE_BITS else 'float32'}'s: x @ W can overflow "
+                "where the normalized product does not")
+
+
 def _fused_values(accepted: list, level) -> dict:
   """Canonical forms of what fusing changes, for the kernel proofs: fused γ and
   β are the constants 1 and 0 at run time, a reader's output (W' and a new
@@ -423,6 +453,7 @@ def analyse(level, accepted: list, names: list, modified: set, fuse_sites: list,
         tag = f"reader {param_label(names[r.leaf])} [at {r.node.where()}]: "
         try:
           chain = _chain(level, r, aff.y, s, aff.dim)
+          _check_range(x, chain, r)
           for v in (x, s):
             if not _remats(v.producer) <= _remats(r.node):
               raise Block("a remat boundary separates it from the norm's input")

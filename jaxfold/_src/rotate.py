@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfold._src import display, pipeline
+from jaxfold._src import display, kernels, pipeline
 from jaxfold._src.analysis import LeafNeed, Level, factor_leaf, leaf_of
 from jaxfold._src.errors import RotateError
 from jaxfold._src.fold import FoldedApply, FoldedParams
@@ -154,7 +154,12 @@ def _propagate(level: Level, seeds: dict):
 
 def _solve(fn: Callable, params: Any, args: tuple, n: int):
   """``(leaf dims, norms, names)`` of a proven rotation, or raises RotateError."""
-  traced = pipeline.trace(fn, params, args)
+  # The proof reads the XLA expression of every kernel the program would run (the
+  # fold's RMSNorm, a deferred reader's RMS-matmul): each computes that expression
+  # exactly in real arithmetic, so the rotation is exact for the kernels too; traced
+  # as they run, a kernel is an opaque pallas_call that no rotation passes.
+  with kernels.xla_level():
+    traced = pipeline.trace(fn, params, args)
   names = traced.names
   with pipeline.analyzer(traced) as an:
     level = an.top

@@ -20,7 +20,8 @@ The root causes (``cause``) are those of the adversarial brief:
   rc1 sub-jaxpr reuse · rc2 pad/cumsum · rc3 quantizing casts ·
   rc4 multi-operand primitives · rc5 dynamic slices · rc6 gather fill ·
   rc7 grouped shifts · rc8 near-cancellation · rc9 kernel epilogues ·
-  rc10 custom differentiation · rc12 other ideas.
+  rc10 custom differentiation · rc12 other ideas · rc20 shape generality and
+  Keras-3 spellings.
 (rc11, dtypes, is in ``DTYPE_PROGRAMS``: run without x64, in its own test.)
 """
 
@@ -1288,6 +1289,137 @@ _add("rc19_scan_length0_stacked_outputs", init_from(_SPEC19), _rc19_scan0_stacke
      "a length-0 scan that passes its carry through and stacks LN(carry) (an empty output): the "
      "LN after it folds", True, "rc19")
 
+
+
+# ============================================================================
+# rc20: shape generality and Keras-3 spellings (adv6). Every program is also
+# folded at one shape and called at others by the shape tests; here at the two
+# variants.
+
+_SPEC20 = {"w": (DIN, D), "b": (D,), "g": (D,), "be": (D,), "head": (D, 5)}
+
+
+def _keras_moments(h, axes=(-1,)):
+  mean = jnp.mean(h, axis=axes, keepdims=True)
+  return mean, jnp.mean(jnp.square(h), axis=axes, keepdims=True) - jnp.square(mean)
+
+
+def _rc20_keras_inv_gamma(p, x):
+  h = x @ p["w"] + p["b"]
+  mean, var = _keras_moments(h)
+  inv = lax.rsqrt(var + EPS) * p["g"]                        # Keras 3 LayerNormalization
+  return (h * inv + (-mean * inv + p["be"])) @ p["head"]
+
+
+_add("rc20_keras_ln_inv_gamma", init_from(_SPEC20), _rc20_keras_inv_gamma, x_args,
+     "Keras 3 LayerNormalization: inv = rsqrt(E[h²] - E[h]² + eps)·γ; h·inv + (β - mean·inv)", True, "rc20")
+
+
+def _rc20_keras_reduced_products(p, x):
+  h = x @ p["w"] + p["b"]
+  mean, var = _keras_moments(h)
+  r = lax.rsqrt(var + EPS)
+  return (h * r - mean * r) * p["g"] + p["be"]                # mean·r formed per row, then broadcast
+
+
+_add("rc20_keras_ln_reduced_products", init_from(_SPEC20), _rc20_keras_reduced_products, x_args,
+     "h·rsqrt(var) - mean·rsqrt(var) with the second product taken per row before its broadcast "
+     "(shift-invariant: (h + c)·r - (mean + c)·r)", True, "rc20")
+
+
+def _rc20_keras_variant(second):
+  """h·r - second(mean, r, var) with r = rsqrt(E[h²] - E[h]² + eps), per row."""
+  def apply(p, x):
+    h = x @ p["w"] + p["b"]
+    mean, var = _keras_moments(h)
+    r = lax.rsqrt(var + EPS)
+    return (h * r - second(mean, r, var)) * p["g"] + p["be"]
+  return apply
+
+
+for _name, _second, _note, _expect in [
+    ("other_rsqrt", lambda m, r, v: m * lax.rsqrt(2 * v + EPS), "mean times another statistic", False),
+    ("first_token_row", lambda m, r, v: (m * r)[:, :1], "mean·r of the first token only, broadcast over the "
+     "sequence (the shift varies along it)", False),
+    ("sequence_reversed", lambda m, r, v: (m * r)[:, ::-1], "mean·r of the tokens in reverse order", False)]:
+  _add(f"rc20_keras_ln_{_name}", init_from(_SPEC20), _rc20_keras_variant(_second), x_args,
+       f"h·r - (per-row product, then broadcast) with {_note}: not shift-invariant", _expect, "rc20")
+
+
+def _rc20_keras_grouped(p, x):
+  h = x @ p["w"] + p["b"]
+  g2 = h.reshape(h.shape[:-1] + (4, 4))
+  mean, var = _keras_moments(g2)
+  r = lax.rsqrt(var + EPS)
+  return (g2 * r - mean * r).reshape(h.shape) * p["g"] + p["be"]
+
+
+_add("rc20_keras_group_norm_reduced_products", init_from(_SPEC20), _rc20_keras_grouped, x_args,
+     "per-token GroupNorm (groups of 4) spelled g·r - mean·r, the second product per group", True, "rc20")
+
+def _rc20_merge_batch_seq(p, x):
+  h = x @ p["w"] + p["b"]
+  y = ln_two_pass(h.reshape(-1, D), p["g"], p["be"]).reshape(h.shape)   # batch and sequence merged
+  return y @ p["head"]
+
+
+_add("rc20_merge_batch_seq", init_from(_SPEC20), _rc20_merge_batch_seq, x_args,
+     "LN over the features of h.reshape(-1, d): rows are (batch, token) pairs", True, "rc20")
+
+
+def _rc20_squeezed_token(p, x):
+  h = x[:, :1] @ p["w"] + p["b"]
+  return ln_fast(jnp.squeeze(h, 1), p["g"], p["be"]) @ p["head"]      # (B, D): one token per example
+
+
+_add("rc20_squeezed_token", init_from(_SPEC20), _rc20_squeezed_token, x_args,
+     "LN of jnp.squeeze(h[:, :1], 1): a size-1 axis removed before the norm", True, "rc20")
+
+
+def _rc20_ln_batch_and_features(p, x):
+  return ln_fast(x @ p["w"] + p["b"], p["g"], p["be"], axes=(0, 2)) @ p["head"]
+
+
+_add("rc20_ln_over_batch_and_features", init_from(_SPEC20), _rc20_ln_batch_and_features, x_args,
+     "a norm over (batch, features): the Dense's shift varies per example, which it does not remove "
+     "(at batch 1 it would look per-token)", False, "rc20")
+
+
+def _rc20_softmax_over_seq(p, x):
+  h = x @ p["w"] + p["b"]
+  return ln_fast(3.0 * jax.nn.softmax(h, axis=1) + h, p["g"], p["be"]) @ p["head"]
+
+
+_add("rc20_softmax_over_seq_added", init_from(_SPEC20), _rc20_softmax_over_seq, x_args,
+     "softmax of h over the sequence added to h before the LN: the per-token shift does not cancel "
+     "in a softmax over the axis it varies along", False, "rc20")
+
+
+def _rc20_gn_interleaved(p, x):
+  h = x @ p["w"] + p["b"]
+  b, t = h.shape[:2]
+  g2 = jnp.swapaxes(h.reshape(b, t, 4, 4), -1, -2)          # group k: channels k, k + 4, k + 8, k + 12
+  y = jnp.swapaxes(ln_fast(g2, 1.0, 0.0), -1, -2).reshape(b, t, D)
+  return (y * p["g"] + p["be"]) @ p["head"]
+
+
+_add("rc20_group_norm_interleaved_groups", init_from(_SPEC20), _rc20_gn_interleaved, x_args,
+     "per-token GroupNorm whose groups interleave the channels (reshape (4, 4) then swapaxes): "
+     "centering per contiguous block would be wrong", None, "rc20")
+
+
+def _rc20_gn_straddles_concat(p, x):
+  h = jnp.concatenate([x @ p["wa"] + p["ba"], x @ p["wb"] + p["bb"]], -1)   # 6 + 10 channels
+  b, t = h.shape[:2]
+  y = ln_fast(h.reshape(b, t, 4, 4), 1.0, 0.0).reshape(b, t, D)            # group 1 = 2 + 2 channels
+  return (y * p["g"] + p["be"]) @ p["head"]
+
+
+_add("rc20_group_norm_straddles_concat",
+     init_from({"wa": (DIN, 6), "ba": (6,), "wb": (DIN, 10), "bb": (10,), "g": (D,), "be": (D,), "head": (D, 5)}),
+     _rc20_gn_straddles_concat, x_args,
+     "per-token GroupNorm (groups of 4) of two Dense outputs concatenated (6 + 10 channels): a group "
+     "straddles the boundary", None, "rc20")
 
 def _dtype_init(key):
   k = jax.random.split(key, 4)

@@ -352,6 +352,8 @@ def lift_poly(p: A.Poly, a: Any, out_shape: Sequence[int]) -> A.Poly:
     dims = (None,) * len(out_shape)
   else:
     dims = p.dims  # size-1 dims are always constant in a poly
+    # (a derived shift c0·F expanded from size-1 dims is c0·F made at the output's shape)
+    return A.broadcast_derived(p, A.Poly(p.sym, dims, tuple(A.lift(c, out_shape) for c in p.coeffs)), s, out_shape)
   return A.Poly(p.sym, dims, tuple(A.lift(c, out_shape) for c in p.coeffs))
 
 

@@ -116,8 +116,11 @@ def _bcast_shift(node, ins, ctx):
       dims[d] = p.dims[i]
     elif p.dims[i] is not None:
       dims[d] = _ONE_BLOCK  # a labelled size-1 dim repeated
-  return [_one_block(tuple(dims), lambda ds: _view_coeffs(
-      p, out_shape, _bcast_op(node), _tag(node), ds))]
+  q = _one_block(tuple(dims), lambda ds: _view_coeffs(p, out_shape, _bcast_op(node), _tag(node), ds))
+  if (q is not None and _ONE_BLOCK not in dims and len(in_shape) == len(out_shape)
+      and tuple(bd) == tuple(range(len(out_shape)))):
+    q = A.broadcast_derived(p, q, in_shape, out_shape)   # size-1 expansion only: every dim stays where it was
+  return [q]
 
 
 def _bcast_zero_sum(node, k, spec, ctx):
