@@ -116,9 +116,27 @@ def _hashable(x: Any) -> bool:
     return False
 
 
+def _check_positional(args: tuple, error: type) -> None:
+  """Every leaf of the positional arguments is an array: a positional flag or
+  string (``train=False`` passed positionally) would otherwise surface as an
+  unexplained failure of ``jax`` (``Value 'a' ... is not a valid JAX array
+  type``) or a message that names neither the argument nor the remedy."""
+  for path, x in jax.tree_util.tree_flatten_with_path(tuple(args))[0]:
+    if is_array(x) or (hasattr(x, "shape") and hasattr(x, "dtype")):
+      continue
+    where = "positional argument " + str(path[0].idx) + jax.tree_util.keystr(tuple(path[1:]))
+    raise error(
+        f"{where} is of type {type(x).__name__} ({x!r:.60}), not an array: positional arguments are "
+        "traced, so each must be an array or jax.ShapeDtypeStruct (e.g. jnp.asarray(...)). "
+        "Pass a static value (a flag, a string, a Python number the function branches on) as a "
+        "keyword argument (example_kwargs= of jaxfold.fold/cbwc, the same keyword when calling "
+        "the folded apply_fn) or bind it with functools.partial.")
+
+
 def bind(apply_fn: Callable, args: tuple, kwargs: Optional[dict], error: type = FoldError) -> Call:
   """``apply_fn`` called with ``args`` and ``kwargs`` as a function of the
   parameters and the arrays only (what ``trace`` takes)."""
+  _check_positional(args, error)
   if not kwargs:
     return Call(signature(tuple(args)), apply_fn, tuple(args))
   leaves, tree = jax.tree_util.tree_flatten(kwargs)
