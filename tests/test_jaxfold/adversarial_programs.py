@@ -21,7 +21,10 @@ The root causes (``cause``) are those of the adversarial brief:
   rc4 multi-operand primitives · rc5 dynamic slices · rc6 gather fill ·
   rc7 grouped shifts · rc8 near-cancellation · rc9 kernel epilogues ·
   rc10 custom differentiation · rc12 other ideas · rc20 shape generality and
-  Keras-3 spellings.
+  Keras-3 spellings · rc21 core-fold adversaries (order statistics, pooling and
+  cumulative ops along axes the shift varies on, differently shifted copies of
+  one value combined along the features, shift-invariant "means" that are not
+  zero on a zero-sum input; more in ``test_adversarial_core.py``).
 (rc11, dtypes, is in ``DTYPE_PROGRAMS``: run without x64, in its own test.)
 """
 
@@ -1420,6 +1423,51 @@ _add("rc20_group_norm_straddles_concat",
      _rc20_gn_straddles_concat, x_args,
      "per-token GroupNorm (groups of 4) of two Dense outputs concatenated (6 + 10 channels): a group "
      "straddles the boundary", None, "rc20")
+
+# ============================================================================
+# rc21: core-fold adversaries. The weight's shift -mean_f(W)·x varies over
+# tokens and pixels; an op that orders, pools or accumulates along those axes,
+# or a selection of two copies shifted differently, breaks the constant shift.
+
+
+def _rc21_max_pool_ln(p, x):
+  h = lax.conv_general_dilated(x, p["w"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  h = nn.max_pool(h + p["b"], (2, 2), strides=(2, 2))
+  return ln_fast(h, p["g"], p["be"]) @ p["head"]
+
+
+_add("rc21_max_pool_then_ln_channels",
+     init_from({"w": (1, 1, 3, D), "b": (D,), "g": (D,), "be": (D,), "head": (D, 4)}),
+     _rc21_max_pool_ln, image_args,
+     "1x1 conv + bias, 2x2 max pool, LayerNorm over channels: the kernel's shift varies over pixels, "
+     "so the pool picks other pixels (only the bias could be centered, which removes nothing)",
+     False, "rc21")
+_dense_ln_program("rc21_sort_features", lambda h: jnp.sort(h, axis=-1),
+                  "sort along the normalized features: sort(h + c) = sort(h) + c", True, "rc21")
+_dense_ln_program("rc21_sort_tokens", lambda h: jnp.sort(h, axis=1),
+                  "sort along tokens: the kernel's shift varies over tokens and reorders them", False,
+                  "rc21")
+_dense_ln_program("rc21_cumsum_tokens", lambda h: jnp.cumsum(h, axis=1),
+                  "cumsum over tokens: the accumulated shift is still constant over features", True,
+                  "rc21")
+_RC21_MASK = np.arange(D) < 5
+_dense_ln_program("rc21_select_cumsum_vs_cumsum_of_rev",
+                  lambda h: jnp.where(_RC21_MASK, jnp.cumsum(h, 1), jnp.cumsum(lax.rev(h, (1,)), 1)),
+                  "features 0-4 from cumsum(h), 5-15 from cumsum(rev(h)) over tokens: both shifts vary "
+                  "over tokens, differently, so their selection is not constant over features", False,
+                  "rc21")
+
+
+def _rc21_weighted_mean_ln(h, g, b, eps=EPS):
+  w = np.linspace(0.5, 1.5, h.shape[-1])
+  c = h - (h * (w / w.sum())).sum(-1, keepdims=True)
+  return c * lax.rsqrt((c * c).mean(-1, keepdims=True) + eps) * g + b
+
+
+_dense_ln_program("rc21_weighted_mean_norm", _ident,
+                  "h - weighted_mean(h): shift-invariant, but a zero-sum h has a non-zero weighted mean, "
+                  "so the reduction must stay", False, "rc21", ln=_rc21_weighted_mean_ln)
+
 
 def _dtype_init(key):
   k = jax.random.split(key, 4)
