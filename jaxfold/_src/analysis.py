@@ -118,14 +118,18 @@ class Analyzer:
 
 
 def _tolerance(program: Program):
-  """The narrowest float dtype among the outputs: the precision at which a
-  rewrite's rounding differences are invisible."""
+  """The widest float dtype among the outputs: the precision at which a
+  rewrite's rounding differences are invisible at EVERY output. (Not the
+  narrowest: a bfloat16 side output, even one no parameter reaches such as
+  ``x.astype(bfloat16)``, would otherwise let a bfloat16 round trip inside the
+  float64 path of another output count as harmless rounding, and centering
+  through it changed that float64 output by 4e-3.)"""
   best = None
   for v in program.outvars:
     dt = np.dtype(v.dtype) if not compat.is_prng_key(v.dtype) else None
     if dt is None or not jnp.issubdtype(dt, jnp.floating):
       continue
-    if best is None or jnp.finfo(dt).nmant < jnp.finfo(best).nmant:
+    if best is None or jnp.finfo(dt).nmant > jnp.finfo(best).nmant:
       best = dt
   return best if best is not None else np.dtype(np.float64)
 

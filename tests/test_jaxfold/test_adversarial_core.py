@@ -313,6 +313,26 @@ def _(p, x):
   return jax.grad(lambda w: jnp.sum(ln(x @ w + p["b"], p["g"], p["be"]) ** 3))(p["w"])
 
 
+# ----------------------------------------------------------------------------
+# A narrow side output must not widen what counts as harmless rounding on the
+# float64 path of another output (the tolerance is the widest output dtype).
+
+def _roundtrip_with_side_output(dt, side):
+  def apply(p, x):
+    h = (x @ p["w"] + p["b"]).astype(dt).astype(F64)
+    out = ln(h, p["g"], p["be"])
+    return (out, side(x)) if side is not None else out
+  return apply
+
+
+for _dt in (jnp.bfloat16, jnp.float16, jnp.float32):
+  _n = np.dtype(_dt).name
+  prog(f"{_n}_roundtrip_then_ln_with_{_n}_side_output", 0)(
+      _roundtrip_with_side_output(_dt, lambda x, _dt=_dt: x.astype(_dt)))
+prog("bfloat16_roundtrip_then_ln_single_output", 0)(
+    _roundtrip_with_side_output(jnp.bfloat16, None))
+
+
 NAMES = sorted(PROGRAMS)
 
 

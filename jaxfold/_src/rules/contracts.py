@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 class Context(Protocol):
   """What a facet may ask about the program level it runs in."""
   cbwc: bool                     # the analysis serves CBWC (custom rules see changed inputs)
-  tolerance: Any                 # the narrowest output float dtype
+  tolerance: Any                 # the widest output float dtype
   overrides: dict                # values with assumed canonical forms (see ``assuming``)
 
   def facts(self, a: Any) -> "Facts": ...
