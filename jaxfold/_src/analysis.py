@@ -123,10 +123,13 @@ def _tolerance(program: Program):
   narrowest: a bfloat16 side output, even one no parameter reaches such as
   ``x.astype(bfloat16)``, would otherwise let a bfloat16 round trip inside the
   float64 path of another output count as harmless rounding, and centering
-  through it changed that float64 output by 4e-3.)"""
+  through it changed that float64 output by 4e-3.) Complex outputs count
+  at the precision of their components."""
   best = None
   for v in program.outvars:
     dt = np.dtype(v.dtype) if not compat.is_prng_key(v.dtype) else None
+    if dt is not None and jnp.issubdtype(dt, jnp.complexfloating):
+      dt = np.dtype(jnp.finfo(dt).dtype)      # complex128 outputs are float64 precise
     if dt is None or not jnp.issubdtype(dt, jnp.floating):
       continue
     if best is None or jnp.finfo(dt).nmant > jnp.finfo(best).nmant:

@@ -329,6 +329,16 @@ for _dt in (jnp.bfloat16, jnp.float16, jnp.float32):
   _n = np.dtype(_dt).name
   prog(f"{_n}_roundtrip_then_ln_with_{_n}_side_output", 0)(
       _roundtrip_with_side_output(_dt, lambda x, _dt=_dt: x.astype(_dt)))
+
+
+@prog("float32_roundtrip_then_ln_complex128_output_with_f32_side_output", 0)
+def _(p, x):
+  """A complex128 output counts as float64 (it used to be ignored, leaving the
+  float32 side output to set the tolerance)."""
+  out, side = _roundtrip_with_side_output(jnp.float32, lambda x: x.astype(jnp.float32))(p, x)
+  return out.astype(jnp.complex128) * (1 + 1j), side
+
+
 prog("bfloat16_roundtrip_then_ln_single_output", 0)(
     _roundtrip_with_side_output(jnp.bfloat16, None))
 
