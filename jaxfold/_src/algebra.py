@@ -767,13 +767,20 @@ def derived(p: Poly, factor: Expr, const_dims: frozenset, out_shape: Shape) -> P
     return pure(tuple(e if d in const_dims else (None, 1) for d, e in enumerate(p.dims)))
   shape = tuple(None if (e is None and d in const_dims) else (e[1] if e is not None and d in const_dims else 1)
                 for d, e in enumerate(p.dims))
+  return Poly(*_derived_symbol(base, base_dims, f, shape, out_shape), p.coeffs)
+
+
+def _derived_symbol(base, base_dims: tuple, f: Any, shape: tuple, out_shape: Shape) -> tuple:
+  """``(sym, dims)`` of the shift ``c0·F`` (``c0`` the shift ``base`` indexed by
+  ``base_dims``, ``F`` = ``f``) with per-dim block sizes ``shape`` at
+  ``out_shape``: one symbol per such tensor, whichever way it was reached."""
   key = (base, base_dims, f, shape, tuple(out_shape))
   sym = _DERIVED.get(key)
   if sym is None:
     sym = _DERIVED[key] = next(_syms)
   dims = tuple(None if b is None else (("derived", sym, d), b) for d, b in enumerate(shape))
   _DERIVED[("info", sym)] = (base, base_dims, f, dims)
-  return Poly(sym, dims, p.coeffs)
+  return sym, dims
 
 
 def broadcast_derived(p: Poly, q: Poly, in_shape: Shape, out_shape: Shape) -> Poly:
@@ -798,13 +805,7 @@ def broadcast_derived(p: Poly, q: Poly, in_shape: Shape, out_shape: Shape) -> Po
   except Unrepresentable:
     return q
   shape = tuple(None if e is None else e[1] for e in q.dims)
-  key = (base, base_dims, f, shape, tuple(out_shape))
-  sym = _DERIVED.get(key)
-  if sym is None:
-    sym = _DERIVED[key] = next(_syms)
-  dims = tuple(None if b is None else (("derived", sym, d), b) for d, b in enumerate(shape))
-  _DERIVED[("info", sym)] = (base, base_dims, f, dims)
-  return Poly(sym, dims, q.coeffs)
+  return Poly(*_derived_symbol(base, base_dims, f, shape, out_shape), q.coeffs)
 
 
 def exp_of(p: Poly, value: Expr, out: Any) -> Poly:

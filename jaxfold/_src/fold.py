@@ -418,7 +418,7 @@ def _host_center(x, spec: dict) -> np.ndarray:
 
 
 def _adopt(y, like):
-  """``y`` (centered on the host) as a jax array placed like ``like``."""
+  """``y`` (a centered NumPy or jax array) as a jax array placed like ``like``."""
   sharding = getattr(like, "sharding", None) if isinstance(like, jax.Array) else None
   return jax.device_put(y, sharding) if sharding is not None else jnp.asarray(y)
 
@@ -427,11 +427,8 @@ def _center_leaf(x, spec):
   """Centers one parameter, keeping its dtype, device and sharding."""
   if isinstance(x, jax.ShapeDtypeStruct):
     return x
-  if _on_host(x):
-    return _adopt(_host_center(np.asarray(x), dict(spec)), x)
-  y = _center_jit(dict(spec))(x)
-  sharding = getattr(x, "sharding", None)
-  return jax.device_put(y, sharding) if sharding is not None else y
+  y = _host_center(np.asarray(x), dict(spec)) if _on_host(x) else _center_jit(dict(spec))(x)
+  return _adopt(y, x)
 
 
 _POOL: list = []   # the centering workers, made on first use
@@ -460,14 +457,12 @@ class _Centering:
     jobs = [(("leaf", i), i, s) for i, s in an.leaf_specs] + [(("untied", n), i, s) for n, i, s in an.untied]
     self._jobs = jobs
     self._futures = {}
-    self._hosted = {}
     big = []
     for key, i, spec in jobs:
       x = leaves[i]
       if isinstance(x, jax.ShapeDtypeStruct) or not _on_host(x):
         continue
       h = np.asarray(x)
-      self._hosted[key] = h
       if h.nbytes >= self._PARALLEL_BYTES:
         big.append((h.nbytes, key, h, dict(spec)))
     for _, key, h, spec in sorted(big, key=lambda t: -t[0]):   # largest first: balanced workers
@@ -484,8 +479,6 @@ class _Centering:
       x = self._leaves[i]
       if key in self._futures:
         done[key] = _adopt(self._futures[key].result(), x)
-      elif key in self._hosted:
-        done[key] = _adopt(_host_center(self._hosted[key], dict(spec)), x)
       else:
         done[key] = _center_leaf(x, spec)
     new = list(self._leaves)

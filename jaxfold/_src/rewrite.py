@@ -228,8 +228,8 @@ def _run_group(deferred, path, untied, extras, biases, aux, values, plan):
       w = _untied_value(untied[(m.path, side)], extras)
     else:
       w = values.get(m.w)
-      for ceqn in m.convert:   # (mixed precision: the member's own cast, computed here first)
-        w = None if w is None else compat.bind_eqn(ceqn, [_materialize(w)])[0]
+      if w is not None and m.convert:   # (mixed precision: the member's own cast, computed here first)
+        w = _through(_materialize(w), m.convert)
     weights.append(w)
     fused.append(extras[biases[out]] if out in biases else None)
   return deferral.run_group(entries, weights, fused, values, plan.norm_impl)
@@ -239,7 +239,11 @@ def _untied_value(entry: tuple, extras: dict):
   """An untied operand: its copy in ``extras`` through the chain of equations
   (converts, reshapes) between the tied parameter and the reader."""
   name, chain = entry
-  val = extras[name]
+  return _through(extras[name], chain)
+
+
+def _through(val, chain: tuple):
+  """``val`` through a chain of single-operand equations (casts, re-indexing)."""
   for ceqn in chain:
     val = compat.bind_eqn(ceqn, [val])[0]
   return val
