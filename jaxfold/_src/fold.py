@@ -105,10 +105,13 @@ class Analysis:
 
 
 def analyse(apply_fn: Callable, params: Any, args: tuple, opts: FoldOptions,
-            cbwc: bool = False, fixed: Optional[tuple] = None) -> Analysis:
+            cbwc: bool = False, fixed: Optional[tuple] = None,
+            on_center: Optional[Callable[[int, tuple], None]] = None) -> Analysis:
   """Traces ``apply_fn`` at abstract params/args and plans the fold; with
   ``fixed`` (another analysis' ``param_key``) the plan keeps exactly those
-  centered parameters or raises ``PlanConflict``."""
+  centered parameters or raises ``PlanConflict``. ``on_center(leaf index,
+  spec)`` is told of each parameter centering as the planner commits it
+  (not on a cache hit)."""
   _check_params(params)
   # One collector pause for the trace and the analysis (pipeline.no_gc): the
   # analysis' object graph is garbage before the collector runs again, so
@@ -121,7 +124,7 @@ def analyse(apply_fn: Callable, params: Any, args: tuple, opts: FoldOptions,
     if cached is not None:
       return cached
     with pipeline.analyzer(traced, cbwc=cbwc, through_dropout=opts.through_dropout) as an:
-      planner = Planner(an, list(traced.names), opts, fixed=fixed).run()
+      planner = Planner(an, list(traced.names), opts, fixed=fixed, on_center=on_center).run()
       outcome = planner.outcome()
       plan, kernel_sites = _plan(outcome, opts)
       report = planner.report(kernel_sites).on_platform(jax.default_backend(), kernels.may_use_kernel(opts.norm_impl))
@@ -444,49 +447,65 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
 
 
 class _Centering:
-  """A plan's centered parameters (``Analysis.param_key``), computed on worker
-  threads: NumPy releases the GIL in its loops, so large leaves center in
-  parallel with each other and beside Python work (the probe's trace at
-  batch 1), and memory bandwidth, not one core, bounds the time."""
+  """The centered parameters of a fold, computed on worker threads: NumPy
+  releases the GIL in its loops, so large leaves center in parallel with each
+  other and beside Python work (the planning that decides them, the probe's
+  trace at batch 1), and memory bandwidth, not one core, bounds the time.
+
+  ``speculate`` (the planner's hook, called as each centering is committed)
+  starts a leaf early; commitments are final within one analysis, and a plan
+  that another shape changes keeps the jobs it shares (keyed by leaf and axes).
+  """
 
   _PARALLEL_BYTES = 1 << 20   # smaller leaves: a thread hop costs more than it saves
 
-  def __init__(self, leaves: list, an: Analysis):
-    self.key = an.param_key
+  def __init__(self, leaves: list):
     self._leaves = leaves
-    jobs = [(("leaf", i), i, s) for i, s in an.leaf_specs] + [(("untied", n), i, s) for n, i, s in an.untied]
-    self._jobs = jobs
-    self._futures = {}
-    big = []
-    for key, i, spec in jobs:
-      x = leaves[i]
-      if isinstance(x, jax.ShapeDtypeStruct) or not _on_host(x):
-        continue
-      h = np.asarray(x)
-      if h.nbytes >= self._PARALLEL_BYTES:
-        big.append((h.nbytes, key, h, dict(spec)))
-    for _, key, h, spec in sorted(big, key=lambda t: -t[0]):   # largest first: balanced workers
-      self._futures[key] = _pool().submit(_host_center, h, spec)
+    self._futures: dict = {}   # (leaf index, spec) -> Future of the centered NumPy array
+
+  def speculate(self, i: int, spec: tuple) -> None:
+    if (i, spec) in self._futures:
+      return
+    x = self._leaves[i]
+    if isinstance(x, jax.ShapeDtypeStruct) or not _on_host(x):
+      return
+    h = np.asarray(x)
+    if h.nbytes >= self._PARALLEL_BYTES:
+      self._futures[(i, spec)] = _pool().submit(_host_center, h, dict(spec))
+
+  def start(self, an: Analysis) -> None:
+    """Starts every centering of ``an``'s plan not started yet, largest first."""
+    jobs = {(i, s) for i, s in an.leaf_specs} | {(i, s) for _, i, s in an.untied}
+    for i, s in sorted(jobs - self._futures.keys(), key=lambda k: -_nbytes(self._leaves[k[0]])):
+      self.speculate(i, s)
 
   def cancel(self) -> None:
     for f in self._futures.values():
       f.cancel()
 
-  def result(self) -> tuple:
-    """``(new leaves, untied copies)``."""
-    done = {}
-    for key, i, spec in self._jobs:
-      x = self._leaves[i]
-      if key in self._futures:
-        done[key] = _adopt(self._futures[key].result(), x)
-      else:
-        done[key] = _center_leaf(x, spec)
-    new = list(self._leaves)
-    for (kind, name), _, _ in self._jobs:
-      if kind == "leaf":
-        new[name] = done[(kind, name)]
-    untied = {name: done[(kind, name)] for (kind, name), _, _ in self._jobs if kind == "untied"}
+  def result(self, an: Analysis) -> tuple:
+    """``(new leaves, untied copies)`` of ``an``'s plan; unused jobs are dropped."""
+    done: dict = {}
+
+    def get(i, spec):
+      if (i, spec) not in done:
+        f = self._futures.pop((i, spec), None)
+        done[(i, spec)] = _adopt(f.result(), self._leaves[i]) if f is not None else _center_leaf(self._leaves[i], spec)
+      return done[(i, spec)]
+
+    self.start(an)
+    try:
+      new = list(self._leaves)
+      for i, spec in an.leaf_specs:
+        new[i] = get(i, spec)
+      untied = {name: get(i, spec) for name, i, spec in an.untied}
+    finally:
+      self.cancel()   # speculation the final plan does not use
     return new, untied
+
+
+def _nbytes(x) -> int:
+  return math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize
 
 
 def _aligned_empty(shape: tuple, dtype: Any) -> np.ndarray:
@@ -540,20 +559,19 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
   _refuse_traced(params)
   call = pipeline.bind(apply_fn, example_args, example_kwargs)
   leaves, tree = jax.tree_util.tree_flatten(params)
-  with pipeline.no_gc():   # one pause for both analyses (see analyse); the collector resumes below
-    first = analyse(call.fn, params, call.args, opts)
-    # The example's plan is almost always the fold's: center its parameters
-    # on worker threads while the other shapes are proved.
-    centering = _Centering(leaves, first)
-    try:
+  # Parameters are centered on worker threads as the planner commits them,
+  # and the example's plan (almost always the fold's) finishes centering
+  # while the other shapes are proved.
+  centering = _Centering(leaves)
+  try:
+    with pipeline.no_gc():   # one pause for both analyses (see analyse); the collector resumes below
+      first = analyse(call.fn, params, call.args, opts, on_center=centering.speculate)
+      centering.start(first)
       an = _reconcile(call, params, opts, first)
-    except BaseException:
-      centering.cancel()
-      raise
-  if an.param_key != centering.key:
+  except BaseException:
     centering.cancel()
-    centering = _Centering(leaves, an)
-  new_leaves, extras = centering.result()
+    raise
+  new_leaves, extras = centering.result(an)
   new_params = FoldedParams(jax.tree_util.tree_unflatten(tree, new_leaves), extras)
   fn = FoldedApply(apply_fn, pipeline.abstract_tree(params), tree, opts, an, call, False, example_args,
                    example_kwargs)

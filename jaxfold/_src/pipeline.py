@@ -34,6 +34,7 @@ import numpy as np
 from jaxfold._src import algebra, compat
 from jaxfold._src.analysis import Analyzer
 from jaxfold._src.errors import FoldError, JaxfoldError
+from jaxfold._src.frameworks import flax_linen
 from jaxfold._src.program import Program
 
 # ----------------------------------------------------------------------------
@@ -195,7 +196,7 @@ def trace(fn: Callable, params: Any, args: tuple, error: Optional[type] = None) 
   """Traces ``fn(params, *args)`` (abstract or concrete values); with
   ``error``, a failure to trace is re-raised as that class with what to fix."""
   try:
-    with no_gc():
+    with no_gc(), flax_linen.memoized_param_checks():
       closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(params, *args)
   except JaxfoldError:
     raise
