@@ -564,7 +564,7 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
   # while the other shapes are proved.
   centering = _Centering(leaves)
   try:
-    with pipeline.no_gc():   # one pause for both analyses (see analyse); the collector resumes below
+    with pipeline.no_gc(), pipeline.trace_session():   # one collector pause, one trace memo for both shapes
       first = analyse(call.fn, params, call.args, opts, on_center=centering.speculate)
       centering.start(first)
       an = _reconcile(call, params, opts, first)

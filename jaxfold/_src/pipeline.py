@@ -192,6 +192,12 @@ def no_gc() -> Iterator[None]:
       gc.enable()
 
 
+def trace_session() -> contextlib.AbstractContextManager:
+  """Within it, traces of one function at several shapes (a fold's example and
+  its probe) share what tracing can reuse: linen's parameter checks."""
+  return flax_linen.memoized_param_checks()
+
+
 def trace(fn: Callable, params: Any, args: tuple, error: Optional[type] = None) -> Traced:
   """Traces ``fn(params, *args)`` (abstract or concrete values); with
   ``error``, a failure to trace is re-raised as that class with what to fix."""

@@ -114,8 +114,8 @@ def _uninstall() -> None:
 
 @contextlib.contextmanager
 def memoized_param_checks() -> Iterator[None]:
-  """Within the ``with`` (one trace), this thread's repeated linen parameter
-  checks are made once."""
+  """Within the ``with`` (a trace, or a fold's traces at several shapes), this
+  thread's repeated linen parameter checks are made once."""
   with _LOCK:
     active = _install()
     _USERS[0] += active
@@ -123,7 +123,7 @@ def memoized_param_checks() -> Iterator[None]:
     yield
     return
   saved = getattr(_LOCAL, "memo", None)
-  _LOCAL.memo = {}
+  _LOCAL.memo = {} if saved is None else saved   # nested: one memo (a fold's shapes share it)
   try:
     yield
   finally:
