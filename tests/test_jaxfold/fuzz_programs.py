@@ -2009,6 +2009,10 @@ def make_program(seed: int, forced: Optional[tuple] = None) -> Program:
   # Outputs.
   out_sc = root.child("out")
   out_kind = g.choice(["head", "norm_head", "norm_head", "raw", "pool_head", "tied", "tied"])
+  if out_kind == "pool_head" and segs and "h - stop_gradient(mean_T(h))" in segs[-1].lines[-1]:
+    # The mean over T of h − mean_T(h) is zero: the output would be rounding
+    # noise, which no fold can match (seed 5962; rel err 1.4 of outputs ~1e-17).
+    out_kind = "head"
   if out_kind == "tied" and not (hasattr(inp, "table") and st.D == inp.D):
     out_kind = "tied_kernel" if hasattr(inp, "kernel") and st.D == inp.D else "norm_head"
   norm = make_norm(g, out_sc, st) if out_kind in ("norm_head", "tied", "tied_kernel") else None
