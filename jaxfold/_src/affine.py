@@ -557,6 +557,22 @@ def _rounded(v: np.ndarray, dtype, what: str):
   return jnp.asarray(r)
 
 
+def _reindexed(wx, chain: tuple):
+  """``wx`` through the re-indexing steps between a parameter and its use; its
+  real casts are skipped (β·W is taken in real arithmetic and rounded once)."""
+  for eqn in chain:
+    if not _real_cast(eqn):
+      wx = compat.bind_eqn(eqn, [wx])[0]
+  return wx
+
+
+def _bias_product(xnp, wx, yb, side: int, dn: tuple):
+  """β·W as the reader contracts them (``xnp``: numpy, or jax.numpy for shapes)."""
+  (lc, rc), _ = dn
+  lhs, rhs = (yb, wx) if side == 1 else (wx, yb)
+  return xnp.tensordot(lhs, rhs, axes=(tuple(lc), tuple(rc)))
+
+
 def _abstract_fused_params(an: FuseAnalysis, leaves: list, tree, bias_dtype=None) -> FusedParams:
   """Shapes and dtypes of the fused parameters of abstract (``ShapeDtypeStruct``)
   folded ones: what a deviceless compile or a size estimate needs."""
@@ -570,15 +586,9 @@ def _abstract_fused_params(an: FuseAnalysis, leaves: list, tree, bias_dtype=None
   extras = {name: like(leaves[w]) for name, w, _, _ in an.copies}
   for name, b, w, side, dn, y_rank, y_dim, dtype, chain in an.biases:
     def bias(wx, vec, chain=chain, side=side, dn=dn, y_rank=y_rank, y_dim=y_dim):
-      for eqn in chain:
-        if not _real_cast(eqn):
-          wx = compat.bind_eqn(eqn, [wx])[0]
       shape = [1] * y_rank
       shape[y_dim] = vec.size
-      yb = jnp.reshape(vec, shape)
-      (lc, rc), _ = dn
-      lhs, rhs = (yb, wx) if side == 1 else (wx, yb)
-      return jnp.tensordot(lhs, rhs, axes=(tuple(lc), tuple(rc)))
+      return _bias_product(jnp, _reindexed(wx, chain), jnp.reshape(vec, shape), side, dn)
     vec = jax.ShapeDtypeStruct((math.prod(leaves[b].shape),), leaves[b].dtype)
     extras[name] = like(leaves[w], jax.eval_shape(bias, like(leaves[w]), vec).shape,
                         bias_dtype or dtype)
@@ -604,16 +614,9 @@ def _fused_params(an: FuseAnalysis, leaves: list, tree, bias_dtype=None) -> Fuse
     extras[name] = _rounded(_host(x) * _along(_host(leaves[g]).ravel(), x.ndim, dim), x.dtype,
                             name)
   for name, b, w, side, dn, y_rank, y_dim, dtype, chain in an.biases:
-    wx = leaves[w]
-    for eqn in chain:  # re-indexing steps between the parameter and its use
-      if not _real_cast(eqn):   # (β·W in real arithmetic: its casts are rounded once, below)
-        wx = compat.bind_eqn(eqn, [wx])[0]
-    wx = _host(wx)
+    wx = _host(_reindexed(leaves[w], chain))
     yb = _along(_host(leaves[b]).ravel(), y_rank, y_dim)
-    (lc, rc), _ = dn
-    lhs, rhs = (yb, wx) if side == 1 else (wx, yb)
-    extras[name] = _rounded(np.tensordot(lhs, rhs, axes=(tuple(lc), tuple(rc))),
-                            bias_dtype or dtype, name)
+    extras[name] = _rounded(_bias_product(np, wx, yb, side, dn), bias_dtype or dtype, name)
   for i in removed:
     out[i] = None
   return FusedParams(jax.tree_util.tree_unflatten(tree, out), extras)
