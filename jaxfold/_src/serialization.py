@@ -95,7 +95,11 @@ class LoadedFold(NamedTuple):
 def _encode_args(args: Any) -> Any:
   """Pytree of arrays -> JSON (dict/list/tuple/None kept, arrays as shape+dtype)."""
   if isinstance(args, dict):
-    return {"dict": {str(k): _encode_args(v) for k, v in args.items()}}
+    bad = [k for k in args if not isinstance(k, str)]
+    if bad:   # JSON object keys are strings: {0: x} would load as {"0": x}
+      raise TypeError(f"cannot record a dict with the key {bad[0]!r} of type {type(bad[0]).__name__} "
+                      "among the example arguments: only string keys survive a save")
+    return {"dict": {k: _encode_args(v) for k, v in args.items()}}
   if isinstance(args, tuple):
     return {"tuple": [_encode_args(v) for v in args]}
   if isinstance(args, list):
@@ -478,7 +482,14 @@ def _check_program(directory: str, saved: Any, apply_fn: Callable, params: Any, 
   from jaxfold._src.fold import FoldError
   if not isinstance(saved, dict) or "sha256" not in saved:
     return
-  now = fingerprint(apply_fn, params, tuple(args), kwargs)
+  try:
+    now = fingerprint(apply_fn, params, tuple(args), kwargs)
+  except Exception as e:  # noqa: BLE001 - whatever apply_fn raises while traced
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    raise FoldError(f"apply_fn is not the program the fold in {directory} was made for: it cannot "
+                    f"be traced with the saved parameters and example arguments ({type(e).__name__}: "
+                    f"{first}). Pass the apply_fn of the model the fold was made from (same "
+                    "architecture and code), or fold this model again") from e
   diff = difference(saved, now)
   if diff is None:
     return
