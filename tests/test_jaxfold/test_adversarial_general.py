@@ -356,7 +356,7 @@ def test_keyword_arguments_at_other_shapes(calls):
         x = xs(*shape, seed=2)
         k = realize(kw, x)
         assert rel_err(_kw(p, x, **k), f.apply_fn(f.params, x, **k)) < 1e-12, (kw, shape)
-        assert rel_err(_kw(p, x, **k), jax.jit(lambda q, x: f.apply_fn(q, x, **k))(f.params, x)) < 1e-12
+        assert rel_err(_kw(p, x, **k), jax.jit(lambda q, x, k=k: f.apply_fn(q, x, **k))(f.params, x)) < 1e-12
 
 
 # ----------------------------------------------------------------------------
@@ -399,7 +399,7 @@ def test_transforms_save_load_at_other_shapes(tmp_path):
           x = xs(*shape, seed=3)
           assert rel_err(_model(p, x), jax.jit(got.apply_fn)(got.params, x)) < 1e-12, (name, shape)
           assert rel_err(jax.vmap(lambda x: _model(p, x))(x[None]),
-                         jax.vmap(lambda x: got.apply_fn(got.params, x))(x[None])) < 1e-12
+                         jax.vmap(lambda x, got=got: got.apply_fn(got.params, x))(x[None])) < 1e-12
         if name != "fold":
           with pytest.raises(jaxfold.FuseError, match="call fuse_affine again"):
             got.apply_fn(got.params, xs(6, DIN))
