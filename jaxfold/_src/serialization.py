@@ -667,6 +667,8 @@ def _load_from(copy: str, directory: str, apply_fn: Callable, *, target: Any,
   try:
     info = _read_json(info_path)
     version = info.get("format_version", 0)
+    if not isinstance(version, int):
+      raise TypeError(f"format_version is {version!r}")
     args = _decode_args(info["example_args"])
     kwargs = _decode_args(info["example_kwargs"]) if "example_kwargs" in info else {}
     opts = dict(info["options"])
@@ -699,7 +701,10 @@ def _load_from(copy: str, directory: str, apply_fn: Callable, *, target: Any,
   if verify:
     got = [(s.folded, s.shape, s.axes) for s in refold.report.sites]
     want = [(s.folded, s.shape, s.axes) for s in saved.sites]
-    if got != want or bool(refold.params.untied) != bool(info["untied"]):
+    if not isinstance(info.get("untied"), bool):
+      raise IntegrityError(f"{info_path} does not say whether the fold has untied copies; "
+                           "re-create the fold")
+    if got != want or bool(refold.params.untied) != info["untied"]:
       raise FoldError(
           f"re-analysing apply_fn does not reproduce the saved fold in {directory} "
           f"({sum(g[0] for g in got)}/{len(got)} sites folded now, "
@@ -751,6 +756,14 @@ def _load_chain(copy: str, directory: str, apply_fn: Callable, info: dict, args:
     abstract = _decode_args(info["params_abstract"])
     steps = list(info["transforms"])
     table = list(info["leaves"])
+    if not steps:
+      raise ValueError("no transforms")
+    for k, step in enumerate(steps):   # well-formed steps (a fold loaded with integrity=False)
+      if not isinstance(step, dict):
+        raise TypeError(f"transform {k} is a {type(step).__name__}, not an object")
+      if step.get("name") == "rotate":
+        int(step["size"])
+        [(int(i), [int(d) for d in dims]) for i, dims in step["rotated"]]
   except (KeyError, TypeError, ValueError, AttributeError) as e:
     raise IntegrityError(f"{directory}/fold.json does not describe a transformed fold "
                          f"({type(e).__name__}: {e}); re-create the fold") from None

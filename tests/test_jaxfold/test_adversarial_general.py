@@ -464,3 +464,47 @@ def test_save_refuses_non_string_dict_keys_in_example_kwargs(tmp_path):
     loaded = jaxfold.load_fold(tmp_path / "g", _int_keys)
     x = xs(3, 5, DIN, seed=6)
     assert rel_err(_int_keys(p, x), loaded.apply_fn(loaded.params, x)) < 1e-12
+
+
+def _edit(j, kind):
+  steps = j.get("transforms")
+  if kind == "no_untied":
+    j.pop("untied")
+  elif kind == "format_version_str":
+    j["format_version"] = str(j["format_version"])
+  elif kind == "rotate_without_size":
+    steps[1].pop("size")
+  elif kind == "rotate_bad_size":
+    steps[1]["size"] = "eight"
+  elif kind == "rotate_without_dims":
+    steps[1].pop("rotated")
+  elif kind == "no_transforms":
+    j["transforms"] = []
+  elif kind == "transform_not_an_object":
+    steps[0] = "fuse_affine"
+
+
+@pytest.mark.parametrize("kind", ["no_untied", "format_version_str", "rotate_without_size", "rotate_bad_size",
+                                  "rotate_without_dims", "no_transforms", "transform_not_an_object"])
+def test_malformed_fold_json_without_integrity_check_is_an_integrity_error(tmp_path, kind):
+  """Finding: loading with integrity=False (no manifest, as asked) a fold.json
+  that misses a field or holds a value of the wrong type raised a raw KeyError,
+  ValueError, TypeError or AttributeError from inside load_fold."""
+  import json
+  with x64_context():
+    p = make_params(0, **SH)
+    f = jaxfold.fold(p, _base, xs(2, 4, DIN))
+    if kind in ("no_untied", "format_version_str"):
+      r = f
+    else:
+      r = jaxfold.rotate(jaxfold.fuse_affine(f), np.linalg.qr(np.random.default_rng(0).normal(size=(D, D)))[0])
+    d = str(tmp_path / "f")
+    jaxfold.save_fold(r, d)
+    path = os.path.join(d, "fold.json")
+    j = json.load(open(path))
+    _edit(j, kind)
+    json.dump(j, open(path, "w"))
+    with pytest.raises(jaxfold.IntegrityError, match="fold.json"):
+      jaxfold.load_fold(d, _base, integrity=False)
+    with pytest.raises(jaxfold.IntegrityError):        # the manifest catches it first
+      jaxfold.load_fold(d, _base)
