@@ -287,6 +287,24 @@ prog("custom_vjp_norm", 1)(lambda p, x: _cv_ln(dense(p, x), p["g"], p["be"]))
 prog("custom_vjp_producer", 1)(lambda p, x: ln(_cv_dense(x, p["w"], p["b"]), p["g"], p["be"]))
 
 
+# ----------------------------------------------------------------------------
+# A side output that is zero (or empty) at one token but shows the shift at
+# more: folded at one token, nothing may be centered (the proof is per program,
+# not per size), and every other length must still equal the original.
+
+T1 = tok_args((2, 1), (2, 4), (3, 7))
+for _name, _side in {
+    "first_minus_last_token": lambda h: h[:, 0] - h[:, -1],
+    "minus_roll_tokens": lambda h: h - jnp.roll(h, 1, 1),
+    "diff_tokens": lambda h: jnp.diff(h, axis=1),
+    "var_over_tokens": lambda h: h.var(1),
+    "max_minus_min_tokens": lambda h: h.max(1) - h.min(1),
+    "scaled_by_tokens_minus_one": lambda h: h * (h.shape[1] - 1),
+}.items():
+  prog(f"one_token_side_output_{_name}", 0, args=T1)(
+      lambda p, x, _side=_side: (lambda h: (ln(h, p["g"], p["be"]), _side(h)))(dense(p, x)))
+
+
 NAMES = sorted(PROGRAMS)
 
 
@@ -429,8 +447,9 @@ def _raises(p, x):
   raise RuntimeError("not this model")
 
 
-@pytest.mark.parametrize("kind", ["fold", "fuse"])
-@pytest.mark.parametrize("wrong", [_other_names, _other_shapes, _raises], ids=["names", "shapes", "raises"])
+@pytest.mark.parametrize("kind,wrong", [("fold", _other_names), ("fold", _other_shapes), ("fuse", _raises),
+                                        pytest.param("fuse", _other_names, marks=pytest.mark.slow)],
+                         ids=["names-fold", "shapes-fold", "raises-fuse", "names-fuse"])
 def test_load_with_an_apply_fn_that_cannot_trace_is_a_fold_error(tmp_path, kind, wrong):
   """Finding: with verify=True (the default) the fingerprint's trace raised the
   program's raw KeyError/TypeError/RuntimeError; verify=False already gave a FoldError."""
@@ -508,3 +527,35 @@ def test_malformed_fold_json_without_integrity_check_is_an_integrity_error(tmp_p
       jaxfold.load_fold(d, _base, integrity=False)
     with pytest.raises(jaxfold.IntegrityError):        # the manifest catches it first
       jaxfold.load_fold(d, _base)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "bfloat16 parameters with float32 compute (flax param_dtype=bfloat16, dtype=float32): the "
+    "centered kernels are rounded to bfloat16, so fold and CBWC differ from the original by ~8e-4 "
+    "(forward) and ~1e-2 (CBWC gradients) where the original computes to ~1e-7; CBWC could center "
+    "after the model's own cast to float32. The same policy as test_adversarial_core's "
+    "test_float32_leaf_in_float64_program, at bfloat16 magnitude"))
+def test_bfloat16_params_float32_compute():
+  class M(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.Dense(16, dtype=jnp.float32, param_dtype=jnp.bfloat16)(x)
+      return nn.Dense(4, dtype=jnp.float32, param_dtype=jnp.bfloat16)(
+          nn.LayerNorm(dtype=jnp.float32, param_dtype=jnp.bfloat16)(h))
+  m = M()
+  x0 = jnp.asarray(np.random.default_rng(0).normal(size=(2, 4, DIN)), jnp.float32)
+  v = m.init(jax.random.key(0), x0)
+  v = jax.tree_util.tree_map(lambda a: (a.astype(jnp.float32) + 0.5 * jax.random.normal(
+      jax.random.key(a.size), a.shape)).astype(a.dtype), v)
+  f = jaxfold.fold(v, m.apply, x0)
+  c = jaxfold.cbwc(v, m.apply, x0)
+  assert f.report.num_folded == 1 and c.report.num_folded == 1
+  x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 5, DIN)), jnp.float32)
+  ref = m.apply(v, x)
+  errs = [rel_err(ref, f.apply_fn(f.params, x)), rel_err(ref, c.apply_fn(v, x))]
+  loss = lambda fn: jax.grad(lambda q: jnp.sum(jnp.sin(fn(q, x0))))(v)   # noqa: E731
+  g_ref, g_cb = loss(m.apply), loss(c.apply_fn)
+  errs.append(max(rel_err(a.astype(jnp.float32), b.astype(jnp.float32))
+                  for a, b in zip(jax.tree_util.tree_leaves(g_ref), jax.tree_util.tree_leaves(g_cb))))
+  assert max(errs) < 1e-5, errs
