@@ -745,7 +745,7 @@ def _load_chain(copy: str, directory: str, apply_fn: Callable, info: dict, args:
   """Loads a fuse_affine/rotate result: refolds and redoes every step on abstract
   parameters (no weights touched), checks that each makes the saved decisions,
   and puts the saved leaves into the tree the last step takes."""
-  from jaxfold._src import affine, rotate
+  from jaxfold._src import affine, pipeline, rotate
   from jaxfold._src.fold import FoldError
 
   def refuse(what: str) -> FoldError:
@@ -782,23 +782,25 @@ def _load_chain(copy: str, directory: str, apply_fn: Callable, info: dict, args:
   rot = 0
   for k, step in enumerate(steps):
     name = step.get("name")
+    call = pipeline.bind(fn, tuple(args), kwargs, FoldError)   # at the fold's keyword arguments
     if name == "fuse_affine":
-      an = affine.analyse(fn, struct, tuple(args), defer=bool(step.get("defer_norms")))
+      an = affine.analyse(call.fn, struct, pipeline.abstract_tree(call.args, FoldError),
+                          defer=bool(step.get("defer_norms")))
       if verify and (_key_digest(an.key) != step.get("key_sha256")
                      or an.report.num_fused != step.get("num_fused")):
         raise refuse(f"fuse_affine ({an.report.num_fused} sites fused now, {step.get('num_fused')} "
                      "when saved)")
-      fn, report = affine.FusedApply(fn, struct, an, tuple(args)), an.report
+      fn, report = affine.FusedApply(fn, struct, an, tuple(args), kwargs), an.report
       treedef = _fused_treedef(an, struct)
     elif name == "rotate":
       if treedef is None:
         raise IntegrityError(f"{directory}/fold.json: a rotate step before fuse_affine; re-create it")
       n = int(step["size"])
-      key, norms, names = rotate._solve(fn, struct, tuple(args), n)
+      key, norms, names = rotate._solve(call.fn, struct, pipeline.abstract_tree(call.args, FoldError), n)
       want = tuple((int(i), tuple(int(d) for d in dims)) for i, dims in step["rotated"])
       if verify and key != want:
         raise refuse("rotation (other parameters meet the residual stream)")
-      fn = rotate.RotatedApply(fn, struct, key, n, tuple(args))
+      fn = rotate.RotatedApply(fn, struct, key, n, tuple(args), kwargs)
       qpath = os.path.join(copy, f"rotation-{rot}.npy")
       if step.get("q") and os.path.exists(qpath):
         fn.q = np.load(qpath, allow_pickle=False)

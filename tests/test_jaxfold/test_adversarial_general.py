@@ -565,19 +565,23 @@ def _kw_only(p, x, *, train):
   return _base(p, x) * (2.0 if train else 1.0)
 
 
-@pytest.mark.xfail(strict=True, raises=jaxfold.FoldError, reason=(
-    "fuse_affine/defer_norms/rotate (and load_fold's chain) analyse the fold's apply_fn at its "
-    "example positional arguments only, not at the fold's example_kwargs: a required keyword "
-    "argument is a FoldError 'could not trace apply_fn(params, *example_args): ... missing 1 "
-    "required keyword-only argument', and an optional one is fused at its default, not at the "
-    "value the fold was made for (a later call with the fold's value that fuses differently is "
-    "refused with 'call fuse_affine again', which takes no keyword arguments). Sound (never a wrong "
-    "result), but the transforms do not follow a fold made with keyword arguments"))
-def test_fuse_affine_follows_the_folds_keyword_arguments():
+@pytest.mark.parametrize("train", [True, False])
+def test_transforms_follow_the_folds_keyword_arguments(tmp_path, train):
+  """Finding: fuse_affine/defer_norms/rotate (and load_fold's chain) analysed the
+  fold's apply_fn at its example positional arguments only: a required keyword
+  argument was a FoldError ('could not trace apply_fn(params, *example_args):
+  ... missing 1 required keyword-only argument: 'train''), an optional one was
+  fused at its default instead of the fold's value."""
   with x64_context():
     p = make_params(0, **SH)
-    f = jaxfold.fold(p, _kw_only, xs(2, 4, DIN), example_kwargs={"train": True})
+    f = jaxfold.fold(p, _kw_only, xs(2, 4, DIN), example_kwargs={"train": train})
     fu = jaxfold.fuse_affine(f)
-    assert fu.report.num_fused == 1
-    x = xs(3, 5, DIN, seed=8)
-    assert rel_err(_kw_only(p, x, train=True), fu.apply_fn(fu.params, x, train=True)) < 1e-12
+    de = jaxfold.defer_norms(fu)
+    ro = jaxfold.rotate(de, np.linalg.qr(np.random.default_rng(0).normal(size=(D, D)))[0])
+    assert fu.report.num_fused == 1 and de.report.num_deferred == 1
+    jaxfold.save_fold(ro, tmp_path / "r")
+    loaded = jaxfold.load_fold(tmp_path / "r", _kw_only)
+    for r in (fu, de, ro, loaded):
+      for shape in [(2, 4, DIN), (1, 1, DIN)]:
+        x = xs(*shape, seed=8)
+        assert rel_err(_kw_only(p, x, train=train), r.apply_fn(r.params, x, train=train)) < 1e-12
