@@ -503,8 +503,9 @@ def _edit(j, kind):
     steps[0] = "fuse_affine"
 
 
-@pytest.mark.parametrize("kind", ["no_untied", "format_version_str", "rotate_without_size", "rotate_bad_size",
-                                  "rotate_without_dims", "no_transforms", "transform_not_an_object"])
+@pytest.mark.parametrize("kind", ["no_untied", "rotate_bad_size", "no_transforms", "transform_not_an_object"] + [
+    pytest.param(k, marks=pytest.mark.slow)
+    for k in ("format_version_str", "rotate_without_size", "rotate_without_dims")])
 def test_malformed_fold_json_without_integrity_check_is_an_integrity_error(tmp_path, kind):
   """Finding: loading with integrity=False (no manifest, as asked) a fold.json
   that misses a field or holds a value of the wrong type raised a raw KeyError,
@@ -565,7 +566,7 @@ def _kw_only(p, x, *, train):
   return _base(p, x) * (2.0 if train else 1.0)
 
 
-@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("train", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_transforms_follow_the_folds_keyword_arguments(tmp_path, train):
   """Finding: fuse_affine/defer_norms/rotate (and load_fold's chain) analysed the
   fold's apply_fn at its example positional arguments only: a required keyword
