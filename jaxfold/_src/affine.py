@@ -651,11 +651,12 @@ class FusedApply(PipelineApply):
   error = FuseError
   transform = "fuse_affine"
 
-  def __init__(self, inner: Callable, params_abstract: Any, base: FuseAnalysis, args: tuple):
-    super().__init__(inner, params_abstract, args)
+  def __init__(self, inner: Callable, params_abstract: Any, base: FuseAnalysis, args: tuple,
+               kwargs: Optional[dict] = None):
+    super().__init__(inner, params_abstract, args, kwargs)
     self._leaves, self._tree = jax.tree_util.tree_flatten(params_abstract)
     self._base = base
-    self.seed(self.bind(args), base)
+    self.seed(self.bind(args, kwargs), base)
 
   def analysis_for(self, args: tuple, kwargs: Optional[dict] = None) -> FuseAnalysis:
     return self.analysed(self.bind(args, kwargs))
@@ -714,11 +715,13 @@ def fuse_affine(model: Any, *example_args: Any) -> Fused:
     >>> bool(jnp.allclose(fused.apply_fn(fused.params, x), m.apply(p, x), atol=1e-5))
     True
   """
+  kwargs = pipeline.model_kwargs(model, example_args)
   params, fn, example_args = pipeline.model_parts(
       model, example_args, "fuse_affine takes a jaxfold.Folded (params, apply_fn)", FuseError)
   leaves, tree = jax.tree_util.tree_flatten(params)
   abstract = pipeline.abstract_tree(params, FuseError)
-  an = analyse(fn, abstract, pipeline.abstract_tree(tuple(example_args), FuseError))
+  call = pipeline.bind(fn, tuple(example_args), kwargs, FuseError)
+  an = analyse(call.fn, abstract, pipeline.abstract_tree(call.args, FuseError))
   new = _fused_params(an, leaves, tree)
-  apply = FusedApply(fn, abstract, an, example_args)
+  apply = FusedApply(fn, abstract, an, example_args, kwargs)
   return Fused(new, apply, an.report)

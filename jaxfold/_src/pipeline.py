@@ -247,6 +247,15 @@ def model_parts(model: Any, example_args: tuple, takes: str, error: type) -> tup
   return params, fn, tuple(example_args)
 
 
+def model_kwargs(model: Any, example_args: tuple) -> dict:
+  """The example keyword arguments a transform analyses at: those the model's
+  apply function recorded (the fold's ``example_kwargs``), unless the caller
+  passed other example arguments."""
+  if example_args:
+    return {}
+  return dict(getattr(getattr(model, "apply_fn", None), "example_kwargs", None) or {})
+
+
 # ----------------------------------------------------------------------------
 # The apply wrapper.
 

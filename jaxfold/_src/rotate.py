@@ -237,11 +237,12 @@ class RotatedApply(PipelineApply):
   error = RotateError
   transform = "rotate"
 
-  def __init__(self, fn: Callable, params_abstract: Any, key: tuple, n: int, args: tuple):
-    super().__init__(fn, params_abstract, args)
+  def __init__(self, fn: Callable, params_abstract: Any, key: tuple, n: int, args: tuple,
+               kwargs: Optional[dict] = None):
+    super().__init__(fn, params_abstract, args, kwargs)
     self._key, self._n = key, n
     self.q: Optional[np.ndarray] = None   # the rotation, kept so that save_fold records it
-    self.seed(self.bind(args), key)
+    self.seed(self.bind(args, kwargs), key)
 
   def _analyse(self, call: Call) -> tuple:
     key, _, _ = _solve(call.fn, self._params, pipeline.abstract_tree(call.args, RotateError), self._n)
@@ -274,6 +275,7 @@ def rotate(model: Any, q: Any, *example_args: Any) -> Rotated:
     >>> bool(jnp.allclose(r.apply_fn(r.params, x), m.apply(p, x), atol=1e-5))
     True
   """
+  kwargs = pipeline.model_kwargs(model, example_args)
   params, fn, example_args = pipeline.model_parts(
       model, example_args, "rotate takes a model with params and apply_fn (jaxfold.Fused)", RotateError)
   q = np.asarray(q, np.float64)
@@ -285,14 +287,15 @@ def rotate(model: Any, q: Any, *example_args: Any) -> Rotated:
                       "only with orthogonal maps")
   args = pipeline.abstract_tree(example_args, RotateError)
   abstract = pipeline.abstract_tree(params, RotateError)
+  call = pipeline.bind(fn, tuple(args), kwargs, RotateError)
   try:
-    key, norms, names = _solve(fn, abstract, args, len(q))
+    key, norms, names = _solve(call.fn, abstract, pipeline.abstract_tree(call.args, RotateError), len(q))
   except RotateError as e:
     raise RotateError(f"{e}{_hints(model)}") from None
   leaves, tree = jax.tree_util.tree_flatten(params)
   dims = dict(key)
   new = [_apply(x, dims[i], q) if i in dims else x for i, x in enumerate(leaves)]
   report = RotateReport(tuple((names[i], d) for i, d in key), norms, len(q))
-  apply = RotatedApply(fn, abstract, key, len(q), args)
+  apply = RotatedApply(fn, abstract, key, len(q), args, kwargs)
   apply.q = q
   return Rotated(jax.tree_util.tree_unflatten(tree, new), apply, report)

@@ -95,7 +95,11 @@ class LoadedFold(NamedTuple):
 def _encode_args(args: Any) -> Any:
   """Pytree of arrays -> JSON (dict/list/tuple/None kept, arrays as shape+dtype)."""
   if isinstance(args, dict):
-    return {"dict": {str(k): _encode_args(v) for k, v in args.items()}}
+    bad = [k for k in args if not isinstance(k, str)]
+    if bad:   # JSON object keys are strings: {0: x} would load as {"0": x}
+      raise TypeError(f"cannot record a dict with the key {bad[0]!r} of type {type(bad[0]).__name__} "
+                      "among the example arguments: only string keys survive a save")
+    return {"dict": {k: _encode_args(v) for k, v in args.items()}}
   if isinstance(args, tuple):
     return {"tuple": [_encode_args(v) for v in args]}
   if isinstance(args, list):
@@ -478,7 +482,14 @@ def _check_program(directory: str, saved: Any, apply_fn: Callable, params: Any, 
   from jaxfold._src.fold import FoldError
   if not isinstance(saved, dict) or "sha256" not in saved:
     return
-  now = fingerprint(apply_fn, params, tuple(args), kwargs)
+  try:
+    now = fingerprint(apply_fn, params, tuple(args), kwargs)
+  except Exception as e:  # noqa: BLE001 - whatever apply_fn raises while traced
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    raise FoldError(f"apply_fn is not the program the fold in {directory} was made for: it cannot "
+                    f"be traced with the saved parameters and example arguments ({type(e).__name__}: "
+                    f"{first}). Pass the apply_fn of the model the fold was made from (same "
+                    "architecture and code), or fold this model again") from e
   diff = difference(saved, now)
   if diff is None:
     return
@@ -656,6 +667,8 @@ def _load_from(copy: str, directory: str, apply_fn: Callable, *, target: Any,
   try:
     info = _read_json(info_path)
     version = info.get("format_version", 0)
+    if not isinstance(version, int):
+      raise TypeError(f"format_version is {version!r}")
     args = _decode_args(info["example_args"])
     kwargs = _decode_args(info["example_kwargs"]) if "example_kwargs" in info else {}
     opts = dict(info["options"])
@@ -688,7 +701,10 @@ def _load_from(copy: str, directory: str, apply_fn: Callable, *, target: Any,
   if verify:
     got = [(s.folded, s.shape, s.axes) for s in refold.report.sites]
     want = [(s.folded, s.shape, s.axes) for s in saved.sites]
-    if got != want or bool(refold.params.untied) != bool(info["untied"]):
+    if not isinstance(info.get("untied"), bool):
+      raise IntegrityError(f"{info_path} does not say whether the fold has untied copies; "
+                           "re-create the fold")
+    if got != want or bool(refold.params.untied) != info["untied"]:
       raise FoldError(
           f"re-analysing apply_fn does not reproduce the saved fold in {directory} "
           f"({sum(g[0] for g in got)}/{len(got)} sites folded now, "
@@ -729,7 +745,7 @@ def _load_chain(copy: str, directory: str, apply_fn: Callable, info: dict, args:
   """Loads a fuse_affine/rotate result: refolds and redoes every step on abstract
   parameters (no weights touched), checks that each makes the saved decisions,
   and puts the saved leaves into the tree the last step takes."""
-  from jaxfold._src import affine, rotate
+  from jaxfold._src import affine, pipeline, rotate
   from jaxfold._src.fold import FoldError
 
   def refuse(what: str) -> FoldError:
@@ -740,6 +756,14 @@ def _load_chain(copy: str, directory: str, apply_fn: Callable, info: dict, args:
     abstract = _decode_args(info["params_abstract"])
     steps = list(info["transforms"])
     table = list(info["leaves"])
+    if not steps:
+      raise ValueError("no transforms")
+    for k, step in enumerate(steps):   # well-formed steps (a fold loaded with integrity=False)
+      if not isinstance(step, dict):
+        raise TypeError(f"transform {k} is a {type(step).__name__}, not an object")
+      if step.get("name") == "rotate":
+        int(step["size"])
+        [(int(i), [int(d) for d in dims]) for i, dims in step["rotated"]]
   except (KeyError, TypeError, ValueError, AttributeError) as e:
     raise IntegrityError(f"{directory}/fold.json does not describe a transformed fold "
                          f"({type(e).__name__}: {e}); re-create the fold") from None
@@ -758,23 +782,25 @@ def _load_chain(copy: str, directory: str, apply_fn: Callable, info: dict, args:
   rot = 0
   for k, step in enumerate(steps):
     name = step.get("name")
+    call = pipeline.bind(fn, tuple(args), kwargs, FoldError)   # at the fold's keyword arguments
     if name == "fuse_affine":
-      an = affine.analyse(fn, struct, tuple(args), defer=bool(step.get("defer_norms")))
+      an = affine.analyse(call.fn, struct, pipeline.abstract_tree(call.args, FoldError),
+                          defer=bool(step.get("defer_norms")))
       if verify and (_key_digest(an.key) != step.get("key_sha256")
                      or an.report.num_fused != step.get("num_fused")):
         raise refuse(f"fuse_affine ({an.report.num_fused} sites fused now, {step.get('num_fused')} "
                      "when saved)")
-      fn, report = affine.FusedApply(fn, struct, an, tuple(args)), an.report
+      fn, report = affine.FusedApply(fn, struct, an, tuple(args), kwargs), an.report
       treedef = _fused_treedef(an, struct)
     elif name == "rotate":
       if treedef is None:
         raise IntegrityError(f"{directory}/fold.json: a rotate step before fuse_affine; re-create it")
       n = int(step["size"])
-      key, norms, names = rotate._solve(fn, struct, tuple(args), n)
+      key, norms, names = rotate._solve(call.fn, struct, pipeline.abstract_tree(call.args, FoldError), n)
       want = tuple((int(i), tuple(int(d) for d in dims)) for i, dims in step["rotated"])
       if verify and key != want:
         raise refuse("rotation (other parameters meet the residual stream)")
-      fn = rotate.RotatedApply(fn, struct, key, n, tuple(args))
+      fn = rotate.RotatedApply(fn, struct, key, n, tuple(args), kwargs)
       qpath = os.path.join(copy, f"rotation-{rot}.npy")
       if step.get("q") and os.path.exists(qpath):
         fn.q = np.load(qpath, allow_pickle=False)
