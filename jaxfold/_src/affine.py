@@ -146,7 +146,10 @@ class FuseAnalysis:
 
   @property
   def key(self) -> tuple:
-    key = (self.removed, self.scaled, self.copies, tuple(b[:4] + b[5:8] for b in self.biases))
+    # A bias is β contracted with W: its values do not depend on the rank of
+    # the norm's output y (only where its size-1 axes sit; see _relayout).
+    key = (self.removed, self.scaled, self.copies,
+           tuple(b[:4] + (b[4][0][b[3]], b[7]) for b in self.biases))
     if self.defer:
       # Per site, which readers are deferred: not their paths, which the jaxpr at
       # another shape numbers differently (a batch-1 trace drops a broadcast) for
@@ -689,8 +692,29 @@ class FusedApply(PipelineApply):
       else:
         flat.append(x)
     flat += jax.tree_util.tree_leaves(call.args)
-    outs = evaluate(an.jaxpr, an.consts, flat, an.plan, params.extras)
+    outs = evaluate(an.jaxpr, an.consts, flat, an.plan, _relayout(params.extras, self._base, an))
     return jax.tree_util.tree_unflatten(an.out_tree, outs)
+
+
+def _y_axes(entry: tuple) -> int:
+  """How many size-1 axes a new bias has for the free axes of the norm's output."""
+  _, _, _, side, dn, y_rank, _, _, _ = entry
+  return y_rank - len(dn[0][1 - side])
+
+
+def _relayout(extras: dict, base: FuseAnalysis, an: FuseAnalysis) -> dict:
+  """``extras`` (made at the example) with each new bias's size-1 axes for the
+  norm output's free axes as this analysis adds it (inputs of another rank)."""
+  made = {b[0]: b for b in base.biases}
+  out = dict(extras)
+  for b in an.biases:
+    name, side = b[0], b[3]
+    old, new = _y_axes(made[name]), _y_axes(b)
+    if old != new and name in out:
+      x = out[name]
+      w_axes = x.shape[old:] if side == 1 else x.shape[:x.ndim - old]
+      out[name] = jnp.reshape(x, (1,) * new + w_axes if side == 1 else w_axes + (1,) * new)
+  return out
 
 
 def fuse_affine(model: Any, *example_args: Any) -> Fused:

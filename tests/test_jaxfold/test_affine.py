@@ -406,3 +406,26 @@ def test_abstract_params_fuse_to_the_shapes_of_concrete_ones(x64, module, dtype)
   assert all(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree_util.tree_leaves(fu.params))
   out = jax.eval_shape(fu.apply_fn, fu.params, x)
   assert out.shape == module.apply(p, x).shape
+
+
+@pytest.mark.parametrize("transform", ["fuse_affine", "defer_norms"])
+def test_new_biases_serve_inputs_of_other_ranks(x64, transform):
+  """Fused at rank 3, called at ranks 2, 3 and 4, with W on either side of the
+  contraction: a new bias β·W keeps its values and only moves its size-1 axes
+  (was "call fuse_affine again" at any other rank)."""
+  rng = np.random.default_rng(0)
+  p = {k: jnp.asarray(rng.normal(size=s)) for k, s in
+       dict(W=(5, 8), b=(8,), g=(8,), be=(8,), V=(8, 3), U=(3, 8), c=(3,)).items()}
+
+  def f(p, x):
+    h = x @ p["W"] + p["b"]
+    m = h.mean(-1, keepdims=True)
+    y = (h - m) / jnp.sqrt(((h - m) ** 2).mean(-1, keepdims=True) + 1e-5) * p["g"] + p["be"]
+    w_left = jnp.tensordot(p["U"], y, axes=((1,), (y.ndim - 1,)))   # U on the left: (3, ...)
+    return y @ p["V"] + p["c"], jnp.moveaxis(w_left, 0, -1)
+
+  fu = jaxfold.fold(p, f, jnp.asarray(rng.normal(size=(2, 4, 5))), **{transform: True})
+  assert fu.report.num_fused == 1 and len(fu.params.extras) == 2
+  for shape in [(6, 5), (3, 7, 5), (1, 1, 5), (2, 2, 3, 5)]:
+    x = jnp.asarray(rng.normal(size=shape))
+    assert rel_err(f(p, x), jax.jit(fu.apply_fn)(fu.params, x)) < 1e-12, shape
