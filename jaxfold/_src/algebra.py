@@ -39,7 +39,10 @@ class Unrepresentable(Exception):
 
 
 def _concrete(shape) -> bool:
-  return all(isinstance(d, (int, np.integer)) for d in shape)
+  return _INT.issuperset(map(type, shape)) or all(isinstance(d, (int, np.integer)) for d in shape)
+
+
+_INT = frozenset([int])
 
 
 class View:
@@ -50,9 +53,9 @@ class View:
   __slots__ = ("src", "shape", "strides", "offset", "_hash")
 
   def __init__(self, src: Shape, shape: Shape, strides: Sequence[int], offset: int = 0):
-    self.src = tuple(int(d) for d in src)
-    self.shape = tuple(int(d) for d in shape)
-    self.strides = tuple(0 if n == 1 else int(s) for n, s in zip(self.shape, strides))
+    self.src = tuple(map(int, src))
+    self.shape = shape = tuple(map(int, shape))
+    self.strides = tuple([0 if n == 1 else int(s) for n, s in zip(shape, strides)])
     self.offset = int(offset)
     self._hash = hash((self.src, self.shape, self.strides, self.offset))
 
@@ -69,7 +72,7 @@ class View:
 
   @staticmethod
   def identity(shape: Shape) -> "View":
-    return View(shape, shape, _row_major(shape))
+    return _identity_view(tuple(shape))
 
   @property
   def is_identity(self) -> bool:
@@ -166,6 +169,11 @@ def _row_major(shape: Shape) -> tuple:
     out.append(acc)
     acc *= int(n)
   return tuple(reversed(out))
+
+
+@functools.lru_cache(maxsize=4096)
+def _identity_view(shape: Shape) -> View:
+  return View(shape, shape, _row_major(shape))   # (immutable: shared)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -277,7 +285,8 @@ class Expr:
 
   @property
   def is_const(self) -> bool:
-    return all(m == () for m in self.terms)
+    t = self.terms   # (at most one monomial, (), is constant)
+    return not t or (len(t) == 1 and () in t)
 
   @property
   def const_value(self) -> Fraction:
@@ -287,16 +296,37 @@ class Expr:
     return self.terms.items()
 
 
+def _expr(terms: dict, shape: Optional[Shape]) -> Expr:
+  """``Expr(terms, shape)`` for terms known canonical: no zero coefficient,
+  at most MAX_TERMS, ``shape`` None when constant (what Expr.__init__ checks)."""
+  e = object.__new__(Expr)
+  e.terms, e.shape, e._hash = terms, shape, None
+  return e
+
+
+def _sum_expr(terms: dict, shape: Optional[Shape], cancelled: bool) -> Expr:
+  """``Expr(terms, shape)`` for terms whose coefficients are non-zero unless
+  ``cancelled`` (a sum came to zero): the filter only when it can remove one."""
+  if cancelled:
+    terms = {m: c for m, c in terms.items() if c}
+  if len(terms) > MAX_TERMS:
+    raise Unrepresentable(f"an expression with {len(terms)} terms")
+  return _expr(terms, shape if any(terms) else None)
+
+
 ZERO = Expr({}, None)
-ONE = Expr({(): Fraction(1)}, None)
+ONE = Expr({(): _F1}, None)
 
 
 def const(k) -> Expr:
-  return Expr({(): Fraction(k)}, None) if k else ZERO
+  if not k:
+    return ZERO
+  return _expr({(): k if type(k) is Fraction else Fraction(k)}, None)
 
 
 def atom(key: Any, shape: Shape) -> Expr:
-  return Expr({(_factor("atom", key, tuple(shape)),): _F1}, tuple(shape))
+  shape = tuple(shape)
+  return _expr({(_factor("atom", key, shape),): _F1}, shape)
 
 
 def factor(fid: int) -> "Factor":
@@ -306,7 +336,7 @@ def factor(fid: int) -> "Factor":
 
 def single(fid: int) -> Expr:
   """The expression made of factor ``fid`` alone."""
-  return Expr({(fid,): _F1}, _FACTORS[fid].shape)
+  return _expr({(fid,): _F1}, _FACTORS[fid].shape)
 
 
 def add(a: Expr, b: Expr, kb=1) -> Expr:
@@ -315,12 +345,16 @@ def add(a: Expr, b: Expr, kb=1) -> Expr:
   if not b.terms:
     return a
   out = dict(a.terms)
+  cancelled = not kb
   for m, c in b.terms.items():
     if kb != 1:   # (Fraction arithmetic dominates the analysis: skip the identities)
       c = -c if kb == -1 else kb * c
     prev = out.get(m)
-    out[m] = c if prev is None else prev + c
-  return Expr(out, shape)
+    if prev is not None:
+      c = prev + c
+      cancelled = cancelled or not c
+    out[m] = c
+  return _sum_expr(out, shape, cancelled)
 
 
 def sub(a: Expr, b: Expr) -> Expr:
@@ -328,11 +362,11 @@ def sub(a: Expr, b: Expr) -> Expr:
 
 
 def scale(a: Expr, k) -> Expr:
-  if type(k) is not Fraction:
-    k = Fraction(k)
   if k == 1:
     return a
-  return Expr({m: c * k for m, c in a.terms.items()}, a.shape) if k else ZERO
+  if type(k) is not Fraction:
+    k = Fraction(k)
+  return _expr({m: c * k for m, c in a.terms.items()}, a.shape) if k else ZERO   # (k ≠ 0: no zero made)
 
 
 def mul(a: Expr, b: Expr) -> Expr:
@@ -349,12 +383,16 @@ def mul(a: Expr, b: Expr) -> Expr:
   if len(a.terms) * len(b.terms) > 4 * MAX_TERMS:
     raise Unrepresentable("a product of large sums")
   out: dict = {}
+  cancelled = False
   for (ma, ca), (mb, cb) in itertools.product(a.terms.items(), b.terms.items()):
     m = tuple(sorted(ma + mb))
-    c = ca * cb
+    c = cb if ca is _F1 else ca if cb is _F1 else ca * cb   # (most coefficients are one)
     prev = out.get(m)
-    out[m] = c if prev is None else prev + c
-  e = _MEMO[key] = Expr(out, shape)
+    if prev is not None:
+      c = prev + c
+      cancelled = cancelled or not c
+    out[m] = c
+  e = _MEMO[key] = _sum_expr(out, shape, cancelled)
   return e
 
 
@@ -457,11 +495,15 @@ def view_op(a: Expr, out_shape: Shape, op: Callable[[View], Optional[View]], tag
   if hit is not None:
     return hit
   out: dict = {}
+  cancelled = False
   for m, c in a.terms.items():
-    nm = tuple(sorted(_view_factor(f, out_shape, op, tag) for f in m))
+    nm = tuple(sorted([_view_factor(f, out_shape, op, tag) for f in m]))
     prev = out.get(nm)
-    out[nm] = c if prev is None else prev + c
-  e = _MEMO[key] = Expr(out, out_shape)
+    if prev is not None:
+      c = prev + c
+      cancelled = cancelled or not c
+    out[nm] = c
+  e = _MEMO[key] = _sum_expr(out, out_shape, cancelled)
   return e
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import heapq
+import itertools
 import math
 from fractions import Fraction
 from typing import Any, Optional
@@ -242,8 +244,9 @@ class Level:
     if isinstance(a, Lit):
       return _lit_canon(a)
     memo = self._canon
-    if a in memo:
-      return memo[a]
+    e = memo.get(a)
+    if e is not None:
+      return e
     stack = [a]
     expanded = set()   # values whose operands were pushed (not direct: no need to ask again)
     while stack:
@@ -338,14 +341,28 @@ class Level:
           return f"the shift reaches program output #{k}", outputs
         outputs[k] = p
     consumers = prog.consumers
-    starts = [n.index for v in polys for n, _ in consumers.get(v, ())]
-    if not starts:
+    # Only the nodes that read a live poly do anything (the memo below is
+    # keyed by the state, which no other node changes): visit those, in
+    # program order, from a heap of the live polys' consumers.
+    todo = list({n.index for v in polys for n, _ in consumers.get(v, ())})
+    if not todo:
       return None, outputs
+    heapq.heapify(todo)
+    nodes = prog.nodes
     last = prog.last_use
+    tick = itertools.count()   # (heap ties: Vals do not compare)
+    dying = [(last.get(v, -1), next(tick), v) for v in polys]   # by last use: when each dies
+    heapq.heapify(dying)
     memo = self._memo
     trail: list = []
     result = None
-    for node in prog.nodes[min(starts):]:
+    done = -1
+    while todo:
+      i = heapq.heappop(todo)
+      if i <= done:
+        continue
+      done = i
+      node = nodes[i]
       if len(polys) == 1 and not skip and not collect:
         (v, p), = polys.items()
         if p.is_pure:
@@ -378,10 +395,13 @@ class Level:
           for k in pos:
             outputs[k] = p
         polys[v] = p
+        heapq.heappush(dying, (last.get(v, -1), next(tick), v))
+        for n, _ in consumers.get(v, ()):
+          heapq.heappush(todo, n.index)
       if result is not None:
         break
-      for v in [v for v in polys if last.get(v, -1) <= node.index]:
-        del polys[v]
+      while dying and dying[0][0] <= i:
+        polys.pop(heapq.heappop(dying)[2], None)
       if not polys:
         break
     for v, index, pat in trail:
@@ -589,10 +609,22 @@ def _subsumes(general: tuple, special: tuple) -> bool:
 def _lit_canon(a: Lit) -> A.Expr:
   v = np.asarray(a.value)
   if v.size == 1:
-    k = A.exact(v.reshape(()))
-    if k is not None:
-      return A.const(A.snap(k, v.dtype))
+    # A constant (no factor: valid in every scope) of the literal's bytes;
+    # programs repeat a few literals many times.
+    key = (v.dtype, v.shape, v.tobytes())
+    e = _LIT_CANON.get(key, _MISS)
+    if e is _MISS:
+      k = A.exact(v.reshape(()))
+      e = A.const(A.snap(k, v.dtype)) if k is not None else None
+      if len(_LIT_CANON) > 4096:
+        _LIT_CANON.clear()
+      _LIT_CANON[key] = e
+    if e is not None:
+      return e
   return A.atom(("lit", v.dtype.str, v.shape, v.tobytes()), tuple(v.shape))
+
+
+_LIT_CANON: dict = {}
 
 
 _CONST_SCAN_LIMIT = 1 << 20
@@ -680,9 +712,18 @@ def _shift_cancels(level: Level, reduce: Node, u: Val, axes: tuple) -> bool:
     frontier = nxt
   polys = {seed: A.pure(tuple(None if d in axes else (None, 1) for d in range(len(u.shape))))}
   cone = {reduce.outs[0]}
-  start = min(n.index for n, _ in consumers.get(seed, ()))
-  steps = 0
-  for node in level.program.nodes[start:last + 1]:
+  nodes = level.program.nodes
+  todo = [n.index for n, _ in consumers.get(seed, ())]   # the readers of polys, as in Level._run
+  heapq.heapify(todo)
+  steps, done = 0, -1
+  while todo:
+    i = heapq.heappop(todo)
+    if i <= done:
+      continue
+    if i > last:
+      break
+    done = i
+    node = nodes[i]
     ins = [polys.get(a) if isinstance(a, Val) else None for a in node.ins]
     if all(p is None for p in ins):
       continue
@@ -701,6 +742,8 @@ def _shift_cancels(level: Level, reduce: Node, u: Val, axes: tuple) -> bool:
     for v, p in zip(node.outs, outs):
       if p is not None:
         polys[v] = p
+        for n, _ in consumers.get(v, ()):
+          heapq.heappush(todo, n.index)
   return False
 
 
