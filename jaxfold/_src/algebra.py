@@ -245,7 +245,7 @@ def _factor(kind: str, key: Any, shape: Shape, args: tuple = (), elementwise: bo
 # Expressions.
 
 MAX_TERMS = 64
-_F0, _F1 = Fraction(0), Fraction(1)   # shared: building a Fraction is a hot path's cost
+_F0, _F1, _FM1 = Fraction(0), Fraction(1), Fraction(-1)   # shared: building a Fraction is a hot path's cost
 
 
 class Expr:
@@ -340,15 +340,14 @@ def single(fid: int) -> Expr:
 
 
 def add(a: Expr, b: Expr, kb=1) -> Expr:
-  shape = _join(a, b)
-  a, b = lift(a, shape), lift(b, shape)
+  shape, a, b = _lift2(a, b)
   if not b.terms:
     return a
   out = dict(a.terms)
   cancelled = not kb
   for m, c in b.terms.items():
     if kb != 1:   # (Fraction arithmetic dominates the analysis: skip the identities)
-      c = -c if kb == -1 else kb * c
+      c = (_FM1 if c is _F1 else -c) if kb == -1 else kb * c
     prev = out.get(m)
     if prev is not None:
       c = prev + c
@@ -378,8 +377,7 @@ def mul(a: Expr, b: Expr) -> Expr:
   hit = _MEMO.get(key)
   if hit is not None:
     return hit
-  shape = _join(a, b)
-  a, b = lift(a, shape), lift(b, shape)
+  shape, a, b = _lift2(a, b)
   if len(a.terms) * len(b.terms) > 4 * MAX_TERMS:
     raise Unrepresentable("a product of large sums")
   out: dict = {}
@@ -401,6 +399,17 @@ def power(a: Expr, n: int) -> Expr:
   for _ in range(n):
     out = mul(out, a)
   return out
+
+
+def _lift2(a: Expr, b: Expr) -> tuple:
+  """``(shape, a, b)``: both operands lifted to their broadcast shape."""
+  sa, sb = a.shape, b.shape
+  if sa is None:
+    return sb, a, b
+  if sb is None or sa == sb:
+    return sa, a, b
+  shape = _join(a, b)
+  return shape, lift(a, shape), lift(b, shape)
 
 
 def _join(a: Expr, b: Expr) -> Optional[Shape]:
@@ -586,18 +595,39 @@ def reduce_sum(a: Expr, axes: Sequence[int], in_shape: Shape) -> Expr:
   hit = _MEMO.get(key) if key is not None else None
   if hit is not None:
     return hit
-  a = lift(a, tuple(in_shape))
-  out = ZERO
+  in_shape = tuple(in_shape)
+  a = lift(a, in_shape)
+  # Each term gives one monomial (the factors constant along ``axes`` times
+  # the sum of the rest), summed as ``add`` would, one term after another.
+  k = Fraction(count)
+  out: dict = {}
   for m, c in a.terms.items():
-    inside = tuple(f for f in m if not _constant_along(f, axes))
-    outside = tuple(_drop_dims(f, axes, out_shape) for f in m if _constant_along(f, axes))
-    term = Expr({tuple(sorted(outside)): c}, out_shape if outside else None)
+    inside, outside = [], []
+    for f in m:
+      if _constant_along(f, axes):
+        outside.append(_drop_dims(f, axes, out_shape))
+      else:
+        inside.append(f)
     if inside:
-      body = Expr({inside: _F1}, tuple(in_shape))
-      term = mul(term, app((SUM, axes, tuple(in_shape)), (body,), out_shape, False))
+      body = _expr({tuple(inside): _F1}, in_shape)
+      outside.append(_factor("app", (SUM, axes, in_shape), out_shape, (body,), False))
+    elif count != 1:
+      if not count:
+        continue
+      c = c * k
+    mono = tuple(sorted(outside))
+    prev = out.get(mono)
+    if prev is None:
+      out[mono] = c
     else:
-      term = scale(term, count)
-    out = add(out, term)
+      c = prev + c
+      if c:
+        out[mono] = c
+      else:
+        del out[mono]
+    if len(out) > MAX_TERMS:
+      raise Unrepresentable(f"an expression with {len(out)} terms")
+  out = _expr(out, out_shape if any(out) else None)
   if key is not None:
     _MEMO[key] = out
   return out

@@ -119,6 +119,14 @@ class Analyzer:
     return lv
 
 
+def _keyed(vals) -> bool:
+  """Whether any of ``vals`` is a PRNG key (asked of every node: a loop, not a generator)."""
+  for a in vals:
+    if compat.is_prng_key(a.dtype):
+      return True
+  return False
+
+
 def _tolerance(program: Program):
   """The widest float dtype among the outputs: the precision at which a
   rewrite's rounding differences are invisible at EVERY output. (Not the
@@ -163,8 +171,8 @@ class Level:
 
   @staticmethod
   def at_least_as_precise(a, b) -> bool:
-    fa, fb = jnp.finfo(a), jnp.finfo(b)
-    return fa.nmant >= fb.nmant and fa.nexp >= fb.nexp
+    (ma, ea), (mb, eb) = compat.precision(a), compat.precision(b)
+    return ma >= mb and ea >= eb
 
   @staticmethod
   def round_to(value: Fraction, dtype) -> Optional[Fraction]:
@@ -219,7 +227,7 @@ class Level:
         outs = rule_for(node.prim).facts(node, ins, self)
       except Exception:  # noqa: BLE001 - a fact a rule cannot derive is just unknown
         outs = [Facts(size_one(o.shape)) for o in node.outs]
-      keyed = any(compat.is_prng_key(a.dtype) for a in node.ins) or any(compat.is_prng_key(o.dtype) for o in node.outs)
+      keyed = _keyed(node.ins) or _keyed(node.outs)
       for o, f in zip(node.outs, outs):
         if keyed and not f.random:
           f = Facts(f.const, f.value, True)
@@ -249,26 +257,27 @@ class Level:
       return e
     stack = [a]
     expanded = set()   # values whose operands were pushed (not direct: no need to ask again)
+    direct_canon = self._direct_canon
     while stack:
       v = stack[-1]
       if v in memo:
         stack.pop()
         continue
       if v not in expanded:
-        direct = self._direct_canon(v)
+        direct = direct_canon(v)
         if direct is not None:
           memo[v] = direct
           stack.pop()
           continue
       node = v.producer
-      pending = [x for x in node.ins if isinstance(x, Val) and x not in memo]
+      pending = [x for x in node.ins if type(x) is Val and x not in memo]
       if pending:
         expanded.add(v)
         stack.extend(pending)
         continue
       stack.pop()
       # Every Val operand is in memo now (pending was empty).
-      ins = [memo[x] if isinstance(x, Val) else _lit_canon(x) for x in node.ins]
+      ins = [memo[x] if type(x) is Val else _lit_canon(x) for x in node.ins]
       try:
         outs = rule_for(node.prim).canon(node, ins, self)
       except Exception:  # noqa: BLE001 - an opaque atom is always sound
@@ -295,7 +304,7 @@ class Level:
     if v in self.overrides:
       return self.overrides[v]
     f = self._facts.get(v)
-    if f is not None and isinstance(f.value, Fraction):
+    if f is not None and type(f.value) is Fraction:
       return A.const(A.snap(f.value, v.dtype))
     if v.producer is None or v.producer.subs:
       return self.atom(v)

@@ -197,8 +197,8 @@ class Program:
           env[ov] = _read(sub, iv)
         continue
       node = Node(eqn, path, ins, calls, len(self.nodes), self)
-      node.outs = tuple(Val(v.aval, (path, "out", k), self, producer=node, index=k)
-                        for k, v in enumerate(eqn.outvars))
+      node.outs = tuple([Val(v.aval, (path, "out", k), self, producer=node, index=k)
+                         for k, v in enumerate(eqn.outvars)])
       for v, val in zip(eqn.outvars, node.outs):
         env[v] = val
       node.subs = tuple(Program(j, None, path + (k,), (node, self), calls)
