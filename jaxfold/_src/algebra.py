@@ -86,6 +86,18 @@ class View:
 
   def reshape(self, new_shape: Shape) -> Optional["View"]:
     new_shape = tuple(int(d) for d in new_shape)
+    # Every layer reshapes views alike (heads split and merged): remembered
+    # by value (Views are immutable).
+    key = (self, new_shape)
+    hit = _RESHAPED.get(key, _RESHAPED)
+    if hit is _RESHAPED:
+      hit = self._reshape(new_shape)
+      if len(_RESHAPED) > 4096:
+        _RESHAPED.clear()
+      _RESHAPED[key] = hit
+    return hit
+
+  def _reshape(self, new_shape: tuple) -> Optional["View"]:
     if math.prod(new_shape) != math.prod(self.shape):
       return None
     # Drop size-1 dims, then split/merge like numpy's no-copy reshape.
@@ -134,6 +146,16 @@ class View:
 
   def broadcast(self, out_shape: Shape, dims: Sequence[int]) -> Optional["View"]:
     """``broadcast_in_dim`` semantics: operand dim k goes to output dim dims[k]."""
+    key = (self, tuple(out_shape), tuple(dims))   # (remembered as reshape is)
+    hit = _BROADCAST.get(key, _BROADCAST)
+    if hit is _BROADCAST:
+      hit = self._broadcast(out_shape, dims)
+      if len(_BROADCAST) > 4096:
+        _BROADCAST.clear()
+      _BROADCAST[key] = hit
+    return hit
+
+  def _broadcast(self, out_shape: Shape, dims: Sequence[int]) -> Optional["View"]:
     strides = [0] * len(out_shape)
     for k, d in enumerate(dims):
       if self.shape[k] not in (1, out_shape[d]):
@@ -161,6 +183,10 @@ class View:
     keep = [d for d in range(len(self.shape)) if d not in dims]
     return View(self.src, tuple(self.shape[d] for d in keep),
                 tuple(self.strides[d] for d in keep), self.offset)
+
+
+_RESHAPED: dict = {}
+_BROADCAST: dict = {}
 
 
 def _row_major(shape: Shape) -> tuple:
