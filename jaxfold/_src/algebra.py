@@ -39,7 +39,10 @@ class Unrepresentable(Exception):
 
 
 def _concrete(shape) -> bool:
-  return all(isinstance(d, (int, np.integer)) for d in shape)
+  return _INT.issuperset(map(type, shape)) or all(isinstance(d, (int, np.integer)) for d in shape)
+
+
+_INT = frozenset([int])
 
 
 class View:
@@ -50,9 +53,9 @@ class View:
   __slots__ = ("src", "shape", "strides", "offset", "_hash")
 
   def __init__(self, src: Shape, shape: Shape, strides: Sequence[int], offset: int = 0):
-    self.src = tuple(int(d) for d in src)
-    self.shape = tuple(int(d) for d in shape)
-    self.strides = tuple(0 if n == 1 else int(s) for n, s in zip(self.shape, strides))
+    self.src = tuple(map(int, src))
+    self.shape = shape = tuple(map(int, shape))
+    self.strides = tuple([0 if n == 1 else int(s) for n, s in zip(shape, strides)])
     self.offset = int(offset)
     self._hash = hash((self.src, self.shape, self.strides, self.offset))
 
@@ -69,7 +72,7 @@ class View:
 
   @staticmethod
   def identity(shape: Shape) -> "View":
-    return View(shape, shape, _row_major(shape))
+    return _identity_view(tuple(shape))
 
   @property
   def is_identity(self) -> bool:
@@ -83,6 +86,18 @@ class View:
 
   def reshape(self, new_shape: Shape) -> Optional["View"]:
     new_shape = tuple(int(d) for d in new_shape)
+    # Every layer reshapes views alike (heads split and merged): remembered
+    # by value (Views are immutable).
+    key = (self, new_shape)
+    hit = _RESHAPED.get(key, _RESHAPED)
+    if hit is _RESHAPED:
+      hit = self._reshape(new_shape)
+      if len(_RESHAPED) > 4096:
+        _RESHAPED.clear()
+      _RESHAPED[key] = hit
+    return hit
+
+  def _reshape(self, new_shape: tuple) -> Optional["View"]:
     if math.prod(new_shape) != math.prod(self.shape):
       return None
     # Drop size-1 dims, then split/merge like numpy's no-copy reshape.
@@ -131,6 +146,16 @@ class View:
 
   def broadcast(self, out_shape: Shape, dims: Sequence[int]) -> Optional["View"]:
     """``broadcast_in_dim`` semantics: operand dim k goes to output dim dims[k]."""
+    key = (self, tuple(out_shape), tuple(dims))   # (remembered as reshape is)
+    hit = _BROADCAST.get(key, _BROADCAST)
+    if hit is _BROADCAST:
+      hit = self._broadcast(out_shape, dims)
+      if len(_BROADCAST) > 4096:
+        _BROADCAST.clear()
+      _BROADCAST[key] = hit
+    return hit
+
+  def _broadcast(self, out_shape: Shape, dims: Sequence[int]) -> Optional["View"]:
     strides = [0] * len(out_shape)
     for k, d in enumerate(dims):
       if self.shape[k] not in (1, out_shape[d]):
@@ -160,12 +185,21 @@ class View:
                 tuple(self.strides[d] for d in keep), self.offset)
 
 
+_RESHAPED: dict = {}
+_BROADCAST: dict = {}
+
+
 def _row_major(shape: Shape) -> tuple:
   out, acc = [], 1
   for n in reversed(shape):
     out.append(acc)
     acc *= int(n)
   return tuple(reversed(out))
+
+
+@functools.lru_cache(maxsize=4096)
+def _identity_view(shape: Shape) -> View:
+  return View(shape, shape, _row_major(shape))   # (immutable: shared)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -237,7 +271,7 @@ def _factor(kind: str, key: Any, shape: Shape, args: tuple = (), elementwise: bo
 # Expressions.
 
 MAX_TERMS = 64
-_F0, _F1 = Fraction(0), Fraction(1)   # shared: building a Fraction is a hot path's cost
+_F0, _F1, _FM1 = Fraction(0), Fraction(1), Fraction(-1)   # shared: building a Fraction is a hot path's cost
 
 
 class Expr:
@@ -277,7 +311,8 @@ class Expr:
 
   @property
   def is_const(self) -> bool:
-    return all(m == () for m in self.terms)
+    t = self.terms   # (at most one monomial, (), is constant)
+    return not t or (len(t) == 1 and () in t)
 
   @property
   def const_value(self) -> Fraction:
@@ -287,16 +322,37 @@ class Expr:
     return self.terms.items()
 
 
+def _expr(terms: dict, shape: Optional[Shape]) -> Expr:
+  """``Expr(terms, shape)`` for terms known canonical: no zero coefficient,
+  at most MAX_TERMS, ``shape`` None when constant (what Expr.__init__ checks)."""
+  e = object.__new__(Expr)
+  e.terms, e.shape, e._hash = terms, shape, None
+  return e
+
+
+def _sum_expr(terms: dict, shape: Optional[Shape], cancelled: bool) -> Expr:
+  """``Expr(terms, shape)`` for terms whose coefficients are non-zero unless
+  ``cancelled`` (a sum came to zero): the filter only when it can remove one."""
+  if cancelled:
+    terms = {m: c for m, c in terms.items() if c}
+  if len(terms) > MAX_TERMS:
+    raise Unrepresentable(f"an expression with {len(terms)} terms")
+  return _expr(terms, shape if any(terms) else None)
+
+
 ZERO = Expr({}, None)
-ONE = Expr({(): Fraction(1)}, None)
+ONE = Expr({(): _F1}, None)
 
 
 def const(k) -> Expr:
-  return Expr({(): Fraction(k)}, None) if k else ZERO
+  if not k:
+    return ZERO
+  return _expr({(): k if type(k) is Fraction else Fraction(k)}, None)
 
 
 def atom(key: Any, shape: Shape) -> Expr:
-  return Expr({(_factor("atom", key, tuple(shape)),): _F1}, tuple(shape))
+  shape = tuple(shape)
+  return _expr({(_factor("atom", key, shape),): _F1}, shape)
 
 
 def factor(fid: int) -> "Factor":
@@ -306,21 +362,24 @@ def factor(fid: int) -> "Factor":
 
 def single(fid: int) -> Expr:
   """The expression made of factor ``fid`` alone."""
-  return Expr({(fid,): _F1}, _FACTORS[fid].shape)
+  return _expr({(fid,): _F1}, _FACTORS[fid].shape)
 
 
 def add(a: Expr, b: Expr, kb=1) -> Expr:
-  shape = _join(a, b)
-  a, b = lift(a, shape), lift(b, shape)
+  shape, a, b = _lift2(a, b)
   if not b.terms:
     return a
   out = dict(a.terms)
+  cancelled = not kb
   for m, c in b.terms.items():
     if kb != 1:   # (Fraction arithmetic dominates the analysis: skip the identities)
-      c = -c if kb == -1 else kb * c
+      c = (_FM1 if c is _F1 else -c) if kb == -1 else kb * c
     prev = out.get(m)
-    out[m] = c if prev is None else prev + c
-  return Expr(out, shape)
+    if prev is not None:
+      c = prev + c
+      cancelled = cancelled or not c
+    out[m] = c
+  return _sum_expr(out, shape, cancelled)
 
 
 def sub(a: Expr, b: Expr) -> Expr:
@@ -328,11 +387,11 @@ def sub(a: Expr, b: Expr) -> Expr:
 
 
 def scale(a: Expr, k) -> Expr:
-  if type(k) is not Fraction:
-    k = Fraction(k)
   if k == 1:
     return a
-  return Expr({m: c * k for m, c in a.terms.items()}, a.shape) if k else ZERO
+  if type(k) is not Fraction:
+    k = Fraction(k)
+  return _expr({m: c * k for m, c in a.terms.items()}, a.shape) if k else ZERO   # (k ≠ 0: no zero made)
 
 
 def mul(a: Expr, b: Expr) -> Expr:
@@ -344,17 +403,20 @@ def mul(a: Expr, b: Expr) -> Expr:
   hit = _MEMO.get(key)
   if hit is not None:
     return hit
-  shape = _join(a, b)
-  a, b = lift(a, shape), lift(b, shape)
+  shape, a, b = _lift2(a, b)
   if len(a.terms) * len(b.terms) > 4 * MAX_TERMS:
     raise Unrepresentable("a product of large sums")
   out: dict = {}
+  cancelled = False
   for (ma, ca), (mb, cb) in itertools.product(a.terms.items(), b.terms.items()):
     m = tuple(sorted(ma + mb))
-    c = ca * cb
+    c = cb if ca is _F1 else ca if cb is _F1 else ca * cb   # (most coefficients are one)
     prev = out.get(m)
-    out[m] = c if prev is None else prev + c
-  e = _MEMO[key] = Expr(out, shape)
+    if prev is not None:
+      c = prev + c
+      cancelled = cancelled or not c
+    out[m] = c
+  e = _MEMO[key] = _sum_expr(out, shape, cancelled)
   return e
 
 
@@ -363,6 +425,17 @@ def power(a: Expr, n: int) -> Expr:
   for _ in range(n):
     out = mul(out, a)
   return out
+
+
+def _lift2(a: Expr, b: Expr) -> tuple:
+  """``(shape, a, b)``: both operands lifted to their broadcast shape."""
+  sa, sb = a.shape, b.shape
+  if sa is None:
+    return sb, a, b
+  if sb is None or sa == sb:
+    return sa, a, b
+  shape = _join(a, b)
+  return shape, lift(a, shape), lift(b, shape)
 
 
 def _join(a: Expr, b: Expr) -> Optional[Shape]:
@@ -457,11 +530,15 @@ def view_op(a: Expr, out_shape: Shape, op: Callable[[View], Optional[View]], tag
   if hit is not None:
     return hit
   out: dict = {}
+  cancelled = False
   for m, c in a.terms.items():
-    nm = tuple(sorted(_view_factor(f, out_shape, op, tag) for f in m))
+    nm = tuple(sorted([_view_factor(f, out_shape, op, tag) for f in m]))
     prev = out.get(nm)
-    out[nm] = c if prev is None else prev + c
-  e = _MEMO[key] = Expr(out, out_shape)
+    if prev is not None:
+      c = prev + c
+      cancelled = cancelled or not c
+    out[nm] = c
+  e = _MEMO[key] = _sum_expr(out, out_shape, cancelled)
   return e
 
 
@@ -544,18 +621,39 @@ def reduce_sum(a: Expr, axes: Sequence[int], in_shape: Shape) -> Expr:
   hit = _MEMO.get(key) if key is not None else None
   if hit is not None:
     return hit
-  a = lift(a, tuple(in_shape))
-  out = ZERO
+  in_shape = tuple(in_shape)
+  a = lift(a, in_shape)
+  # Each term gives one monomial (the factors constant along ``axes`` times
+  # the sum of the rest), summed as ``add`` would, one term after another.
+  k = Fraction(count)
+  out: dict = {}
   for m, c in a.terms.items():
-    inside = tuple(f for f in m if not _constant_along(f, axes))
-    outside = tuple(_drop_dims(f, axes, out_shape) for f in m if _constant_along(f, axes))
-    term = Expr({tuple(sorted(outside)): c}, out_shape if outside else None)
+    inside, outside = [], []
+    for f in m:
+      if _constant_along(f, axes):
+        outside.append(_drop_dims(f, axes, out_shape))
+      else:
+        inside.append(f)
     if inside:
-      body = Expr({inside: _F1}, tuple(in_shape))
-      term = mul(term, app((SUM, axes, tuple(in_shape)), (body,), out_shape, False))
+      body = _expr({tuple(inside): _F1}, in_shape)
+      outside.append(_factor("app", (SUM, axes, in_shape), out_shape, (body,), False))
+    elif count != 1:
+      if not count:
+        continue
+      c = c * k
+    mono = tuple(sorted(outside))
+    prev = out.get(mono)
+    if prev is None:
+      out[mono] = c
     else:
-      term = scale(term, count)
-    out = add(out, term)
+      c = prev + c
+      if c:
+        out[mono] = c
+      else:
+        del out[mono]
+    if len(out) > MAX_TERMS:
+      raise Unrepresentable(f"an expression with {len(out)} terms")
+  out = _expr(out, out_shape if any(out) else None)
   if key is not None:
     _MEMO[key] = out
   return out

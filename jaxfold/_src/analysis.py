@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import heapq
+import itertools
 import math
 from fractions import Fraction
 from typing import Any, Optional
@@ -117,6 +119,14 @@ class Analyzer:
     return lv
 
 
+def _keyed(vals) -> bool:
+  """Whether any of ``vals`` is a PRNG key (asked of every node: a loop, not a generator)."""
+  for a in vals:
+    if compat.is_prng_key(a.dtype):
+      return True
+  return False
+
+
 def _tolerance(program: Program):
   """The widest float dtype among the outputs: the precision at which a
   rewrite's rounding differences are invisible at EVERY output. (Not the
@@ -161,8 +171,8 @@ class Level:
 
   @staticmethod
   def at_least_as_precise(a, b) -> bool:
-    fa, fb = jnp.finfo(a), jnp.finfo(b)
-    return fa.nmant >= fb.nmant and fa.nexp >= fb.nexp
+    (ma, ea), (mb, eb) = compat.precision(a), compat.precision(b)
+    return ma >= mb and ea >= eb
 
   @staticmethod
   def round_to(value: Fraction, dtype) -> Optional[Fraction]:
@@ -217,7 +227,7 @@ class Level:
         outs = rule_for(node.prim).facts(node, ins, self)
       except Exception:  # noqa: BLE001 - a fact a rule cannot derive is just unknown
         outs = [Facts(size_one(o.shape)) for o in node.outs]
-      keyed = any(compat.is_prng_key(a.dtype) for a in node.ins) or any(compat.is_prng_key(o.dtype) for o in node.outs)
+      keyed = _keyed(node.ins) or _keyed(node.outs)
       for o, f in zip(node.outs, outs):
         if keyed and not f.random:
           f = Facts(f.const, f.value, True)
@@ -242,30 +252,32 @@ class Level:
     if isinstance(a, Lit):
       return _lit_canon(a)
     memo = self._canon
-    if a in memo:
-      return memo[a]
+    e = memo.get(a)
+    if e is not None:
+      return e
     stack = [a]
     expanded = set()   # values whose operands were pushed (not direct: no need to ask again)
+    direct_canon = self._direct_canon
     while stack:
       v = stack[-1]
       if v in memo:
         stack.pop()
         continue
       if v not in expanded:
-        direct = self._direct_canon(v)
+        direct = direct_canon(v)
         if direct is not None:
           memo[v] = direct
           stack.pop()
           continue
       node = v.producer
-      pending = [x for x in node.ins if isinstance(x, Val) and x not in memo]
+      pending = [x for x in node.ins if type(x) is Val and x not in memo]
       if pending:
         expanded.add(v)
         stack.extend(pending)
         continue
       stack.pop()
       # Every Val operand is in memo now (pending was empty).
-      ins = [memo[x] if isinstance(x, Val) else _lit_canon(x) for x in node.ins]
+      ins = [memo[x] if type(x) is Val else _lit_canon(x) for x in node.ins]
       try:
         outs = rule_for(node.prim).canon(node, ins, self)
       except Exception:  # noqa: BLE001 - an opaque atom is always sound
@@ -292,7 +304,7 @@ class Level:
     if v in self.overrides:
       return self.overrides[v]
     f = self._facts.get(v)
-    if f is not None and isinstance(f.value, Fraction):
+    if f is not None and type(f.value) is Fraction:
       return A.const(A.snap(f.value, v.dtype))
     if v.producer is None or v.producer.subs:
       return self.atom(v)
@@ -338,14 +350,28 @@ class Level:
           return f"the shift reaches program output #{k}", outputs
         outputs[k] = p
     consumers = prog.consumers
-    starts = [n.index for v in polys for n, _ in consumers.get(v, ())]
-    if not starts:
+    # Only the nodes that read a live poly do anything (the memo below is
+    # keyed by the state, which no other node changes): visit those, in
+    # program order, from a heap of the live polys' consumers.
+    todo = list({n.index for v in polys for n, _ in consumers.get(v, ())})
+    if not todo:
       return None, outputs
+    heapq.heapify(todo)
+    nodes = prog.nodes
     last = prog.last_use
+    tick = itertools.count()   # (heap ties: Vals do not compare)
+    dying = [(last.get(v, -1), next(tick), v) for v in polys]   # by last use: when each dies
+    heapq.heapify(dying)
     memo = self._memo
     trail: list = []
     result = None
-    for node in prog.nodes[min(starts):]:
+    done = -1
+    while todo:
+      i = heapq.heappop(todo)
+      if i <= done:
+        continue
+      done = i
+      node = nodes[i]
       if len(polys) == 1 and not skip and not collect:
         (v, p), = polys.items()
         if p.is_pure:
@@ -378,10 +404,13 @@ class Level:
           for k in pos:
             outputs[k] = p
         polys[v] = p
+        heapq.heappush(dying, (last.get(v, -1), next(tick), v))
+        for n, _ in consumers.get(v, ()):
+          heapq.heappush(todo, n.index)
       if result is not None:
         break
-      for v in [v for v in polys if last.get(v, -1) <= node.index]:
-        del polys[v]
+      while dying and dying[0][0] <= i:
+        polys.pop(heapq.heappop(dying)[2], None)
       if not polys:
         break
     for v, index, pat in trail:
@@ -589,10 +618,22 @@ def _subsumes(general: tuple, special: tuple) -> bool:
 def _lit_canon(a: Lit) -> A.Expr:
   v = np.asarray(a.value)
   if v.size == 1:
-    k = A.exact(v.reshape(()))
-    if k is not None:
-      return A.const(A.snap(k, v.dtype))
+    # A constant (no factor: valid in every scope) of the literal's bytes;
+    # programs repeat a few literals many times.
+    key = (v.dtype, v.shape, v.tobytes())
+    e = _LIT_CANON.get(key, _MISS)
+    if e is _MISS:
+      k = A.exact(v.reshape(()))
+      e = A.const(A.snap(k, v.dtype)) if k is not None else None
+      if len(_LIT_CANON) > 4096:
+        _LIT_CANON.clear()
+      _LIT_CANON[key] = e
+    if e is not None:
+      return e
   return A.atom(("lit", v.dtype.str, v.shape, v.tobytes()), tuple(v.shape))
+
+
+_LIT_CANON: dict = {}
 
 
 _CONST_SCAN_LIMIT = 1 << 20
@@ -680,9 +721,18 @@ def _shift_cancels(level: Level, reduce: Node, u: Val, axes: tuple) -> bool:
     frontier = nxt
   polys = {seed: A.pure(tuple(None if d in axes else (None, 1) for d in range(len(u.shape))))}
   cone = {reduce.outs[0]}
-  start = min(n.index for n, _ in consumers.get(seed, ()))
-  steps = 0
-  for node in level.program.nodes[start:last + 1]:
+  nodes = level.program.nodes
+  todo = [n.index for n, _ in consumers.get(seed, ())]   # the readers of polys, as in Level._run
+  heapq.heapify(todo)
+  steps, done = 0, -1
+  while todo:
+    i = heapq.heappop(todo)
+    if i <= done:
+      continue
+    if i > last:
+      break
+    done = i
+    node = nodes[i]
     ins = [polys.get(a) if isinstance(a, Val) else None for a in node.ins]
     if all(p is None for p in ins):
       continue
@@ -701,6 +751,8 @@ def _shift_cancels(level: Level, reduce: Node, u: Val, axes: tuple) -> bool:
     for v, p in zip(node.outs, outs):
       if p is not None:
         polys[v] = p
+        for n, _ in consumers.get(v, ()):
+          heapq.heappush(todo, n.index)
   return False
 
 

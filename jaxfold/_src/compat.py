@@ -71,6 +71,26 @@ def per_dtype(fn):
 
 
 @per_dtype
+@per_dtype
+def is_inexact(dtype: Any) -> bool:
+  """``jnp.issubdtype(dtype, jnp.inexact)``, remembered (asked at every step)."""
+  return bool(jnp.issubdtype(dtype, jnp.inexact))
+
+
+@per_dtype
+def is_floating(dtype: Any) -> bool:
+  """``jnp.issubdtype(dtype, jnp.floating)``, remembered."""
+  return bool(jnp.issubdtype(dtype, jnp.floating))
+
+
+@per_dtype
+def precision(dtype: Any) -> tuple:
+  """``(finfo.nmant, finfo.nexp)`` of a float dtype, remembered."""
+  info = jnp.finfo(dtype)
+  return int(info.nmant), int(info.nexp)
+
+
+@per_dtype
 def is_prng_key(dtype: Any) -> bool:
   """Whether ``dtype`` is a typed PRNG key's."""
   try:
@@ -169,18 +189,28 @@ def user_frames(eqn: Any) -> list[str]:
   """``file.py:line (function)`` of every frame outside jax and the libraries
   above (so never a line of flax's LayerNorm), innermost first."""
   try:
-    from jax._src import source_info_util as siu
-    return [f"{_short_path(f.file_name)}:{f.start_line} ({f.function_name})"
-            for f in siu.user_frames(eqn.source_info.traceback)
-            if not _is_library_file(f.file_name)]
+    return [_frame_text(f) for f in _user_frames(eqn)]
   except Exception:  # pragma: no cover - best effort only
     return []
 
 
+def _user_frames(eqn: Any):
+  from jax._src import source_info_util as siu
+  return (f for f in siu.user_frames(eqn.source_info.traceback) if not _is_library_file(f.file_name))
+
+
+def _frame_text(f: Any) -> str:
+  return f"{_short_path(f.file_name)}:{f.start_line} ({f.function_name})"
+
+
 def user_source(eqn: Any) -> str:
-  """The innermost of ``user_frames``; "" without one."""
-  frames = user_frames(eqn)
-  return frames[0] if frames else ""
+  """The innermost of ``user_frames``; "" without one (the others' paths,
+  costly to shorten, are not computed: every inlined call asks)."""
+  try:
+    f = next(_user_frames(eqn), None)
+    return _frame_text(f) if f is not None else ""
+  except Exception:  # pragma: no cover - best effort only
+    return ""
 
 
 def name_stack(eqn: Any) -> str:

@@ -14,7 +14,6 @@ import dataclasses
 import functools
 from typing import Callable, NamedTuple, Optional, Union
 
-import jax.numpy as jnp
 import numpy as np
 
 from jaxfold._src import compat, layout
@@ -242,14 +241,14 @@ class Planner:
     is returned with no spec (not a candidate for auxiliary centering).
     """
     v, tol = b.var, self.an.tolerance
-    if not isinstance(v, Val) or not b.spec or not jnp.issubdtype(v.dtype, jnp.floating):
+    if not isinstance(v, Val) or not b.spec or not compat.is_floating(v.dtype):
       return b
     while not Level.at_least_as_precise(v.dtype, tol):
       uses = v.program.consumers.get(v, ())
       node = uses[0][0] if len(uses) == 1 else None
       if (node is None or rule_for(node.prim).kind != "identity" or len(node.outs) != 1
           or node.outs[0].shape != v.shape or v in v.program.output_positions
-          or not jnp.issubdtype(node.outs[0].dtype, jnp.floating)):
+          or not compat.is_floating(node.outs[0].dtype)):
         return Blocker(b.var, (), f"{b.reason} (an auxiliary centering there would be stored "
                                   f"in {np.dtype(b.var.dtype).name}, coarser than the program's "
                                   f"outputs, {np.dtype(tol).name})")
@@ -258,7 +257,7 @@ class Planner:
 
   def _decide_leaf(self, n: LeafNeed, assume_aux, actions, blockers) -> None:
     var, spec = n.var, n.spec
-    if not jnp.issubdtype(var.dtype, jnp.inexact):
+    if not compat.is_inexact(var.dtype):
       blockers.append(Blocker(n.out_var, n.out_spec, f"{param_label(self.name(var))} is not a float array"))
       return
     if var in self.leaf_commit:
@@ -447,7 +446,7 @@ class Planner:
         var = key[0]
         # A centering stored coarser than the outputs would not stay exact.
         if (isinstance(var, Val) and var not in self.aux_commit
-            and jnp.issubdtype(var.dtype, jnp.floating)
+            and compat.is_floating(var.dtype)
             and Level.at_least_as_precise(var.dtype, self.an.tolerance)):
           counts[key] += 1
     order = sorted(counts, key=lambda k: (-counts[k], -_position(k[0])))

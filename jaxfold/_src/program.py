@@ -94,13 +94,14 @@ class CallSite:
 
 class Node:
   """One primitive application at one call site."""
-  __slots__ = ("eqn", "path", "ins", "outs", "subs", "calls", "index", "program")
+  __slots__ = ("eqn", "path", "ins", "outs", "subs", "calls", "index", "program", "_tag")
 
   def __init__(self, eqn, path, ins, calls, index, program):
     self.eqn, self.path, self.ins, self.calls = eqn, path, tuple(ins), tuple(calls)
     self.index, self.program = index, program
     self.outs: tuple = ()
     self.subs: tuple = ()
+    self._tag = None
 
   @property
   def prim(self) -> Any:
@@ -109,6 +110,14 @@ class Node:
   @property
   def params(self) -> dict:
     return self.eqn.params
+
+  def tag(self) -> tuple:
+    """The operation as a key: the primitive's name and its parameters'
+    reprs, sorted (rules name their canonical forms by it; kept, as the
+    reprs are costly and asked at every step)."""
+    if self._tag is None:
+      self._tag = (self.prim.name,) + tuple(sorted((k, repr(v)) for k, v in self.params.items()))
+    return self._tag
 
   @property
   def custom_calls(self) -> tuple:
@@ -188,8 +197,8 @@ class Program:
           env[ov] = _read(sub, iv)
         continue
       node = Node(eqn, path, ins, calls, len(self.nodes), self)
-      node.outs = tuple(Val(v.aval, (path, "out", k), self, producer=node, index=k)
-                        for k, v in enumerate(eqn.outvars))
+      node.outs = tuple([Val(v.aval, (path, "out", k), self, producer=node, index=k)
+                         for k, v in enumerate(eqn.outvars)])
       for v, val in zip(eqn.outvars, node.outs):
         env[v] = val
       node.subs = tuple(Program(j, None, path + (k,), (node, self), calls)

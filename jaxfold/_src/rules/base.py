@@ -32,6 +32,7 @@ zero-sum, and its outputs are opaque atoms. A facet is exact or absent.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
 
 from jaxfold._src import algebra as A
@@ -279,7 +280,17 @@ def _unique() -> list:
 
 
 def size_one(shape: Sequence[int]) -> frozenset:
+  if _INT.issuperset(map(type, shape)):   # (asked per operand of every node: cached)
+    return _size_one_ints(tuple(shape))
   return frozenset(d for d, n in enumerate(shape) if _is_one(n))
+
+
+_INT = frozenset([int])
+
+
+@functools.lru_cache(maxsize=4096)
+def _size_one_ints(shape: tuple) -> frozenset:
+  return frozenset(d for d, n in enumerate(shape) if n == 1)
 
 
 def _is_one(n) -> bool:
@@ -316,12 +327,22 @@ def full_dims(rank: int) -> frozenset:
 def lit_facts(a: Lit) -> Facts:
   import numpy as np
   v = np.asarray(a.value)
-  value = None
-  if v.size == 1:
-    value = A.exact(v.reshape(()))
-    if value is None:
-      value = float(v.reshape(())) if v.dtype.kind == "f" else None
-  return Facts(full_dims(len(a.shape)), value, False)
+  key = (v.dtype, v.shape, v.tobytes(), len(a.shape))   # (programs repeat a few literals)
+  f = _LIT_FACTS.get(key)
+  if f is None:
+    value = None
+    if v.size == 1:
+      value = A.exact(v.reshape(()))
+      if value is None:
+        value = float(v.reshape(())) if v.dtype.kind == "f" else None
+    f = Facts(full_dims(len(a.shape)), value, False)
+    if len(_LIT_FACTS) > 4096:
+      _LIT_FACTS.clear()
+    _LIT_FACTS[key] = f
+  return f
+
+
+_LIT_FACTS: dict = {}
 
 
 def operand_const(ctx, a: Any, out_shape: Sequence[int]) -> frozenset:

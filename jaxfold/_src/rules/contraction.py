@@ -40,7 +40,7 @@ def _zero_simplify(node, zeros):
 
 
 def _tag(node):
-  return (node.prim.name,) + tuple(sorted((k, repr(v)) for k, v in node.params.items()))
+  return node.tag()
 
 
 # ----------------------------------------------------------------------------

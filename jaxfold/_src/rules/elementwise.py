@@ -35,12 +35,13 @@ def elementwise_facts(node, ins, ctx, value=None) -> list:
   for a in node.ins:
     const &= operand_const(ctx, a, shape)
   const |= size_one(shape)
-  return [Facts(const, value, any(f.random for f in ins)) for _ in node.outs]
+  random = any([f.random for f in ins])
+  return [Facts(const, value, random) for _ in node.outs]
 
 
 def _known(ins) -> Optional[list]:
   vals = [f.value for f in ins]
-  if all(isinstance(v, Fraction) for v in vals):
+  if all(type(v) is Fraction for v in vals):   # (no subclass is made; isinstance is an ABC check)
     return vals
   return None
 
@@ -265,7 +266,7 @@ def _float_node(node) -> bool:
 
 
 def _is_float(dtype) -> bool:
-  return bool(jnp.issubdtype(dtype, jnp.inexact))
+  return compat.is_inexact(dtype)
 
 
 def _trunc_div(a: Fraction, b: Fraction) -> Fraction:

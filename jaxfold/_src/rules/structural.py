@@ -52,7 +52,7 @@ def _canon_view(op_of_node, tag_of_node):
 
 
 def _tag(node) -> tuple:
-  return (node.prim.name,) + tuple(sorted((k, repr(v)) for k, v in node.params.items()))
+  return node.tag()
 
 
 def _no_shift_in(ins, start: int, what: str):
