@@ -106,8 +106,13 @@ def _encode_args(args: Any) -> Any:
     return {"list": [_encode_args(v) for v in args]}
   if args is None:
     return {"none": None}
-  if isinstance(args, (bool, int, float, str)):   # static keyword arguments (train=True)
+  if type(args) in (bool, int, float, str):   # static keyword arguments (train=True)
     return {"value": args}
+  if isinstance(args, (bool, int, float, str)):   # a subclass: an Enum member, ...
+    base = next(t for t in (bool, int, float, str) if isinstance(args, t)).__name__
+    raise TypeError(f"cannot record the example argument {args!r} of type {type(args).__name__}: it "
+                    f"would load as a plain {base}, another static value for apply_fn; pass plain "
+                    "bool/int/float/str values (e.g. its .value)")
   if hasattr(args, "shape") and hasattr(args, "dtype"):
     return {"array": {"shape": [int(d) for d in np.shape(args)],
                       "dtype": compat.dtype_name(args.dtype)}}

@@ -493,6 +493,31 @@ def test_save_refuses_non_string_dict_keys_in_example_kwargs(tmp_path):
     assert rel_err(_int_keys(p, x), loaded.apply_fn(loaded.params, x)) < 1e-12
 
 
+
+def _moded(p, x, mode="a"):
+  return _base(p, x) * (2.0 if mode == "b" else 1.0)
+
+
+def test_save_refuses_enum_static_kwargs(tmp_path):
+  """Finding: a str-Enum keyword argument was saved as a plain string, and
+  load_fold then refused the fold as "not the program" (correct, misleading)."""
+  import enum
+
+  class Mode(str, enum.Enum):
+    B = "b"
+
+  with x64_context():
+    p = make_params(0, **SH)
+    f = jaxfold.fold(p, _moded, xs(2, 4, DIN), example_kwargs={"mode": Mode.B})
+    with pytest.raises(TypeError, match="would load as a plain str.*its .value"):
+      jaxfold.save_fold(f, tmp_path / "f")
+    assert not os.path.exists(tmp_path / "f")
+    g = jaxfold.fold(p, _moded, xs(2, 4, DIN), example_kwargs={"mode": Mode.B.value})
+    jaxfold.save_fold(g, tmp_path / "g")
+    loaded = jaxfold.load_fold(tmp_path / "g", _moded)
+    x = xs(3, 5, DIN, seed=7)
+    assert rel_err(_moded(p, x, mode="b"), loaded.apply_fn(loaded.params, x, mode="b")) < 1e-12
+
 def _edit(j, kind):
   steps = j.get("transforms")
   if kind == "no_untied":
