@@ -71,7 +71,6 @@ def per_dtype(fn):
 
 
 @per_dtype
-@per_dtype
 def is_inexact(dtype: Any) -> bool:
   """``jnp.issubdtype(dtype, jnp.inexact)``, remembered (asked at every step)."""
   return bool(jnp.issubdtype(dtype, jnp.inexact))

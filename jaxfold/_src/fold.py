@@ -105,13 +105,10 @@ class Analysis:
 
 
 def analyse(apply_fn: Callable, params: Any, args: tuple, opts: FoldOptions,
-            cbwc: bool = False, fixed: Optional[tuple] = None,
-            on_center: Optional[Callable[[int, tuple], None]] = None) -> Analysis:
+            cbwc: bool = False, fixed: Optional[tuple] = None) -> Analysis:
   """Traces ``apply_fn`` at abstract params/args and plans the fold; with
   ``fixed`` (another analysis' ``param_key``) the plan keeps exactly those
-  centered parameters or raises ``PlanConflict``. ``on_center(leaf index,
-  spec)`` is told of each parameter centering as the planner commits it
-  (not on a cache hit)."""
+  centered parameters or raises ``PlanConflict``."""
   _check_params(params)
   # One collector pause for the trace and the analysis (pipeline.no_gc): the
   # analysis' object graph is garbage before the collector runs again, so
@@ -124,7 +121,7 @@ def analyse(apply_fn: Callable, params: Any, args: tuple, opts: FoldOptions,
     if cached is not None:
       return cached
     with pipeline.analyzer(traced, cbwc=cbwc, through_dropout=opts.through_dropout) as an:
-      planner = Planner(an, list(traced.names), opts, fixed=fixed, on_center=on_center).run()
+      planner = Planner(an, list(traced.names), opts, fixed=fixed).run()
       outcome = planner.outcome()
       plan, kernel_sites = _plan(outcome, opts)
       report = planner.report(kernel_sites).on_platform(jax.default_backend(), kernels.may_use_kernel(opts.norm_impl))
@@ -449,13 +446,9 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
 class _Centering:
   """The centered parameters of a fold, computed on worker threads: NumPy
   releases the GIL in its loops, so large leaves center in parallel with each
-  other and beside Python work (the planning that decides them, the probe's
-  trace at batch 1), and memory bandwidth, not one core, bounds the time.
-
-  ``speculate`` (the planner's hook, called as each centering is committed)
-  starts a leaf early; commitments are final within one analysis, and a plan
-  that another shape changes keeps the jobs it shares (keyed by leaf and axes).
-  """
+  other and beside Python work (the probe's trace at batch 1), and memory
+  bandwidth, not one core, bounds the time. Jobs are keyed by leaf and axes:
+  a plan that another shape changes keeps the jobs it shares."""
 
   _PARALLEL_BYTES = 1 << 20   # smaller leaves: a thread hop costs more than it saves
 
@@ -463,21 +456,14 @@ class _Centering:
     self._leaves = leaves
     self._futures: dict = {}   # (leaf index, spec) -> Future of the centered NumPy array
 
-  def speculate(self, i: int, spec: tuple) -> None:
-    if (i, spec) in self._futures:
-      return
-    x = self._leaves[i]
-    if isinstance(x, jax.ShapeDtypeStruct) or not _on_host(x):
-      return
-    h = np.asarray(x)
-    if h.nbytes >= self._PARALLEL_BYTES:
-      self._futures[(i, spec)] = _pool().submit(_host_center, h, dict(spec))
-
   def start(self, an: Analysis) -> None:
-    """Starts every centering of ``an``'s plan not started yet, largest first."""
+    """Starts every large centering of ``an``'s plan not started yet, largest first."""
     jobs = {(i, s) for i, s in an.leaf_specs} | {(i, s) for _, i, s in an.untied}
-    for i, s in sorted(jobs - self._futures.keys(), key=lambda k: -_nbytes(self._leaves[k[0]])):
-      self.speculate(i, s)
+    for i, spec in sorted(jobs - self._futures.keys(), key=lambda k: -_nbytes(self._leaves[k[0]])):
+      x = self._leaves[i]
+      if (not isinstance(x, jax.ShapeDtypeStruct) and _nbytes(x) >= self._PARALLEL_BYTES
+          and _on_host(x)):
+        self._futures[(i, spec)] = _pool().submit(_host_center, np.asarray(x), dict(spec))
 
   def cancel(self) -> None:
     for f in self._futures.values():
@@ -559,13 +545,12 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
   _refuse_traced(params)
   call = pipeline.bind(apply_fn, example_args, example_kwargs)
   leaves, tree = jax.tree_util.tree_flatten(params)
-  # Parameters are centered on worker threads as the planner commits them,
-  # and the example's plan (almost always the fold's) finishes centering
-  # while the other shapes are proved.
+  # The example's plan is almost always the fold's: its parameters center on
+  # worker threads while the other shapes are proved.
   centering = _Centering(leaves)
   try:
     with pipeline.no_gc(), pipeline.trace_session():   # one collector pause, one trace memo for both shapes
-      first = analyse(call.fn, params, call.args, opts, on_center=centering.speculate)
+      first = analyse(call.fn, params, call.args, opts)
       centering.start(first)
       an = _reconcile(call, params, opts, first)
   except BaseException:

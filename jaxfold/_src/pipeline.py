@@ -202,7 +202,7 @@ def trace(fn: Callable, params: Any, args: tuple, error: Optional[type] = None) 
   """Traces ``fn(params, *args)`` (abstract or concrete values); with
   ``error``, a failure to trace is re-raised as that class with what to fix."""
   try:
-    with no_gc(), flax_linen.memoized_param_checks():
+    with no_gc(), trace_session():
       closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(params, *args)
   except JaxfoldError:
     raise

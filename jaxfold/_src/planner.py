@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from typing import Callable, NamedTuple, Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import numpy as np
 
@@ -117,12 +117,8 @@ def _nbytes(v: Val) -> int:
 class Planner:
   """Runs the site decisions and keeps the commitments later sites respect."""
 
-  def __init__(self, an: Analyzer, names: list, options, fixed: Optional[tuple] = None,
-               on_center: Optional[Callable[[int, tuple], None]] = None):
+  def __init__(self, an: Analyzer, names: list, options, fixed: Optional[tuple] = None):
     self.an = an
-    # Told (leaf index, spec) of each parameter centering when it is
-    # committed (commitments are final): the fold centers them meanwhile.
-    self._on_center = on_center
     # (leaf specs, untied specs) of the fold's parameters, decided at another
     # input shape: this program must work with exactly those centered leaves.
     self.fixed = fixed
@@ -307,8 +303,6 @@ class Planner:
     centered = []
     for a in actions:
       if isinstance(a, CenterLeaf):
-        if self._on_center is not None and a.var not in self.leaf_commit and self.is_leaf(a.var):
-          self._on_center(a.var.index, a.spec)
         self.leaf_commit[a.var] = a.spec
         mode = "in place" if self.is_leaf(a.var) else "constant"
         centered.append(Centering(self.name(a.var),
@@ -316,8 +310,6 @@ class Planner:
                                   spec=a.spec))
       elif isinstance(a, UntieUse):
         n = a.need
-        if self._on_center is not None and (id(n.use[0]), n.use[1]) not in self.untie_commit:
-          self._on_center(n.var.index, n.spec)
         self.untie_commit[(id(n.use[0]), n.use[1])] = n
         centered.append(Centering(self.name(n.var),
                                   layout.fmt_spec(_spec_dict(n.spec), n.var.shape),

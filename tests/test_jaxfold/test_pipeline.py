@@ -287,10 +287,10 @@ def test_centered_leaves_equal_host_centering_and_keep_dtype_and_sharding(x64, d
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_threaded_centering_equals_leaf_by_leaf(x64, dtype):
-  """``_Centering`` (large leaves on worker threads, started as the planner
-  commits them or with the plan; small ones inline, abstract ones kept, untied
-  copies) gives exactly ``_center_leaf``'s values for the final plan and
-  leaves the inputs untouched."""
+  """``_Centering`` (large leaves on worker threads, kept when the final plan
+  shares them; small ones inline, abstract ones kept, untied copies) gives
+  exactly ``_center_leaf``'s values for the final plan and leaves the inputs
+  untouched."""
   from jaxfold._src import fold as F
   key = jax.random.PRNGKey(1)
   shapes = [(600, 512), (24, 16), (512,), (300, 2048)]   # two above the thread threshold
@@ -301,9 +301,9 @@ def test_threaded_centering_equals_leaf_by_leaf(x64, dtype):
   an = types.SimpleNamespace(param_key=None, leaf_specs=tuple((i, s) for i, s in enumerate(specs) if i != 2),
                              untied=(("copy", 2, specs[2]), ("big", 3, ((0, 300),))))
   centering = F._Centering(leaves)
-  centering.speculate(0, specs[0])               # as the planner commits: used
-  centering.speculate(3, ((1, 1024),))           # a centering the final plan drops
-  unused = centering._futures[(3, ((1, 1024),))]
+  first = types.SimpleNamespace(leaf_specs=((0, specs[0]), (3, ((1, 1024),))), untied=())
+  centering.start(first)                         # the example's plan, changed at another shape:
+  unused = centering._futures[(3, ((1, 1024),))]   # a centering the final plan drops
   new, untied = centering.result(an)
   assert unused.cancelled() or unused.done()     # not waited for, not used
   assert new[2] is leaves[2] and new[4] is leaves[4]
