@@ -19,7 +19,7 @@ from jaxfold._src.fold import Folded, NormImpl, TiedWeights
 def fold(params: Any, apply_fn: Callable, *example_args: Any,
          auxiliary_centering: bool = True, tied_weights: TiedWeights = "auto",
          norm_impl: NormImpl = "auto", example_kwargs: Optional[dict] = None,
-         fuse_affine: bool = False, defer_norms: bool = False) -> Folded:
+         fuse_affine: bool = False, defer_norms: bool = False, generic_shapes: bool = True) -> Folded:
   """Folds every provably foldable LayerNorm/GroupNorm of ``apply_fn`` into an RMSNorm.
 
   Args:
@@ -48,6 +48,13 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
       read them (``jaxfold.fuse_affine`` of the fold; returns its ``Fused``).
     defer_norms: also defer the fused norms into their readers
       (``jaxfold.defer_norms``; implies ``fuse_affine``).
+    generic_shapes: when an example has a size-1 axis (batch 1, one token),
+      also prove the fold with those axes made 2 and keep parameters that
+      serve both (a size-1 axis can make a broadcast and a real axis look
+      alike, and a Python branch on a size is invisible in one trace). This
+      traces ``apply_fn`` a second time. ``False`` folds for the example's
+      shapes alone: other shapes are still proved at call time and raise
+      ``FoldError`` where the fold's parameters do not hold.
 
   Returns:
     ``Folded(params, apply_fn, report)`` (``Fused`` with ``fuse_affine``).
@@ -67,7 +74,8 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
     True
   """
   folded = _fold.fold(params, apply_fn, *example_args, auxiliary_centering=auxiliary_centering,
-                      tied_weights=tied_weights, norm_impl=norm_impl, example_kwargs=example_kwargs)
+                      tied_weights=tied_weights, norm_impl=norm_impl, example_kwargs=example_kwargs,
+                      generic_shapes=generic_shapes)
   if defer_norms:
     return _defer_norms(folded)
   if fuse_affine:

@@ -291,6 +291,7 @@ class FoldedApply(PipelineApply):
 
   error = FoldError
   transform = "fold"
+  _example_only = False   # fold(generic_shapes=False) at an example with a size-1 axis
 
   def __init__(self, apply_fn, params_abstract, params_tree, opts, base: Analysis, call: Call,
                center_in_forward: bool, example_args: tuple = (), example_kwargs: Optional[dict] = None):
@@ -344,7 +345,10 @@ class FoldedApply(PipelineApply):
             f"parameters fail here: {e}. (A different set of parameters or axes can be "
             "centered; e.g. in training mode dropout makes centering visible.) Call "
             "jaxfold.fold again with these arguments (example_kwargs= for keyword ones), or "
-            "use jaxfold.cbwc, whose apply_fn takes the original parameters, for training.") from None
+            "use jaxfold.cbwc, whose apply_fn takes the original parameters, for training."
+            + (" This fold was made with generic_shapes=False: with the default (True) it also "
+               "proves the example's size-1 axes made 2, choosing parameters that serve both."
+               if self._example_only else "")) from None
     return an
 
   def __call__(self, params, *args, **kwargs):
@@ -527,7 +531,8 @@ def _refuse_traced(params: Any) -> None:
 
 def fold(params: Any, apply_fn: Callable, *example_args: Any,
          auxiliary_centering: bool = True, tied_weights: TiedWeights = "auto",
-         norm_impl: NormImpl = "auto", example_kwargs: Optional[dict] = None) -> Folded:
+         norm_impl: NormImpl = "auto", example_kwargs: Optional[dict] = None,
+         generic_shapes: bool = True) -> Folded:
   """The fold alone: ``jaxfold.fold`` without ``fuse_affine``/``defer_norms``
   (``api.fold`` composes those on this result; the arguments are its own).
 
@@ -540,6 +545,8 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
     1
   """
   opts = FoldOptions(auxiliary_centering, tied_weights, norm_impl=norm_impl)
+  if not isinstance(generic_shapes, bool):
+    raise FoldError(f"generic_shapes must be True or False, got {generic_shapes!r}")
   if not callable(apply_fn):
     raise FoldError(f"apply_fn must be callable, got {type(apply_fn).__name__}")
   _refuse_traced(params)
@@ -552,7 +559,7 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
     with pipeline.no_gc(), pipeline.trace_session():   # one collector pause, one trace memo for both shapes
       first = analyse(call.fn, params, call.args, opts)
       centering.start(first)
-      an = _reconcile(call, params, opts, first)
+      an = _reconcile(call, params, opts, first) if generic_shapes else first
   except BaseException:
     centering.cancel()
     raise
@@ -560,6 +567,7 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
   new_params = FoldedParams(jax.tree_util.tree_unflatten(tree, new_leaves), extras)
   fn = FoldedApply(apply_fn, pipeline.abstract_tree(params), tree, opts, an, call, False, example_args,
                    example_kwargs)
+  fn._example_only = not generic_shapes and _probe_args(call.args) is not None
   return Folded(new_params, fn, an.report)
 
 

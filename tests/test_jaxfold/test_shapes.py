@@ -137,6 +137,61 @@ def test_example_plan_is_kept_when_generic_shapes_cannot_center(x64):
     assert rel_err(f(p, x), folded.apply_fn(folded.params, x)) < 1e-12
 
 
+def _counting(f):
+  shapes = []
+
+  def g(p, x):
+    shapes.append(x.shape)
+    return f(p, x)
+  return g, shapes
+
+
+def test_example_shapes_only_traces_once_and_refuses_clearly_elsewhere(x64):
+  # The program above, folded for its example alone: one trace, W centered
+  # (right at batch 1), and at batch 2 a FoldError that names the option.
+  def f(p, x):
+    h = x @ p["W"]
+    y = _ln(h, p["g"], p["b"]) @ p["V"]
+    return (y, jnp.zeros(1)) if x.shape[0] == 1 else (y, h.sum(-1))
+
+  p = _params(np.random.default_rng(0))
+  x1 = jnp.asarray(np.random.default_rng(1).normal(size=(1, 4)))
+  g, shapes = _counting(f)
+  folded = jaxfold.fold(p, g, x1, generic_shapes=False)
+  assert shapes == [(1, 4)]
+  assert [i for i, _ in folded.apply_fn._base.leaf_specs] == [1]   # W (leaves: V, W, b, g)
+  assert rel_err(f(p, x1), folded.apply_fn(folded.params, x1)) < 1e-12
+  with pytest.raises(jaxfold.FoldError, match="generic_shapes=False") as e:
+    folded.apply_fn(folded.params, jnp.ones((2, 4)))
+  assert "(2, 4)" in str(e.value) and "(1, 4)" in str(e.value)
+  # The default traces the example and the probe, and serves both.
+  g, shapes = _counting(f)
+  folded = jaxfold.fold(p, g, x1)
+  assert shapes[:2] == [(1, 4), (2, 4)]
+  x2 = jnp.asarray(np.random.default_rng(2).normal(size=(2, 4)))
+  assert rel_err(f(p, x2), folded.apply_fn(folded.params, x2)) < 1e-12
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (1, 1), (3, 5)])
+def test_example_shapes_only_agrees_with_the_default_on_a_model(x64, shape):
+  """A model without size-dependent Python: the example alone proves the same
+  parameters, and the fold serves other shapes."""
+  spec = _spec64("gpt2-nnx-tiny")
+  params = _to64(models.random_params(spec, 1, 8))
+  fn = spec.apply_fn()
+  x = _inputs(spec, *shape, 0)
+  only = jaxfold.fold(params, fn, *x, generic_shapes=False)
+  assert only.apply_fn._base.param_key == jaxfold.fold(params, fn, *x).apply_fn._base.param_key
+  for k, (b, s) in enumerate([shape, (4, 6), (2, 1)]):
+    xs = _inputs(spec, b, s, k + 1)
+    assert rel_err(fn(params, *xs), only.apply_fn(only.params, *xs)) < 1e-9
+
+
+def test_generic_shapes_must_be_a_bool():
+  with pytest.raises(jaxfold.FoldError, match="generic_shapes must be True or False"):
+    jaxfold.fold(_params(np.random.default_rng(0)), lambda p, x: x, jnp.ones((1, 4)), generic_shapes="yes")
+
+
 @pytest.mark.parametrize("which", ["reshape", "broadcast"])
 def test_rows_of_a_row_varying_shift_are_not_equal(x64, which):
   """Centering W over its columns shifts row r by its own mean c_r: W[0:1]
