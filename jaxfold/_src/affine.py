@@ -665,7 +665,7 @@ class FusedApply(PipelineApply):
     return self.analysed(self.bind(args, kwargs))
 
   def _analyse(self, call: Call) -> FuseAnalysis:
-    an = analyse(call.fn, self._params, pipeline.abstract_tree(call.args, FuseError), self._base.defer)
+    an = analyse(call.fn, self._params, call.abstract_args(FuseError), self._base.defer)
     if an.key[:4] != self._base.key[:4]:
       raise FuseError(f"inputs of these shapes ({pipeline.shapes_text(call.args)}) fuse differently from "
                       "the example fuse_affine was given; call fuse_affine again for them")
@@ -745,7 +745,7 @@ def fuse_affine(model: Any, *example_args: Any) -> Fused:
   leaves, tree = jax.tree_util.tree_flatten(params)
   abstract = pipeline.abstract_tree(params, FuseError)
   call = pipeline.bind(fn, tuple(example_args), kwargs, FuseError)
-  an = analyse(call.fn, abstract, pipeline.abstract_tree(call.args, FuseError))
+  an = analyse(call.fn, abstract, call.abstract_args(FuseError))
   new = _fused_params(an, leaves, tree)
   apply = FusedApply(fn, abstract, an, example_args, kwargs)
   return Fused(new, apply, an.report)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxfold._src import affine, pipeline, rotate
+from jaxfold._src import affine, rotate
 from jaxfold._src.deferral import Deferred, DeferSite
 
 __all__ = ["DeferSite", "Deferred", "defer_norms"]
@@ -49,7 +49,7 @@ def defer_norms(model: Any, *example_args: Any) -> Any:
   args = tuple(example_args) if example_args else fn.example_args
   kwargs = {} if example_args else dict(fn.example_kwargs)
   call = fn.bind(args, kwargs)
-  an = affine.analyse(call.fn, fn._params, pipeline.abstract_tree(call.args, affine.FuseError), defer=True)
+  an = affine.analyse(call.fn, fn._params, call.abstract_args(affine.FuseError), defer=True)
   if an.key[:4] != fn._base.key[:4]:
     raise affine.FuseError("these inputs fuse differently from the example fuse_affine was given; "
                            "pass the same example_args")

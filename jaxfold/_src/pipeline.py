@@ -108,6 +108,10 @@ class Call:
   fn: Callable       # fn(params, *args): the function with the keyword arguments bound
   args: tuple        # positional args, then the list of array kwargs (when any)
 
+  def abstract_args(self, error: type = FoldError) -> tuple:
+    """``args`` as ``jax.ShapeDtypeStruct``s: what a transform's analysis traces."""
+    return abstract_tree(self.args, error)
+
 
 def _hashable(x: Any) -> bool:
   try:

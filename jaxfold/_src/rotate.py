@@ -245,7 +245,7 @@ class RotatedApply(PipelineApply):
     self.seed(self.bind(args, kwargs), key)
 
   def _analyse(self, call: Call) -> tuple:
-    key, _, _ = _solve(call.fn, self._params, pipeline.abstract_tree(call.args, RotateError), self._n)
+    key, _, _ = _solve(call.fn, self._params, call.abstract_args(RotateError), self._n)
     if key != self._key:
       raise RotateError("inputs of these shapes rotate different parameters; call rotate again")
     return key
@@ -289,7 +289,7 @@ def rotate(model: Any, q: Any, *example_args: Any) -> Rotated:
   abstract = pipeline.abstract_tree(params, RotateError)
   call = pipeline.bind(fn, tuple(args), kwargs, RotateError)
   try:
-    key, norms, names = _solve(call.fn, abstract, pipeline.abstract_tree(call.args, RotateError), len(q))
+    key, norms, names = _solve(call.fn, abstract, call.abstract_args(RotateError), len(q))
   except RotateError as e:
     raise RotateError(f"{e}{_hints(model)}") from None
   leaves, tree = jax.tree_util.tree_flatten(params)

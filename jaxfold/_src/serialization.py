@@ -763,12 +763,13 @@ def _load_chain(copy: str, directory: str, apply_fn: Callable, info: dict, args:
     table = list(info["leaves"])
     if not steps:
       raise ValueError("no transforms")
+    rotated = {}   # step -> its rotated (leaf, dims) pairs, as rotate's key spells them
     for k, step in enumerate(steps):   # well-formed steps (a fold loaded with integrity=False)
       if not isinstance(step, dict):
         raise TypeError(f"transform {k} is a {type(step).__name__}, not an object")
       if step.get("name") == "rotate":
         int(step["size"])
-        [(int(i), [int(d) for d in dims]) for i, dims in step["rotated"]]
+        rotated[k] = tuple((int(i), tuple(int(d) for d in dims)) for i, dims in step["rotated"])
   except (KeyError, TypeError, ValueError, AttributeError) as e:
     raise IntegrityError(f"{directory}/fold.json does not describe a transformed fold "
                          f"({type(e).__name__}: {e}); re-create the fold") from None
@@ -789,7 +790,7 @@ def _load_chain(copy: str, directory: str, apply_fn: Callable, info: dict, args:
     name = step.get("name")
     call = pipeline.bind(fn, tuple(args), kwargs, FoldError)   # at the fold's keyword arguments
     if name == "fuse_affine":
-      an = affine.analyse(call.fn, struct, pipeline.abstract_tree(call.args, FoldError),
+      an = affine.analyse(call.fn, struct, call.abstract_args(FoldError),
                           defer=bool(step.get("defer_norms")))
       if verify and (_key_digest(an.key) != step.get("key_sha256")
                      or an.report.num_fused != step.get("num_fused")):
@@ -801,9 +802,8 @@ def _load_chain(copy: str, directory: str, apply_fn: Callable, info: dict, args:
       if treedef is None:
         raise IntegrityError(f"{directory}/fold.json: a rotate step before fuse_affine; re-create it")
       n = int(step["size"])
-      key, norms, names = rotate._solve(call.fn, struct, pipeline.abstract_tree(call.args, FoldError), n)
-      want = tuple((int(i), tuple(int(d) for d in dims)) for i, dims in step["rotated"])
-      if verify and key != want:
+      key, norms, names = rotate._solve(call.fn, struct, call.abstract_args(FoldError), n)
+      if verify and key != rotated[k]:
         raise refuse("rotation (other parameters meet the residual stream)")
       fn = rotate.RotatedApply(fn, struct, key, n, tuple(args), kwargs)
       qpath = os.path.join(copy, f"rotation-{rot}.npy")

@@ -39,10 +39,6 @@ def _zero_simplify(node, zeros):
   return None
 
 
-def _tag(node):
-  return node.tag()
-
-
 # ----------------------------------------------------------------------------
 # dot_general.
 
@@ -122,7 +118,7 @@ def _dot_shift(node, ins, ctx):
       else:
         dims.append(None if d in other_const else (None, 1))
   if p.is_pure:  # a function of (c, k, the other operand): recomputations share it
-    return [A.pure_of(("dot", _tag(node), side, p.sym, p.dims, p.coeffs, ctx.canon(other)), tuple(dims))]
+    return [A.pure_of(("dot", node.tag(), side, p.sym, p.dims, p.coeffs, ctx.canon(other)), tuple(dims))]
   return [A.pure(tuple(dims))]
 
 
@@ -149,7 +145,7 @@ def _dot_canon(node, ins, ctx):
   # for itself, which keeps canonical forms of deep models small.
   if len(ins[0].terms) > 1 or len(ins[1].terms) > 1:
     return [ctx.atom(node.outs[0])]
-  return [A.bilinear(_tag(node), ins[0], ins[1], node.outs[0].shape)]
+  return [A.bilinear(node.tag(), ins[0], ins[1], node.outs[0].shape)]
 
 
 def _dot_sums(node, ctx):
@@ -220,7 +216,7 @@ def _conv_zero_sum(node, k, spec, ctx):
 
 
 register(Rule("conv_general_dilated", (lax.conv_general_dilated_p,),
-              canon=lambda node, ins, ctx: [A.bilinear(_tag(node), ins[0], ins[1],
+              canon=lambda node, ins, ctx: [A.bilinear(node.tag(), ins[0], ins[1],
                                                        node.outs[0].shape)],
               facts=lambda node, ins, ctx: [Facts(size_one(node.outs[0].shape), None,
                                                   ins[0].random or ins[1].random)],

@@ -44,15 +44,11 @@ def _view_coeffs(p: A.Poly, out_shape, op, tag, dims) -> Optional[A.Poly]:
   return A.poly_map(p, lambda c: A.view_op(c, out_shape, op, tag), dims)
 
 
-def _canon_view(op_of_node, tag_of_node):
+def _canon_view(op_of_node):
   def canon(node, ins, ctx):
     out_shape = node.outs[0].shape
-    return [A.view_op(ins[0], out_shape, op_of_node(node), tag_of_node(node))]
+    return [A.view_op(ins[0], out_shape, op_of_node(node), node.tag())]
   return canon
-
-
-def _tag(node) -> tuple:
-  return node.tag()
 
 
 def _no_shift_in(ins, start: int, what: str):
@@ -73,7 +69,7 @@ def _transpose_facts(node, ins, ctx):
 def _transpose_shift(node, ins, ctx):
   perm = node.params["permutation"]
   p = ins[0]
-  return [_view_coeffs(p, node.outs[0].shape, lambda v: v.transpose(perm), _tag(node),
+  return [_view_coeffs(p, node.outs[0].shape, lambda v: v.transpose(perm), node.tag(),
                        tuple(p.dims[i] for i in perm))]
 
 
@@ -83,7 +79,7 @@ def _transpose_zero_sum(node, k, spec, ctx):
 
 
 register(Rule("transpose", (lax.transpose_p,), facts=_transpose_facts,
-              canon=_canon_view(lambda n: (lambda v: v.transpose(n.params["permutation"])), _tag),
+              canon=_canon_view(lambda n: (lambda v: v.transpose(n.params["permutation"]))),
               shift=_transpose_shift, zero_sum=_transpose_zero_sum, simplify=_only_operand_zero,
               reindex="move"), kind="layout")
 
@@ -116,7 +112,7 @@ def _bcast_shift(node, ins, ctx):
       dims[d] = p.dims[i]
     elif p.dims[i] is not None:
       dims[d] = _ONE_BLOCK  # a labelled size-1 dim repeated
-  q = _one_block(tuple(dims), lambda ds: _view_coeffs(p, out_shape, _bcast_op(node), _tag(node), ds))
+  q = _one_block(tuple(dims), lambda ds: _view_coeffs(p, out_shape, _bcast_op(node), node.tag(), ds))
   if (q is not None and _ONE_BLOCK not in dims and len(in_shape) == len(out_shape)
       and tuple(bd) == tuple(range(len(out_shape)))):
     q = A.broadcast_derived(p, q, in_shape, out_shape)   # size-1 expansion only: every dim stays where it was
@@ -135,7 +131,7 @@ def _bcast_zero_sum(node, k, spec, ctx):
 
 
 register(Rule("broadcast_in_dim", (lax.broadcast_in_dim_p,), facts=_bcast_facts,
-              canon=_canon_view(_bcast_op, _tag), shift=_bcast_shift, zero_sum=_bcast_zero_sum,
+              canon=_canon_view(_bcast_op), shift=_bcast_shift, zero_sum=_bcast_zero_sum,
               simplify=_only_operand_zero, variants=("new dims", "size-1 expansion"), reindex="move"), kind="layout")
 
 
@@ -164,7 +160,7 @@ def _reshape_shift(node, ins, ctx):
   if dims is None:
     raise Block(f"a reshape {tuple(in_shape)} -> {tuple(out_shape)} that mixes the axes the "
                 "shift varies along with others")
-  return [_view_coeffs(p, out_shape, lambda v: v.reshape(out_shape), _tag(node), dims)]
+  return [_view_coeffs(p, out_shape, lambda v: v.reshape(out_shape), node.tag(), dims)]
 
 
 def _reshape_zero_sum(node, k, spec, ctx):
@@ -178,9 +174,9 @@ def _reshape_zero_sum(node, k, spec, ctx):
 
 def _reshape_canon(node, ins, ctx):
   if node.params.get("dimensions") is not None:
-    return [A.app(("reshape_perm", _tag(node)), ins[:1], node.outs[0].shape, False)]
+    return [A.app(("reshape_perm", node.tag()), ins[:1], node.outs[0].shape, False)]
   out_shape = node.outs[0].shape
-  return [A.view_op(ins[0], out_shape, lambda v: v.reshape(out_shape), _tag(node))]
+  return [A.view_op(ins[0], out_shape, lambda v: v.reshape(out_shape), node.tag())]
 
 
 register(Rule("reshape", (lax.reshape_p,), facts=_reshape_facts, canon=_reshape_canon,
@@ -203,7 +199,7 @@ def _squeeze_shift(node, ins, ctx):
   p = ins[0]
   kept = _squeeze_kept(node)
   out_shape = node.outs[0].shape
-  return [_view_coeffs(p, out_shape, lambda v: v.reshape(out_shape), _tag(node),
+  return [_view_coeffs(p, out_shape, lambda v: v.reshape(out_shape), node.tag(),
                        tuple(p.dims[d] for d in kept))]
 
 
@@ -213,7 +209,7 @@ def _squeeze_zero_sum(node, k, spec, ctx):
 
 
 register(Rule("squeeze", (lax.squeeze_p,), facts=_squeeze_facts,
-              canon=_canon_view(lambda n: (lambda v: v.reshape(n.outs[0].shape)), _tag),
+              canon=_canon_view(lambda n: (lambda v: v.reshape(n.outs[0].shape))),
               shift=_squeeze_shift, zero_sum=_squeeze_zero_sum, simplify=_only_operand_zero,
               reindex="move"), kind="layout")
 
@@ -238,11 +234,11 @@ def _rev_shift(node, ins, ctx):
                for d, e in enumerate(p.dims))
   if dims != p.dims and not p.is_pure:
     raise Block("a nonlinear function of the shift is reversed along an axis it varies along")
-  return [_view_coeffs(p, shape, lambda v: v.rev(rd), _tag(node), dims)]
+  return [_view_coeffs(p, shape, lambda v: v.rev(rd), node.tag(), dims)]
 
 
 register(Rule("rev", (lax.rev_p,), facts=lambda node, ins, ctx: [Facts(ins[0].const, ins[0].value, ins[0].random)],
-              canon=_canon_view(lambda n: (lambda v: v.rev(n.params["dimensions"])), _tag),
+              canon=_canon_view(lambda n: (lambda v: v.rev(n.params["dimensions"]))),
               shift=_rev_shift,
               zero_sum=lambda node, k, spec, ctx: _rev_zero_sum(node, spec),
               simplify=_only_operand_zero, reindex="move"))
@@ -295,7 +291,7 @@ def _slice_shift(node, ins, ctx):
   in_shape, out_shape = node.ins[0].shape, node.outs[0].shape
   dims = _slice_dims(p, starts, steps, in_shape, out_shape)
   return [_one_block(dims, lambda ds: _view_coeffs(
-      p, out_shape, lambda v: v.slice(starts, limits, steps), _tag(node), ds))]
+      p, out_shape, lambda v: v.slice(starts, limits, steps), node.tag(), ds))]
 
 
 def _slice_zero_sum(node, k, spec, ctx):
@@ -316,7 +312,7 @@ def _slice_zero_sum(node, k, spec, ctx):
 register(Rule("slice", (lax.slice_p,), facts=_slice_facts,
               canon=_canon_view(lambda n: (lambda v: v.slice(n.params["start_indices"],
                                                              n.params["limit_indices"],
-                                                             n.params["strides"])), _tag),
+                                                             n.params["strides"]))),
               shift=_slice_shift, zero_sum=_slice_zero_sum, simplify=_only_operand_zero,
               variants=("other axis", "aligned", "misaligned"), reindex="move"))
 
@@ -328,7 +324,7 @@ def _dslice_shift(node, ins, ctx):
   cut = [d for d in range(len(in_shape)) if not D._same(in_shape[d], out_shape[d])]
   dims = tuple(_moved_dim(e, False) if d in cut else e for d, e in enumerate(p.dims))
   idx = [ctx.canon(a) for a in node.ins[1:]]
-  tag = _tag(node)
+  tag = node.tag()
 
   def coeff(c):
     if c.is_const:
@@ -338,7 +334,7 @@ def _dslice_shift(node, ins, ctx):
 
 
 def _dslice_canon(node, ins, ctx):
-  return [A.app(("dynamic_slice", _tag(node)), ins, node.outs[0].shape, False)]
+  return [A.app(("dynamic_slice", node.tag()), ins, node.outs[0].shape, False)]
 
 
 def _copies_of(v, dim: int):
@@ -438,7 +434,7 @@ def _tile_shift(node, ins, ctx):
                for d, e in enumerate(p.dims))
   if dims != p.dims and not p.is_pure:
     raise Block("a nonlinear function of the shift is tiled along an axis it varies along")
-  tag = _tag(node)
+  tag = node.tag()
   return [A.poly_map(p, lambda c: c if c.is_const else A.app(tag, [c], out_shape, False), dims)]
 
 
@@ -454,7 +450,7 @@ def _tile_zero_sum(node, k, spec, ctx):
 
 
 register(Rule("tile", _prims("tile_p"), facts=_tile_facts,
-              canon=lambda node, ins, ctx: [A.app(_tag(node), ins, node.outs[0].shape, False)],
+              canon=lambda node, ins, ctx: [A.app(node.tag(), ins, node.outs[0].shape, False)],
               shift=_tile_shift, zero_sum=_tile_zero_sum, simplify=_only_operand_zero))
 
 
@@ -559,7 +555,7 @@ def _concat_facts(node, ins, ctx):
 
 
 register(Rule("concatenate", (lax.concatenate_p,), facts=_concat_facts,
-              canon=lambda node, ins, ctx: [A.app(_tag(node), ins, node.outs[0].shape, False)],
+              canon=lambda node, ins, ctx: [A.app(node.tag(), ins, node.outs[0].shape, False)],
               shift=_concat_shift, zero_sum=_concat_zero_sum,
               simplify=_all_data_zero(10**9),
               variants=("other axis", "normalized axis", "permutation of one value")))
@@ -618,7 +614,7 @@ def _pad_facts(node, ins, ctx):
 
 
 register(Rule("pad", (lax.pad_p,), facts=_pad_facts,
-              canon=lambda node, ins, ctx: [A.app(_tag(node), ins, node.outs[0].shape, False)],
+              canon=lambda node, ins, ctx: [A.app(node.tag(), ins, node.outs[0].shape, False)],
               shift=_pad_shift, zero_sum=_pad_zero_sum,
               simplify=lambda node, zeros: (lambda ins: [ctx_zero(node.outs[0])]) if zeros[0] and zeros[1] else None,
               variants=("other axis", "normalized axis", "cropping", "interior",
@@ -655,7 +651,7 @@ register(Rule("dynamic_update_slice", (lax.dynamic_update_slice_p,),
               facts=lambda node, ins, ctx: [Facts(
                   (ins[0].const & ins[1].const) | size_one(node.outs[0].shape), None,
                   ins[0].random or ins[1].random)],
-              canon=lambda node, ins, ctx: [A.app(_tag(node), ins, node.outs[0].shape, False)],
+              canon=lambda node, ins, ctx: [A.app(node.tag(), ins, node.outs[0].shape, False)],
               shift=_dus_shift, zero_sum=_dus_zero_sum, simplify=_all_data_zero(2)))
 
 
@@ -719,7 +715,7 @@ def _gather_zero_sum(node, k, spec, ctx):
 
 
 register(Rule("gather", (lax.gather_p,), facts=_gather_facts,
-              canon=lambda node, ins, ctx: [A.app(_tag(node), ins, node.outs[0].shape, False)],
+              canon=lambda node, ins, ctx: [A.app(node.tag(), ins, node.outs[0].shape, False)],
               shift=_gather_shift, zero_sum=_gather_zero_sum, simplify=_only_operand_zero,
               variants=("embedding lookup", "fill mode", "clip mode")))
 
@@ -735,7 +731,7 @@ def _iota_facts(node, ins, ctx):
 
 
 register(Rule("iota", _prims("iota_p"), facts=_iota_facts,
-              canon=lambda node, ins, ctx: [A.app(_tag(node), (), node.outs[0].shape, False)]))
+              canon=lambda node, ins, ctx: [A.app(node.tag(), (), node.outs[0].shape, False)]))
 
 
 # ----------------------------------------------------------------------------
