@@ -42,10 +42,12 @@ class FoldOptions:
   tied_weights: TiedWeights = "auto"
   through_dropout: bool = False  # CBWC only: fold across dropout masks (inexact)
   norm_impl: NormImpl = "auto"   # how folded norms run
+  # fold only: also prove an example's size-1 axes made 2 (load_fold redoes the fold alike)
+  generic_shapes: bool = True
 
   def __post_init__(self):
     # The one validation of options: fold, cbwc, load_fold and the CLI all build these.
-    for name in ("auxiliary_centering", "through_dropout"):
+    for name in ("auxiliary_centering", "through_dropout", "generic_shapes"):
       if not isinstance(getattr(self, name), bool):
         raise FoldError(f"{name} must be True or False, got {getattr(self, name)!r}")
     _check_choice("tied_weights", self.tied_weights, TiedWeights)
@@ -544,9 +546,7 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
     >>> fold.fold(p, m.apply, x).report.num_folded
     1
   """
-  opts = FoldOptions(auxiliary_centering, tied_weights, norm_impl=norm_impl)
-  if not isinstance(generic_shapes, bool):
-    raise FoldError(f"generic_shapes must be True or False, got {generic_shapes!r}")
+  opts = FoldOptions(auxiliary_centering, tied_weights, norm_impl=norm_impl, generic_shapes=generic_shapes)
   if not callable(apply_fn):
     raise FoldError(f"apply_fn must be callable, got {type(apply_fn).__name__}")
   _refuse_traced(params)
@@ -559,7 +559,7 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
     with pipeline.no_gc(), pipeline.trace_session():   # one collector pause, one trace memo for both shapes
       first = analyse(call.fn, params, call.args, opts)
       centering.start(first)
-      an = _reconcile(call, params, opts, first) if generic_shapes else first
+      an = _reconcile(call, params, opts, first) if opts.generic_shapes else first
   except BaseException:
     centering.cancel()
     raise
@@ -567,7 +567,7 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
   new_params = FoldedParams(jax.tree_util.tree_unflatten(tree, new_leaves), extras)
   fn = FoldedApply(apply_fn, pipeline.abstract_tree(params), tree, opts, an, call, False, example_args,
                    example_kwargs)
-  fn._example_only = not generic_shapes and _probe_args(call.args) is not None
+  fn._example_only = not opts.generic_shapes and _probe_args(call.args) is not None
   return Folded(new_params, fn, an.report)
 
 

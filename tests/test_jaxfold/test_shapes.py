@@ -172,6 +172,24 @@ def test_example_shapes_only_traces_once_and_refuses_clearly_elsewhere(x64):
   assert rel_err(f(p, x2), folded.apply_fn(folded.params, x2)) < 1e-12
 
 
+def test_example_shapes_only_survives_save_and_load(x64, tmp_path):
+  # load_fold redoes the fold: with the default it would choose other
+  # parameters for this program and refuse the saved ones as another program.
+  def f(p, x):
+    h = x @ p["W"]
+    return _ln(h, p["g"], p["b"]) @ p["V"], (jnp.zeros(1) if x.shape[0] == 1 else h.sum(-1))
+
+  p = _params(np.random.default_rng(0))
+  x1 = jnp.asarray(np.random.default_rng(1).normal(size=(1, 4)))
+  folded = jaxfold.fold(p, f, x1, generic_shapes=False)
+  jaxfold.save_fold(folded, str(tmp_path / "f"))
+  loaded = jaxfold.load_fold(str(tmp_path / "f"), f)
+  assert loaded.apply_fn.options.generic_shapes is False
+  assert rel_err(f(p, x1), loaded.apply_fn(loaded.params, x1)) < 1e-12
+  with pytest.raises(jaxfold.FoldError, match="generic_shapes=False"):
+    loaded.apply_fn(loaded.params, jnp.ones((2, 4)))
+
+
 @pytest.mark.parametrize("shape", [(1, 8), (1, 1), (3, 5)])
 def test_example_shapes_only_agrees_with_the_default_on_a_model(x64, shape):
   """A model without size-dependent Python: the example alone proves the same
