@@ -190,6 +190,25 @@ def test_example_shapes_only_survives_save_and_load(x64, tmp_path):
     loaded.apply_fn(loaded.params, jnp.ones((2, 4)))
 
 
+def test_example_shapes_only_through_defer_save_and_load(x64, tmp_path):
+  """fold(generic_shapes=False, defer_norms=True) at batch 1: fused, deferred,
+  saved and loaded, exact at the example and at other shapes (each proved)."""
+  def f(p, x):
+    h = x @ p["W"]
+    return _ln(h, p["g"], p["b"]) @ p["V"]
+
+  p = _params(np.random.default_rng(0))
+  x1 = jnp.asarray(np.random.default_rng(1).normal(size=(1, 4)))
+  de = jaxfold.fold(p, f, x1, generic_shapes=False, defer_norms=True)
+  assert all(s.deferred for s in de.report.deferred)
+  jaxfold.save_fold(de, str(tmp_path / "d"))
+  loaded = jaxfold.load_fold(str(tmp_path / "d"), f)
+  for got in (de, loaded):
+    for k, shape in enumerate([(1, 4), (5, 4), (2, 3, 4)]):
+      x = jnp.asarray(np.random.default_rng(k + 2).normal(size=shape))
+      assert rel_err(f(p, x), jax.jit(got.apply_fn)(got.params, x)) < 1e-12, shape
+
+
 @pytest.mark.parametrize("shape", [(1, 8), (1, 1), (3, 5)])
 def test_example_shapes_only_agrees_with_the_default_on_a_model(x64, shape):
   """A model without size-dependent Python: the example alone proves the same
