@@ -2090,6 +2090,22 @@ def make_program(seed: int, forced: Optional[tuple] = None) -> Program:
                  g.differentiable, other_t)
 
 
+def batch_one(args: tuple, one_token: bool = False) -> tuple:
+  """An argument set cut to batch 1 (and one token): the example of a fold
+  that is proved again with its size-1 axes made 2 (or, with
+  ``generic_shapes=False``, at the example alone)."""
+  x, aux = args
+  aux = dict(aux)
+  for k in ("ids", *g_masks(aux)):
+    aux[k] = aux[k][:1, :1] if (one_token and k == "ids") else aux[k][:1]
+  return (x[:1, :1] if one_token else x[:1], aux)
+
+
+def g_masks(aux: dict) -> list:
+  """The per-row mask arguments of ``_args`` (leading dim: the batch)."""
+  return [k for k in aux if k not in ("ids", "i", "j", "key", "flag")]
+
+
 # ============================================================================
 # Jaxpr walking (for the coverage meta-test).
 

@@ -21,6 +21,11 @@ N programs: ``len(fuzz_programs.KEYS)`` (176) by default, one built around each
 (``JAXFOLD_FUZZ_N_SLOW``). A failure prints the program (op list, seed); rerun it
 with ``-k "test_fuzz and [SEED]"`` or ``fuzz_programs.make_program(SEED)``.
 
+``test_fuzz_batch_one[seed]``: (a), (b) and (e) with the example cut to batch 1
+(and to one token where the program takes another length), folded with and
+without ``generic_shapes`` (every 8th default seed; ``test_fuzz_batch_one_slow``
+over seeds 0..999, ``JAXFOLD_FUZZ_N_SLOW_BATCH_ONE``).
+
 ``test_every_rule_is_generated``: over the default programs, every
 (rule, variant) of ``jaxfold._src.rules.all_rules()`` was generated and every
 registered primitive appears in some program's jaxpr (nested jaxprs included).
@@ -40,6 +45,7 @@ from conftest import x64_context
 # around), so the default run generates every rule; the slow run covers seeds 0..N_SLOW-1.
 N_DEFAULT = int(os.environ.get("JAXFOLD_FUZZ_N", str(len(fp.KEYS))))
 N_SLOW = int(os.environ.get("JAXFOLD_FUZZ_N_SLOW", "5000"))
+N_SLOW_BATCH_ONE = int(os.environ.get("JAXFOLD_FUZZ_N_SLOW_BATCH_ONE", "1000"))
 
 # Registered primitives that cannot occur in a float program around a
 # normalization (keep short; every entry needs a reason).
@@ -62,6 +68,29 @@ def _check(seed: int):
                           + ["", res.describe()]), pytrace=False)
 
 
+def _check_batch_one(seed: int):
+  """The program folded at batch 1 (and at one token, where it takes another
+  length), with and without ``generic_shapes``: exact at the example and at
+  both fuzz argument sets, or a clear refusal there."""
+  with x64_context():
+    prog = fp.make_program(seed)
+    examples = [fp.batch_one(prog.args[0])] + ([fp.batch_one(prog.args[0], True)] if prog.other_t else [])
+    fails = []
+    for ex in examples:
+      try:
+        out = np_eval.run(prog.apply, prog.params, *ex)
+      except Exception:  # noqa: BLE001 - the program is not defined at one row or token
+        continue
+      if not all(np.all(np.isfinite(np.asarray(o))) for o in fc.float_leaves(out)):
+        continue
+      for generic in (True, False):
+        res = fc.check_fold(prog.apply, prog.params, [ex] + list(prog.args), fold_kwargs=dict(
+            prog.fold_kwargs, generic_shapes=generic), tol=prog.tol, cbwc=False)
+        fails += [f"example {np.shape(ex[0])}, generic_shapes={generic}: {f}" for f in res.failures]
+  if fails:
+    pytest.fail("\n".join([prog.describe(), "", "failures:"] + ["  " + f for f in fails]), pytrace=False)
+
+
 @pytest.mark.parametrize("seed", range(N_DEFAULT))
 def test_fuzz(seed):
   _check(seed)
@@ -71,6 +100,17 @@ def test_fuzz(seed):
 @pytest.mark.parametrize("seed", range(N_SLOW))
 def test_fuzz_slow(seed):
   _check(seed)
+
+
+@pytest.mark.parametrize("seed", range(0, N_DEFAULT, 8))
+def test_fuzz_batch_one(seed):
+  _check_batch_one(seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(N_SLOW_BATCH_ONE))
+def test_fuzz_batch_one_slow(seed):
+  _check_batch_one(seed)
 
 
 def _registry():
