@@ -1,7 +1,9 @@
 """jaxfold._src.pipeline (the front end fold, fuse_affine and rotate share), the error
 hierarchy, the typed fold options and the planner's frozen outcome."""
 
+import concurrent.futures
 import dataclasses
+import threading
 import types
 import typing
 
@@ -286,7 +288,7 @@ def test_centered_leaves_equal_host_centering_and_keep_dtype_and_sharding(x64, d
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_threaded_centering_equals_leaf_by_leaf(x64, dtype):
+def test_threaded_centering_equals_leaf_by_leaf(x64, dtype, monkeypatch):
   """``_Centering`` (large leaves on worker threads, kept when the final plan
   shares them; small ones inline, abstract ones kept, untied copies) gives
   exactly ``_center_leaf``'s values for the final plan and leaves the inputs
@@ -300,12 +302,28 @@ def test_threaded_centering_equals_leaf_by_leaf(x64, dtype):
   specs = (((0, 600),), ((1, 4),), ((0, 128),), ((1, 2048),), ((1, 8),))
   an = types.SimpleNamespace(param_key=None, leaf_specs=tuple((i, s) for i, s in enumerate(specs) if i != 2),
                              untied=(("copy", 2, specs[2]), ("big", 3, ((0, 300),))))
+  # The dropped job blocks until released: result() returning while it is
+  # still queued (then cancelled) or still running shows it was not waited for.
+  release, host_center = threading.Event(), F._host_center
+
+  def blocking(x, spec):
+    if spec == {1: 1024}:
+      release.wait(timeout=10)
+    return host_center(x, spec)
+
+  monkeypatch.setattr(F, "_host_center", blocking)
+  pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)   # one blocked, one for the plan's jobs
+  monkeypatch.setattr(F, "_POOL", [pool])
   centering = F._Centering(leaves)
   first = types.SimpleNamespace(leaf_specs=((0, specs[0]), (3, ((1, 1024),))), untied=())
   centering.start(first)                         # the example's plan, changed at another shape:
   unused = centering._futures[(3, ((1, 1024),))]   # a centering the final plan drops
-  new, untied = centering.result(an)
-  assert unused.cancelled() or unused.done()     # not waited for, not used
+  try:
+    new, untied = centering.result(an)
+    assert unused.cancelled() or not unused.done()   # not waited for, not used
+  finally:
+    release.set()
+    pool.shutdown(wait=True)
   assert new[2] is leaves[2] and new[4] is leaves[4]
   for i in (0, 1, 3):
     assert new[i].dtype == dtype
