@@ -386,9 +386,12 @@ def save_fold(folded: Any, directory: str | os.PathLike, *, meta: Optional[dict]
     # abstractly on the original parameter shapes recorded here.
     try:
       fold_info["params_abstract"] = _encode_args(base._params)
-    except TypeError as e:
-      raise TypeError(f"save_fold of a fused/rotated result needs parameters made of dicts, "
-                      f"lists and arrays: {e}; nothing was written") from None
+    except TypeError:
+      # Another pytree (an nnx.State, ...): JSON cannot rebuild it, so load_fold
+      # takes its structure from target= and checks it against this table.
+      fold_info["params_abstract"] = None
+      fold_info["params_type"] = type(base._params).__name__
+    fold_info["params_leaves"] = _leaf_table(base._params)
     fold_info["transforms"] = _transforms_info(chain)
     fold_info["untied"] = bool(base._base.untied)
     fold_info["leaves"] = _leaf_table(folded.params)
@@ -613,7 +616,11 @@ def load_fold(directory: str | os.PathLike, apply_fn: Callable, *,
     target: optional pytree with the structure of ``folded.params`` (arrays or
       ``ShapeDtypeStruct``s, with ``sharding=`` to restore sharded, e.g. across
       the processes of ``jax.distributed``), for parameter pytrees that are not
-      plain dicts; a :class:`jaxfold.FoldedParams` is accepted.
+      plain dicts; a :class:`jaxfold.FoldedParams` is accepted. For a
+      ``fuse_affine``/``defer_norms``/``rotate`` result, the *original*
+      parameters (or their ``ShapeDtypeStruct``s): required when they are not
+      dicts and lists (e.g. an ``nnx.State``), whose structure ``fold.json``
+      cannot describe.
     verify: check that ``apply_fn`` traces to the program the fold was saved
       for (``program.json``: a :class:`jaxfold.FoldError` saying what differs,
       e.g. another number of heads) and that re-analysing it makes the same
@@ -684,7 +691,7 @@ def _load_from(copy: str, directory: str, apply_fn: Callable, *, target: Any,
     raise IntegrityError(f"{directory} was written by a newer jaxfold (format {version} > "
                          f"{FORMAT_VERSION}); upgrade jaxfold")
   if "transforms" in info:
-    return _load_chain(copy, directory, apply_fn, info, args, kwargs, opts, verify=verify)
+    return _load_chain(copy, directory, apply_fn, info, args, kwargs, opts, verify=verify, target=target)
   if isinstance(target, FoldedParams):
     target = {"params": target.params, **({"untied": target.untied} if target.untied else {})}
   try:
@@ -745,8 +752,32 @@ def _fused_treedef(an: Any, folded_abstract: Any) -> Any:
   return jax.tree_util.tree_structure(FusedParams(base, extras))
 
 
+def _chain_params(directory: str, info: dict, saved: Any, want: Optional[list], target: Any) -> Any:
+  """The original parameters' abstract pytree of a transformed fold: from
+  ``target`` when given (any pytree: an ``nnx.State``, ...), else ``saved``
+  (decoded from ``fold.json``); a target must match the saved leaf table ``want``."""
+  from jaxfold._src.fold import FoldedParams, FoldError
+  if target is None:
+    if saved is None:
+      raise FoldError(
+          f"{directory} holds a transformed fold whose parameters are a {info.get('params_type', '?')}, "
+          "a pytree fold.json cannot describe: pass target= with the original parameters (arrays or "
+          "jax.ShapeDtypeStructs in their pytree structure; e.g. nnx.state(model) for an nnx model)")
+    return saved
+  if isinstance(target, FoldedParams):
+    target = target.params
+  abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), target)
+  if want is not None and _leaf_table(abstract) != want:
+    got = _leaf_table(abstract)
+    diff = next((f"{g} instead of {w}" for g, w in zip(got, want) if g != w),
+                f"{len(got)} leaves instead of {len(want)}")
+    raise FoldError(f"target= does not have the structure of the parameters the fold in {directory} was "
+                    f"made from ({diff}): pass the original parameters (or their jax.ShapeDtypeStructs)")
+  return abstract
+
+
 def _load_chain(copy: str, directory: str, apply_fn: Callable, info: dict, args: Any, kwargs: dict,
-                opts: dict, *, verify: bool) -> LoadedFold:
+                opts: dict, *, verify: bool, target: Any = None) -> LoadedFold:
   """Loads a fuse_affine/rotate result: refolds and redoes every step on abstract
   parameters (no weights touched), checks that each makes the saved decisions,
   and puts the saved leaves into the tree the last step takes."""
@@ -758,7 +789,6 @@ def _load_chain(copy: str, directory: str, apply_fn: Callable, info: dict, args:
                      "pass the apply_fn of the model the fold was made from, or fold the model again")
 
   try:
-    abstract = _decode_args(info["params_abstract"])
     steps = list(info["transforms"])
     table = list(info["leaves"])
     if not steps:
@@ -770,9 +800,14 @@ def _load_chain(copy: str, directory: str, apply_fn: Callable, info: dict, args:
       if step.get("name") == "rotate":
         int(step["size"])
         rotated[k] = tuple((int(i), tuple(int(d) for d in dims)) for i, dims in step["rotated"])
+    abstract = None if info["params_abstract"] is None else _decode_args(info["params_abstract"])
+    want = info.get("params_leaves")   # (absent in folds saved before it was recorded)
+    if want is not None and not isinstance(want, list):
+      raise TypeError(f"params_leaves is a {type(want).__name__}")
   except (KeyError, TypeError, ValueError, AttributeError) as e:
     raise IntegrityError(f"{directory}/fold.json does not describe a transformed fold "
                          f"({type(e).__name__}: {e}); re-create the fold") from None
+  abstract = _chain_params(directory, info, abstract, want, target)   # (its refusals are no IntegrityError)
   try:
     restored = _restore_params(os.path.join(copy, "params"))
     leaves = [restored["leaves"][k] for k in sorted(restored["leaves"])]

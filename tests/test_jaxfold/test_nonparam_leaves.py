@@ -172,6 +172,31 @@ def test_nnx_dropout_save_load_and_export(x64, tmp_path):
     assert rel_err(apply(state, z), fn(z)) < 1e-9
 
 
+@pytest.mark.parametrize("step", ["fuse", "defer"])
+def test_nnx_transformed_save_load_takes_the_structure_from_target(x64, tmp_path, step):
+  """A fuse_affine/defer_norms result of an nnx.State (RngKey/RngCount leaves
+  included; a rotate result saves alike) saves (it raised 'needs parameters made of dicts'), and
+  loads with target= the original state or its ShapeDtypeStructs; without a
+  target, or with another structure, a FoldError says what to pass."""
+  state, apply = _nnx(False)
+  x, y = _xs()
+  r = jaxfold.fold(state, apply, x, fuse_affine=True, defer_norms=step == "defer")
+  d = save_fold(r, tmp_path / step)
+  with pytest.raises(jaxfold.FoldError, match="State.*pass target="):
+    load_fold(d, apply)
+  with pytest.raises(jaxfold.FoldError, match="does not have the structure.*'l3'"):
+    load_fold(d, apply, target={k: v for k, v in state.items() if k != "l3"})
+  abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), state)
+  for target in (state, abstract):
+    loaded = load_fold(d, apply, target=target)
+    assert type(loaded.report) is type(r.report)
+    assert_same_leaves(r.params, loaded.params)
+    for z in (x, y):
+      np.testing.assert_array_equal(np.asarray(r.apply_fn(r.params, z)),
+                                    np.asarray(loaded.apply_fn(loaded.params, z)))
+      assert rel_err(apply(state, z), loaded.apply_fn(loaded.params, z)) < 1e-9
+
+
 # -- a linen parameter dict with a counter, a flag and a typed key read by the program
 
 
