@@ -83,3 +83,30 @@ def test_export_of_a_plain_program_stays_symbolic(x64):
       g = jaxfold.load_exported(jaxfold.export(folded, xs(b, 3, 4)))
     for shape in [(1, 1, 4), (3, 5, 4)]:
       assert rel_err(f(p, xs(*shape)), g(xs(*shape))) < 1e-9
+
+
+# ----------------------------------------------------------------------------
+# A call at shapes apply_fn cannot take.
+
+
+def _plain(p, x):
+  return ln(x @ p["w"] + p["bw"], p["g"], p["be"]) @ p["v"]
+
+
+@pytest.mark.parametrize("how", ["fold", "example only", "fused", "cbwc"])
+def test_a_call_that_cannot_trace_names_the_calls_shapes(x64, how):
+  """The example traced; a later call with a wrong feature size said 'could not
+  trace apply_fn(params, *example_args) ... params/example_args must be what
+  apply_fn expects', blaming the example and naming no shape."""
+  p = _params()
+  x = xs(1, 4)
+  if how == "cbwc":
+    fn, params = jaxfold.cbwc(p, _plain, x).apply_fn, p
+  else:
+    m = jaxfold.fold(p, _plain, x, generic_shapes=how != "example only", fuse_affine=how == "fused")
+    fn, params = m.apply_fn, m.params
+  with pytest.raises(jaxfold.FoldError) as e:
+    fn(params, xs(3, 5))
+  msg = str(e.value)
+  assert "this call's arguments (shapes (3, 5);" in msg and "was given (1, 4)" in msg, msg
+  assert "example_args" not in msg and "contracting dimensions" in msg, msg
