@@ -269,10 +269,10 @@ def _differs_at_other_sizes(exported: Any, fn: Callable, flat: tuple, args: tupl
   with every symbolic dim made 1 or one larger, the reason; else None (also
   where ``fn`` itself does not run at those sizes: nothing to compare)."""
   for size in (lambda n: n, lambda n: 1, lambda n: n + 1):
-    probe = _resized(args, names, size)
     try:
+      probe = _resized(args, names, size)
       want = fn(*flat, *probe)
-    except Exception:  # noqa: BLE001 - not a valid input of the folded program
+    except Exception:  # noqa: BLE001 - not a valid input of the folded program (or not resizable)
       continue
     try:
       got = exported.call(*flat, *probe)
@@ -288,7 +288,8 @@ def _differs_at_other_sizes(exported: Any, fn: Callable, flat: tuple, args: tupl
 
 
 def _max_rel_diff(got: Any, want: Any) -> float:
-  """Max over the leaves of max|got − want| / max|want|."""
+  """Max over the leaves of max|got − want| / max|want| over the finite entries
+  (inf where the non-finite ones differ)."""
   lg, lw = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
   if len(lg) != len(lw):
     return float("inf")
@@ -297,11 +298,13 @@ def _max_rel_diff(got: Any, want: Any) -> float:
     g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
     if g.shape != w.shape:
       return float("inf")
-    if not w.size:
+    # Non-finite entries must match exactly (a NaN the program itself makes is no difference).
+    fg, fw = np.isfinite(g), np.isfinite(w)
+    if not (np.array_equal(fg, fw) and np.array_equal(g[~fg], w[~fw], equal_nan=True)):
+      return float("inf")
+    if not fw.any():
       continue
-    err = float(np.max(np.abs(g - w))) / max(float(np.max(np.abs(w))), 1e-30)
-    if np.isnan(err):
-      return err
+    err = float(np.max(np.abs(g[fw] - w[fw]))) / max(float(np.max(np.abs(w[fw]))), 1e-30)
     worst = max(worst, err)
   return worst
 

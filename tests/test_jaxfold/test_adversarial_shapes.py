@@ -85,6 +85,24 @@ def test_export_of_a_plain_program_stays_symbolic(x64):
       assert rel_err(f(p, xs(*shape)), g(xs(*shape))) < 1e-9
 
 
+def _with_sample_std(p, x):
+  return ln(x @ p["w"] + p["bw"], p["g"], p["be"]) @ p["v"], jnp.std(x, 0, ddof=1)   # NaN at batch 1
+
+
+def test_export_compares_a_programs_own_nans_as_equal(x64):
+  """The program's own NaN (a sample std over a batch of 1) at a resized
+  example is no difference: the export stays symbolic and serves batch 1."""
+  p = _params()
+  folded = jaxfold.fold(p, _with_sample_std, xs(2, 3, 4))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ExportWarning)
+    g = jaxfold.load_exported(jaxfold.export(folded, xs(2, 3, 4)))
+  for shape in [(1, 3, 4), (3, 2, 4)]:
+    want, got = _with_sample_std(p, xs(*shape)), g(xs(*shape))
+    assert rel_err(want[0], got[0]) < 1e-9
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-9)   # (NaN == NaN here)
+
+
 # ----------------------------------------------------------------------------
 # A call at shapes apply_fn cannot take.
 
