@@ -12,7 +12,11 @@ allows it (``jax.export.symbolic_shape``), so one artifact serves any batch
 size and sequence length.  When the program does not support symbolic shapes
 (Python control flow on a shape, shape-dependent slicing that jax cannot
 prove in range, ...) ``export`` retries with a symbolic batch only and then
-with the concrete example shapes, warning each time.
+with the concrete example shapes, warning each time. A Python branch on a size
+that tracing *can* decide (``x.shape[0] == 1`` is False for a symbolic batch)
+is decided once for every size: with ``check=True`` the symbolic program is also
+run with every symbolic dim 1 and one larger than the example, and a program
+that differs there from ``folded.apply_fn`` is exported with fewer symbolic dims.
 
 The bytes are a small container around the ``jax.export`` serialization::
 
@@ -156,7 +160,10 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
       current backend.
     check: run the exported program on the example arguments (when they are
       concrete arrays) and compare with ``folded.apply_fn``; raises
-      ``AssertionError`` on a relative difference above ``rtol``.
+      ``AssertionError`` on a relative difference above ``rtol``. A symbolic
+      export is also compared at the example resized (entries repeated) to
+      every symbolic dim 1 and one larger; where it differs, ``export`` falls
+      back to fewer symbolic dims (:class:`ExportWarning`).
     meta: JSON-serializable metadata stored in the artifact's header (read
       back as ``load_exported(...).meta``).  ``jaxfold serve`` validates
       requests against ``meta["inputs"]`` — one dict per positional argument
@@ -200,6 +207,8 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
     attempts.append(())
   errors = []
   exported = None
+  concrete = all(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree_util.tree_leaves(example_args))
+  flat = (p_leaves,) if (params_as_argument or bundled) else ()
   for attempt in attempts:
     try:
       exported = exporter(*p_spec, *_arg_specs(example_args, attempt))
@@ -209,6 +218,16 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
       first = (str(e).strip().splitlines() or [""])[0]
       errors.append(f"symbolic {attempt}: {type(e).__name__}: {first[:300]}")
       continue
+    if attempt and check and concrete:
+      # A Python branch on a symbolic size is decided once, for all sizes
+      # (``b == 1`` is False, so is ``b % 2 == 0``): the program may then be
+      # another one at sizes the example does not have. Run it where such
+      # branches flip (every symbolic dim 1, and one larger than the example).
+      differs = _differs_at_other_sizes(exported, fn, flat, example_args, attempt, rtol)
+      if differs:
+        errors.append(f"symbolic {attempt}: {differs}")
+        exported = None
+        continue
     if errors:
       what = f"symbolic dimensions {attempt}" if attempt else "the concrete example shapes"
       warnings.warn("the program does not support all the requested symbolic dimensions; "
@@ -222,18 +241,72 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
                for path, x in jax.tree_util.tree_flatten_with_path(params)[0]]
   blob = wrap_artifact(bytes(exported.serialize()), meta, params_as_argument=params_as_argument,
                        weights=weights, flat_params=params_as_argument or bundled, key=key)
-  if check and all(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree_util.tree_leaves(example_args)):
+  if check and concrete:
     fn_loaded = load_exported(blob)
     got = fn_loaded(params, *example_args) if params_as_argument else fn_loaded(*example_args)
     want = fn(p_leaves, *example_args) if (params_as_argument or bundled) else fn(*example_args)
-    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-      g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
-      scale = max(float(np.max(np.abs(w))) if w.size else 0.0, 1e-30)
-      err = float(np.max(np.abs(g - w))) / scale if w.size else 0.0
-      if not err <= rtol:
-        raise AssertionError(f"exported program differs from folded.apply_fn: relative error "
-                             f"{err:.3g} > rtol={rtol:g}")
+    err = _max_rel_diff(got, want)
+    if not err <= rtol:
+      raise AssertionError(f"exported program differs from folded.apply_fn: relative error "
+                           f"{err:.3g} > rtol={rtol:g}")
   return blob
+
+
+def _resized(args: tuple, names: Sequence[str], size: Callable[[int], int]) -> tuple:
+  """``args`` with the leading axes named ``names`` resized to ``size(n)``: the
+  example's entries repeated cyclically (valid inputs, e.g. token ids)."""
+  def one(x):
+    x = np.asarray(x)
+    for i in range(min(len(names), x.ndim)):
+      x = np.take(x, np.arange(size(x.shape[i])) % x.shape[i], axis=i)
+    return x
+  return jax.tree_util.tree_map(one, args)
+
+
+def _differs_at_other_sizes(exported: Any, fn: Callable, flat: tuple, args: tuple, names: Sequence[str],
+                            rtol: float) -> Optional[str]:
+  """Where the symbolic program differs from ``fn`` at the example's arguments
+  with every symbolic dim made 1 or one larger, the reason; else None (also
+  where ``fn`` itself does not run at those sizes: nothing to compare)."""
+  for size in (lambda n: n, lambda n: 1, lambda n: n + 1):
+    try:
+      probe = _resized(args, names, size)
+      want = fn(*flat, *probe)
+    except Exception:  # noqa: BLE001 - not a valid input of the folded program (or not resizable)
+      continue
+    try:
+      got = exported.call(*flat, *probe)
+    except Exception:  # noqa: BLE001 - the artifact refuses these sizes: not a wrong result
+      continue
+    err = _max_rel_diff(got, want)
+    if not err <= rtol:
+      shapes = ", ".join(str(np.shape(x)) for x in jax.tree_util.tree_leaves(probe))
+      return (f"the program traced at symbolic sizes differs from folded.apply_fn at shapes {shapes} "
+              f"(relative error {err:.3g}): Python control flow on a size (e.g. `x.shape[0] == 1`) "
+              "is decided once for every symbolic size")
+  return None
+
+
+def _max_rel_diff(got: Any, want: Any) -> float:
+  """Max over the leaves of max|got − want| / max|want| over the finite entries
+  (inf where the non-finite ones differ)."""
+  lg, lw = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
+  if len(lg) != len(lw):
+    return float("inf")
+  worst = 0.0
+  for g, w in zip(lg, lw):
+    g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+    if g.shape != w.shape:
+      return float("inf")
+    # Non-finite entries must match exactly (a NaN the program itself makes is no difference).
+    fg, fw = np.isfinite(g), np.isfinite(w)
+    if not (np.array_equal(fg, fw) and np.array_equal(g[~fg], w[~fw], equal_nan=True)):
+      return float("inf")
+    if not fw.any():
+      continue
+    err = float(np.max(np.abs(g[fw] - w[fw]))) / max(float(np.max(np.abs(w[fw]))), 1e-30)
+    worst = max(worst, err)
+  return worst
 
 
 class _Loaded:

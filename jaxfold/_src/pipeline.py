@@ -202,9 +202,12 @@ def trace_session() -> contextlib.AbstractContextManager:
   return flax_linen.memoized_param_checks()
 
 
-def trace(fn: Callable, params: Any, args: tuple, error: Optional[type] = None) -> Traced:
+def trace(fn: Callable, params: Any, args: tuple, error: Optional[type] = None,
+          call: Optional[str] = None) -> Traced:
   """Traces ``fn(params, *args)`` (abstract or concrete values); with
-  ``error``, a failure to trace is re-raised as that class with what to fix."""
+  ``error``, a failure to trace is re-raised as that class with what to fix.
+  ``call``: these are a later call's arguments, not the example (its shapes,
+  for the message: the example traced, so the call's arguments are at fault)."""
   try:
     with no_gc(), trace_session():
       closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(params, *args)
@@ -214,11 +217,13 @@ def trace(fn: Callable, params: Any, args: tuple, error: Optional[type] = None) 
     if error is None:
       raise
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    what, args_name = ("apply_fn(params, *example_args)", "params/example_args") if call is None else (
+        f"apply_fn(params, *args) with this call's arguments ({call})", "params and these arguments")
     raise error(
-        f"could not trace apply_fn(params, *example_args): {type(e).__name__}: {first}\n"
+        f"could not trace {what}: {type(e).__name__}: {first}\n"
         "jaxfold analyses the function's jaxpr, so apply_fn must be traceable by jax "
         "(no Python control flow on array values, no numpy conversion of inputs) and "
-        "params/example_args must be what apply_fn expects (same pytree structure and shapes)."
+        f"{args_name} must be what apply_fn expects (same pytree structure and shapes)."
     ) from e
   jaxpr, consts = compat.open_jaxpr(closed)
   names = tuple(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0])
