@@ -45,17 +45,43 @@ def _concrete(shape) -> bool:
 _INT = frozenset([int])
 
 
+class NotStrided(ValueError):
+  """A view op whose result is no strided view (callers nest the op opaquely)."""
+
+
+def _sym_dims(shape: Shape, strides: Sequence[int]) -> tuple:
+  """``shape`` with its int dims as ``int``; a symbolic dim (``jax.export``) is
+  kept only where its stride is 0: a concrete source repeated along it reads
+  the same elements whatever its size (1 included). Anything else raises
+  NotStrided."""
+  out = []
+  for n, s in zip(shape, strides):
+    if isinstance(n, (int, np.integer)):
+      out.append(int(n))
+    elif type(s) is int and s == 0:
+      out.append(n)
+    else:
+      raise NotStrided(f"a symbolic dim {n} with stride {s}")
+  return tuple(out)
+
+
 class View:
   """``out[i] = src.flat[offset + Σ_d strides[d] * i[d]]``.
 
   Size-1 output dims have stride 0, so equal index maps have equal views.
+  ``src``, ``strides`` and ``offset`` are ints; an output dim may be symbolic
+  (an export's batch) where its stride is 0 (see :func:`_sym_dims`).
   """
   __slots__ = ("src", "shape", "strides", "offset", "_hash")
 
   def __init__(self, src: Shape, shape: Shape, strides: Sequence[int], offset: int = 0):
     self.src = tuple(map(int, src))
-    self.shape = shape = tuple(map(int, shape))
-    self.strides = tuple([0 if n == 1 else int(s) for n, s in zip(shape, strides)])
+    if _concrete(shape):
+      self.shape = shape = tuple(map(int, shape))
+      self.strides = tuple([0 if n == 1 else int(s) for n, s in zip(shape, strides)])
+    else:
+      self.shape = shape = _sym_dims(shape, strides)
+      self.strides = tuple([0 if type(n) is not int or n == 1 else int(s) for n, s in zip(shape, strides)])
     self.offset = int(offset)
     self._hash = hash((self.src, self.shape, self.strides, self.offset))
 
@@ -85,6 +111,8 @@ class View:
   # composition is not strided (then the caller nests opaquely).
 
   def reshape(self, new_shape: Shape) -> Optional["View"]:
+    if not (_concrete(new_shape) and _concrete(self.shape)):
+      return self._sym_reshape(tuple(int(n) if isinstance(n, (int, np.integer)) else n for n in new_shape))
     new_shape = tuple(int(d) for d in new_shape)
     # Every layer reshapes views alike (heads split and merged): remembered
     # by value (Views are immutable).
@@ -140,6 +168,34 @@ class View:
     full = [0 if n == 1 else next(it) for n in new_shape]
     return View(self.src, new_shape, full, self.offset)
 
+  def _sym_reshape(self, new_shape: tuple) -> Optional["View"]:
+    """A reshape with symbolic dims, one group at a time: runs of consecutive
+    dims of both shapes whose products are provably equal (for every value of
+    the symbols) split the row-major flat index alike, so the reshape acts on
+    each group alone. A group the view is constant along (strides 0: where
+    every symbolic dim is) stays constant whatever its new dims; an all-int
+    group is reshaped as ints; anything else is None."""
+    # Size-1 dims (stride 0) do not move the row-major index: set aside.
+    keep_a = [i for i, n in enumerate(self.shape) if not (type(n) is int and n == 1)]
+    keep_b = [j for j, n in enumerate(new_shape) if not (type(n) is int and n == 1)]
+    groups = _reshape_groups(tuple(self.shape[i] for i in keep_a), tuple(new_shape[j] for j in keep_b))
+    if groups is None:
+      return None
+    strides = [0] * len(new_shape)
+    for gi, gj in groups:
+      gi, gj = [keep_a[i] for i in gi], [keep_b[j] for j in gj]
+      if all(self.strides[i] == 0 for i in gi):
+        continue
+      old, new = tuple(self.shape[i] for i in gi), tuple(new_shape[j] for j in gj)
+      if not (_concrete(old) and _concrete(new)):
+        return None
+      v = View(self.src, old, tuple(self.strides[i] for i in gi), 0)._reshape(new)
+      if v is None:
+        return None
+      for j, st in zip(gj, v.strides):
+        strides[j] = st
+    return View(self.src, new_shape, strides, self.offset)
+
   def transpose(self, perm: Sequence[int]) -> "View":
     return View(self.src, tuple(self.shape[p] for p in perm),
                 tuple(self.strides[p] for p in perm), self.offset)
@@ -166,16 +222,36 @@ class View:
   def slice(self, starts: Sequence[int], limits: Sequence[int],
             steps: Optional[Sequence[int]] = None) -> "View":
     steps = steps or (1,) * len(starts)
+    if not (_concrete(self.shape) and _concrete(starts) and _concrete(limits)):
+      return self._sym_slice(starts, limits, steps)
     shape = tuple(max(0, -(-(hi - lo) // st)) for lo, hi, st in zip(starts, limits, steps))
     offset = self.offset + sum(lo * s for lo, s in zip(starts, self.strides))
     return View(self.src, shape, tuple(s * st for s, st in zip(self.strides, steps)), offset)
+
+  def _sym_slice(self, starts, limits, steps) -> "View":
+    shape, strides, offset = [], [], self.offset
+    for n, s, lo, hi, st in zip(self.shape, self.strides, starts, limits, steps):
+      if _concrete((n, lo, hi, st)):
+        shape.append(max(0, -(-(hi - lo) // st)))
+        offset += lo * s
+        strides.append(s * st)
+      elif type(lo) is int and lo == 0 and st == 1 and _provably_equal(hi, n):
+        shape.append(n)               # a symbolic dim sliced whole (stride 0: no offset)
+        strides.append(s)
+      elif _concrete((lo, hi, st)) and 0 <= lo <= hi and st > 0 and provably_le(hi, n):
+        shape.append(-(-(hi - lo) // st))   # an int window of a symbolic dim: the same constant
+        strides.append(s)
+      else:
+        raise NotStrided("a slice of part of a symbolic dim")
+    return View(self.src, tuple(shape), strides, offset)
 
   def rev(self, dims: Sequence[int]) -> "View":
     strides = list(self.strides)
     offset = self.offset
     for d in dims:
-      offset += (self.shape[d] - 1) * strides[d]
-      strides[d] = -strides[d]
+      if strides[d]:   # (a symbolic dim has stride 0: reversing it changes nothing)
+        offset += (self.shape[d] - 1) * strides[d]
+        strides[d] = -strides[d]
     return View(self.src, self.shape, strides, offset)
 
   def drop(self, dims: Sequence[int]) -> "View":
@@ -187,6 +263,71 @@ class View:
 
 _RESHAPED: dict = {}
 _BROADCAST: dict = {}
+
+
+def _provably_equal(a, b) -> bool:
+  """``a == b`` for every value of their symbolic dims (jax's ``==`` is False
+  unless it can prove it; an undecidable comparison counts as unequal)."""
+  try:
+    return bool(a == b)
+  except Exception:  # noqa: BLE001 - jax raises several types for undecidable symbolic comparisons
+    return False
+
+
+def provably_le(a, b) -> bool:
+  """``a <= b`` for every value of the symbolic dims (else False)."""
+  try:
+    return bool(a <= b)
+  except Exception:  # noqa: BLE001 - jax's InconclusiveDimensionOperation
+    return False
+
+
+def _reshape_groups(a: Shape, b: Shape) -> Optional[list]:
+  """``[(dims of a, dims of b), ...]``: consecutive runs covering both shapes in
+  order, each pair's products provably equal (for every value of the symbols);
+  None when none is found. Any such partition is exact, so how it is searched
+  only decides whether one is found: a run grows on the side of the smaller
+  product, or on either where jax cannot compare them (``b`` and ``b·s``)."""
+  budget = [64]
+
+  def search(i, j):
+    if i == len(a) and j == len(b):
+      return []
+    if i == len(a) or j == len(b):
+      return None
+    return grow(i + 1, j + 1, a[i], b[j])
+
+  def grow(i, j, pi, pj):
+    budget[0] -= 1
+    if budget[0] < 0:
+      return None
+    if _provably_equal(pi, pj):
+      rest = search(i, j)
+      return None if rest is None else [(i, j)] + rest
+    try:
+      order = ("a", "b") if bool(pi < pj) else ("b", "a")
+      order = order[:1]
+    except Exception:  # noqa: BLE001 - jax's InconclusiveDimensionOperation: try both sides
+      order = ("a", "b")
+    for side in order:
+      if side == "a" and i < len(a):
+        out = grow(i + 1, j, pi * a[i], pj)
+      elif side == "b" and j < len(b):
+        out = grow(i, j + 1, pi, pj * b[j])
+      else:
+        continue
+      if out is not None:
+        return out
+    return None
+
+  ends = search(0, 0)
+  if ends is None:
+    return None
+  out, i0, j0 = [], 0, 0
+  for i, j in ends:
+    out.append((list(range(i0, i)), list(range(j0, j))))
+    i0, j0 = i, j
+  return out
 
 
 def _row_major(shape: Shape) -> tuple:
@@ -556,6 +697,16 @@ def _view_factor(fid: int, out_shape: Shape, op, tag) -> int:
     new = None
     if _concrete(f.shape) and _concrete(out_shape):
       new = op(view if view is not None else View.identity(f.shape))
+    elif view is not None or _concrete(f.shape):
+      # A concrete source seen at symbolic shapes (an export's batch): a view
+      # only where every symbolic dim repeats it (stride 0); anything a view
+      # op cannot prove for every size of those dims nests opaquely.
+      try:
+        new = op(view if view is not None else View.identity(f.shape))
+      except Exception:  # noqa: BLE001 - NotStrided, or jax's errors on undecidable symbolic arithmetic
+        new = None
+      if new is not None and not _provably_equal(new.shape, out_shape):
+        new = None
     if new is None:
       # Not strided: nest the op opaquely around the whole factor.
       res = _factor("app", ("layout", tag, f.shape), out_shape, (single(fid),), False)

@@ -714,8 +714,43 @@ def _gather_zero_sum(node, k, spec, ctx):
   return [Need(0, freeze(res))]
 
 
-register(Rule("gather", (lax.gather_p,), facts=_gather_facts,
-              canon=lambda node, ins, ctx: [A.app(node.tag(), ins, node.outs[0].shape, False)],
+def _static_window(node, ctx) -> Optional[tuple]:
+  """``(starts, limits)`` when the gather reads one window at a known start
+  (``x[:, 0]`` at symbolic shapes, which jnp writes as a gather, not a slice):
+  one index vector (no batch dims) that is one known integer everywhere, the
+  window inside the operand (so clip, fill and promise modes all read it
+  alone), its indexed dims collapsed or kept in place. Else None."""
+  g = _gather_dims(node)
+  dn = node.params["dimension_numbers"]
+  idx, in_shape, out_shape = node.ins[1], node.ins[0].shape, node.outs[0].shape
+  k = ctx.facts(idx).value
+  if (k is None or k.denominator != 1 or tuple(idx.shape) != (len(dn.start_index_map),)
+      or getattr(dn, "operand_batching_dims", ()) or tuple(dn.offset_dims) != tuple(range(len(out_shape)))
+      or len(g.offset) != len(out_shape) or any(g.sizes[d] != 1 for d in dn.collapsed_slice_dims)):
+    return None
+  starts, limits = [0] * len(in_shape), list(g.sizes)
+  for d in dn.start_index_map:
+    n, size = in_shape[d], g.sizes[d]
+    if not (isinstance(size, int) and 0 <= k.numerator and A.provably_le(k.numerator + size, n)):
+      return None
+    starts[d], limits[d] = k.numerator, k.numerator + size
+  return tuple(starts), tuple(limits)
+
+
+def _gather_canon(node, ins, ctx):
+  window = _static_window(node, ctx)
+  out_shape = node.outs[0].shape
+  if window is None:
+    return [A.app(node.tag(), ins, out_shape, False)]
+  starts, limits = window
+
+  def op(v):
+    w = v.slice(starts, limits)
+    return w.reshape(out_shape)   # the collapsed size-1 dims dropped
+  return [A.view_op(ins[0], out_shape, op, ("gather window", starts, limits))]
+
+
+register(Rule("gather", (lax.gather_p,), facts=_gather_facts, canon=_gather_canon,
               shift=_gather_shift, zero_sum=_gather_zero_sum, simplify=_only_operand_zero,
               variants=("embedding lookup", "fill mode", "clip mode")))
 
