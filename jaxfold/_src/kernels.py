@@ -245,7 +245,7 @@ def _match(C: A.Expr, X: A.Expr, shape: tuple, top) -> Optional[tuple]:
 def _size(v) -> int:
   try:
     return int(np.prod(v.shape))
-  except TypeError:
+  except Exception:  # noqa: BLE001 - a symbolic dim (jax's InconclusiveDimensionOperation is no TypeError)
     return 1 << 62
 
 
