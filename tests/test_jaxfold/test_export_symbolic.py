@@ -312,6 +312,22 @@ def test_transformed_model_exports_with_symbolic_batch_and_seq(x64, kind, how):
       assert rel_err(want, fn(x)) < TOL, (b, t)
 
 
+@pytest.mark.parametrize("how", ["defer", "rotate"])
+def test_loaded_result_exports_with_symbolic_dims_and_params_as_argument(x64, tmp_path, how):
+  """``load_fold`` re-proves the chain on abstract shapes; its result exports
+  symbolically too, here with the parameters as the program's argument."""
+  params, apply = _model("plain")
+  r = _transform(params, apply, (_x(2, 4),), how, 16)
+  jaxfold.save_fold(r, str(tmp_path / "fold"))
+  loaded = jaxfold.load_fold(str(tmp_path / "fold"), apply)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ExportWarning)
+    fn = load_exported(jaxfold.export(loaded, _x(2, 4), params_as_argument=True))
+  assert exported_signature(fn)[-1] == (("batch", "seq", 8), "float64")
+  for b, t in [(1, 1), (3, 6)]:
+    assert rel_err(np_eval.run(apply, params, _x(b, t)), fn(loaded.params, _x(b, t))) < TOL, (b, t)
+
+
 def _gpt2():
   models = pytest.importorskip("models")
   spec = models.get("gpt2-tiny")
