@@ -348,9 +348,34 @@ class _Loaded:
   def __call__(self, *args):
     if args and self.header.get("params_as_argument") and self.header.get("flat_params"):
       args = (jax.tree_util.tree_leaves(args[0]), *args[1:])
-    if self.params is not None:
-      return self._call(self.params, *args)
-    return self._call(*args)
+    try:
+      if self.params is not None:
+        return self._call(self.params, *args)
+      return self._call(*args)
+    except (ValueError, TypeError) as e:
+      why = self._mismatch(args)
+      if why is None:
+        raise
+      raise type(e)(why) from e
+
+  def _mismatch(self, args: tuple) -> Optional[str]:
+    """Which input does not fit the exported shapes (jax's own message names
+    ``args[k]`` of the flattened program), or None."""
+    leaves = jax.tree_util.tree_leaves(args)
+    avals = self.exported.in_avals[self._n_params if self.params is not None else 0:]
+    if len(leaves) != len(avals):
+      return None
+    for k, (x, a) in enumerate(zip(leaves, avals)):
+      shape = tuple(np.shape(x))
+      fixed = len(shape) == len(a.shape) and all(
+          not isinstance(d, (int, np.integer)) or d == n for d, n in zip(a.shape, shape))
+      if not fixed:
+        exported = "fixed shapes" if all(isinstance(d, (int, np.integer)) for d in a.shape) else "these shapes"
+        return (f"{self.source}: input #{k} has shape {shape}, but the program was exported for {exported} "
+                f"{a.str_short()} (an export falls back to the example's shapes, with an ExportWarning, where "
+                "the program cannot be proved at symbolic ones): call it at that shape, or export again "
+                "with example arguments of the shapes you will call with")
+    return None
 
   def __repr__(self):
     ins = ", ".join(str(a) for a in self.in_avals)
