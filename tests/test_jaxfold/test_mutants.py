@@ -1,0 +1,367 @@
+"""Adversarial programs from the mutation study (``tests/mutation_study.py``).
+
+Each test closes a gap that a surviving mutant exposed: a program on which the
+mutated analysis folds wrongly (folded != original in float64, random γ, β and
+biases, two batch sizes), named after the mutant(s) it kills. Where obligation 1
+(the centering's shift must be invisible) masks a wrong zero-sum claim in every
+program, the facet is checked directly on the analysis (``Level.needs``), so the
+second line of defence is tested on its own.
+"""
+
+import fuzz_programs as fp
+import jax
+import jax.numpy as jnp
+import numpy as np
+from fold_checks import DIN, assert_sound, x_args
+from jax import lax
+
+from jaxfold._src import pipeline
+from jaxfold._src.analysis import Blocker, LeafNeed, find_sites
+from jaxfold._src.layout import full_spec
+from jaxfold._src.rules.base import freeze
+
+F64 = jnp.float64
+D = 8
+DENSE = {"w": (DIN, D), "b": (D,), "g": (D,), "be": (D,)}
+ln = fp.ln_fast
+
+
+def _h(p, x):
+  return x @ p["w"] + p["b"]
+
+
+def sound(apply, expect, shapes=DENSE, args=None, **kw):
+  return assert_sound(apply, shapes, args or x_args(), expect_folded=expect, **kw)
+
+
+# ----------------------------------------------------------------------------
+# Obligation 1: a centering's shift must stay visible where it is.
+
+
+def test_square_minus_value_sees_the_shift(x64):
+  # E9: (h + c)² − (h + c) = h² − h + (2h − 1)c + c², not h² − h: a square is no linear map.
+  def apply(p, x):
+    h = _h(p, x)
+    return ln(h, p["g"], p["be"]), jnp.square(h) - h
+  sound(apply, 0)
+
+
+def test_a_negative_power_is_not_a_shift(x64):
+  # E7: 1/(h + 3 + c) − (h + c) is not 1/(h + 3) − h moved by nothing: a negative power is no
+  # linear map, so its shift cannot cancel the value's own.
+  def apply(p, x):
+    h = _h(p, x)
+    return ln(h, p["g"], p["be"]), (h + 3.0) ** -1 - h
+  sound(apply, 0)
+
+
+def test_relu_is_not_a_shift(x64):
+  # E15: max(h + c, 0) is not max(h, 0) + c: only a −inf (+inf for min) bound passes a shift.
+  def apply(p, x):
+    h = _h(p, x)
+    return ln(h, p["g"], p["be"]), jax.nn.relu(h) - h
+  sound(apply, 0)
+
+
+def test_relu_is_not_the_identity_in_a_product(x64):
+  # E16: max(0, z) = z only for z ≥ 0; h·relu(z) − h·z moves by c·(relu(z) − z) ≠ 0.
+  def apply(p, x):
+    h, z = _h(p, x), x @ p["w2"]
+    return ln(h, p["g"], p["be"]) + h * jax.nn.relu(z) - h * z
+  sound(apply, 0, dict(DENSE, w2=(DIN, D)))
+
+
+def test_softmax_with_an_extra_one_is_not_shift_invariant(x64):
+  # E17: exp(h + c) / (Σ exp(h + c) + 1) ≠ exp(h) / (Σ exp(h) + 1): the 1 does not scale.
+  def apply(p, x):
+    h = _h(p, x)
+    e = jnp.exp(h)
+    return ln(h, p["g"], p["be"]) + e / (e.sum(-1, keepdims=True) + 1.0)
+  sound(apply, 0)
+
+
+def test_log_of_a_sum_of_exps_plus_one_is_not_shift_invariant(x64):
+  # E18: h − log(Σ exp(h) + 1) moves with c: only log Σ exp(h) (no + 1) is shifted by c.
+  def apply(p, x):
+    h = _h(p, x)
+    return ln(h, p["g"], p["be"]), h - jnp.log(jnp.exp(h).sum(-1, keepdims=True) + 1.0)
+  sound(apply, 0)
+
+
+def test_batched_contraction_over_the_normalized_dim(x64):
+  # C1: y[b, d] = Σ_t a[b, t, d]·h[b, t, d]: a batch dim d of the contraction along which c is
+  # constant but a is not, so the shift Σ_t a·c varies along d and a norm over d keeps it.
+  def apply(p, x, a):
+    h = _h(p, x)
+    return ln(h, p["g"], p["be"]), ln(jnp.einsum("btd,btd->bd", a, h), p["g2"], p["be2"])
+  args = x_args(extra=lambda rng, b: (jnp.asarray(rng.standard_normal((b, 4, D)), F64),))
+  sound(apply, 0, dict(DENSE, g2=(D,), be2=(D,)), args)
+
+
+def test_attention_over_exp_values_sees_the_shift(x64):
+  # C3: exp(h + c) = exp(h)(1 + d): the shift's coefficient exp(h) varies along d, so
+  # Σ_t P[s, t]·exp(h[t, d])·d[t] varies along d after a contraction over tokens.
+  def apply(p, x, pr):
+    h = _h(p, x)
+    return ln(h, p["g"], p["be"]), ln(jnp.einsum("bst,btd->bsd", pr, jnp.exp(h)), p["g2"], p["be2"])
+  args = x_args(extra=lambda rng, b: (jnp.asarray(rng.random((b, 4, 4)), F64),))
+  sound(apply, 0, dict(DENSE, g2=(D,), be2=(D,)), args)
+
+
+
+def test_a_concatenation_of_shifted_and_unshifted_pieces(x64):
+  # S7: concatenating h (shifted by c along d) with z (not shifted) along d shifts only the first
+  # half: a norm over the whole concatenation sees it.
+  def apply(p, x):
+    h = _h(p, x)
+    return ln(h, p["g"], p["be"]), ln(jnp.concatenate([h, x @ p["w2"]], -1), p["g2"], p["be2"])
+  sound(apply, 0, dict(DENSE, w2=(DIN, D), g2=(2 * D,), be2=(2 * D,)))
+
+
+def test_two_rows_of_a_row_varying_shift_do_not_cancel(x64):
+  # S3: centering w over d shifts token t by c_t; h[:, 0] − h[:, 1] moves by c_0 − c_1, even
+  # though each slice alone is constant along its one-token axis.
+  def apply(p, x):
+    h = _h(p, x)
+    return ln(h, p["g"], p["be"]), h[:, 0:1] - h[:, 1:2]
+  sound(apply, 0)
+
+
+def test_a_slice_across_two_groups_sees_a_per_group_shift(x64):
+  # S6: the GroupNorm over halves of d centers w per half (a shift constant on each half); the
+  # slice [3:5] takes one element of each half, so a norm over it sees the shift.
+  def apply(p, x):
+    h = _h(p, x)
+    halves = ln(h.reshape(h.shape[:-1] + (2, D // 2)), p["g2"], p["be2"]).reshape(h.shape)
+    return halves, ln(h[..., 3:5], p["g3"], p["be3"])
+  sound(apply, 0, dict(DENSE, g2=(D // 2,), be2=(D // 2,), g3=(2,), be3=(2,)))
+
+
+def test_a_cumulative_sum_along_d_of_a_shift_varies(x64):
+  # R5: cumsum_d(h + c) = cumsum_d(h) + (d + 1)·c: no longer constant along d, so the second
+  # norm sees the first's centering.
+  def apply(p, x):
+    h = _h(p, x)
+    return ln(h, p["g"], p["be"]), ln(lax.cumsum(h, 2), p["g2"], p["be2"])
+  sound(apply, 0, dict(DENSE, g2=(D,), be2=(D,)))
+
+
+def test_a_narrow_side_output_does_not_widen_the_tolerance(x64):
+  # A1: rounding differences are invisible only at the precision of the WIDEST output: a bfloat16
+  # side output must not let a bfloat16 round trip inside the float64 path count as rounding.
+  def apply(p, x):
+    return ln(_h(p, x).astype(jnp.bfloat16).astype(F64), p["g"], p["be"]), x.astype(jnp.bfloat16)
+  sound(apply, 0)
+
+
+def _ids_args(vocab: int, tokens: int = 5):
+  out = []
+  for b in (2, 3):
+    rng = np.random.default_rng([7, b])
+    out.append((jnp.asarray(rng.integers(0, vocab, (b, tokens)), jnp.int32),))
+  return out
+
+
+def test_token_differences_see_a_centered_embedding(x64):
+  # P9: centering a table over d shifts row v by c_v, which differs between tokens: the
+  # lookup's shift varies along batch and tokens, and e[t+1] − e[t] moves by c_{t+1} − c_t.
+  def apply(p, ids):
+    e = p["emb"][ids]
+    return ln(e, p["g"], p["be"]), e[:, 1:] - e[:, :-1]
+  sound(apply, 0, {"emb": (11, D), "g": (D,), "be": (D,)}, _ids_args(11))
+
+
+# ----------------------------------------------------------------------------
+# Obligation 2: the mean removed must be exactly zero.
+
+
+def test_a_scan_carry_that_starts_at_zero_is_not_zero(x64):
+  # K10: the carry starts at zeros, then accumulates u = x @ w2: out_t = h_t + carry_t is
+  # zero-sum only with w2 centered too (the fold centers w, b and w2).
+  def apply(p, x):
+    h, u = jnp.swapaxes(_h(p, x), 0, 1), jnp.swapaxes(x @ p["w2"], 0, 1)
+
+    def body(c, hu):
+      ht, ut = hu
+      return c + ut, ht + c
+    _, ys = lax.scan(body, jnp.zeros(h.shape[1:], h.dtype), (h, u))
+    return ln(jnp.swapaxes(ys, 0, 1), p["g"], p["be"])
+  res = sound(apply, 1, dict(DENSE, w2=(DIN, D)))
+  centered = {c.param for s in res.fold_report.sites for c in s.centered}
+  assert any("w2" in c for c in centered), centered
+
+
+
+def test_a_scan_output_read_before_a_nonlinear_carry_update(x64):
+  # K7: ys_t is the carry before step t; the carry starts at x_0 @ w + b (zero-sum once
+  # centered) but each step adds tanh(x_t @ w2): ys_1.. are not zero-sum, whatever is centered.
+  def apply(p, x):
+    def body(c, xt):
+      return c + jnp.tanh(xt @ p["w2"]), c
+    _, ys = lax.scan(body, _h(p, x[:, 0]), jnp.swapaxes(x, 0, 1))
+    return ln(ys, p["g"], p["be"])
+  sound(apply, 0, dict(DENSE, w2=(DIN, D)))
+
+
+def test_a_while_carry_with_a_nonlinear_update(x64):
+  # K8: the loop adds tanh(x @ w2) to a carry that starts zero-sum after centering: the final
+  # carry is not zero-sum.
+  def apply(p, x):
+    def body(s):
+      return s[0] + 1, s[1] + jnp.tanh(x @ p["w2"])
+    _, c = lax.while_loop(lambda s: s[0] < 2, body, (0, _h(p, x)))
+    return ln(c, p["g"], p["be"])
+  sound(apply, 0, dict(DENSE, w2=(DIN, D)))
+
+
+
+
+def _always(x):
+  return jnp.all(jnp.isfinite(x))   # True at run time, unknown to the analysis
+
+
+def test_every_branch_of_a_cond_must_keep_the_shift(x64):
+  # K3: branch 0 (taken when the predicate is false) passes h + c on, branch 1 (taken here)
+  # computes tanh(h + c): a norm after the cond sees the shift through branch 1.
+  def apply(p, x):
+    h = _h(p, x)
+    return ln(h, p["g"], p["be"]), ln(lax.cond(_always(x), jnp.tanh, lambda v: v, h), p["g2"], p["be2"])
+  sound(apply, 0, dict(DENSE, g2=(D,), be2=(D,)))
+
+
+def test_every_branch_of_a_cond_must_be_zero_sum(x64):
+  # K4: both branches move with c (so centering w is invisible), but branch 1 (taken here) adds
+  # tanh(x @ w2), which no centering makes zero-sum.
+  def apply(p, x):
+    h, z = _h(p, x), jnp.tanh(x @ p["w2"])
+    return ln(lax.cond(_always(x), lambda v, z: v + z, lambda v, z: v, h, z), p["g"], p["be"])
+  sound(apply, 0, dict(DENSE, w2=(DIN, D)))
+
+
+def test_a_scan_carry_shift_is_a_fixed_point(x64):
+  # K5: the carry starts as x_0 @ w + b, shifted by c constant along d, and each step maps it
+  # through m: from the second step the shift is c·colsum(m), which varies along d. The
+  # outputs read the carry before the step, so only a second pass over the body sees that.
+  def apply(p, x):
+    def body(c, _):
+      return c @ p["m"], c
+    _, ys = lax.scan(body, _h(p, x[:, 0]), None, length=3)
+    return ln(ys, p["g"], p["be"])
+  sound(apply, 0, dict(DENSE, m=(D, D)))
+
+# ----------------------------------------------------------------------------
+# The planner's commitments.
+
+
+def test_a_parameter_centered_for_one_site_is_not_recentered_for_another(x64):
+  # P1: the LayerNorm over d centers w and b over all of d; the GroupNorm over two halves of d
+  # then needs them centered per half, which would move the LayerNorm's output (a shift constant
+  # per half is not constant along d). Only the first site folds.
+  def apply(p, x):
+    h = _h(p, x)
+    halves = ln(h.reshape(h.shape[:-1] + (2, D // 2)), p["g2"], p["be2"]).reshape(h.shape)
+    return ln(h, p["g"], p["be"]), halves
+  sound(apply, 1, dict(DENSE, g2=(D // 2,), be2=(D // 2,)))
+
+
+def test_an_auxiliary_centering_of_a_program_output(x64):
+  # P5: one centering of u = gelu(x @ w) would let both norms fold, but u is also an output.
+  def apply(p, x):
+    u = jax.nn.gelu(x @ p["w"])
+    return (ln(u + x @ p["w1"], p["g"], p["be"]), ln(u + x @ p["w2"], p["g2"], p["be2"]), u)
+  sound(apply, 0, {"w": (DIN, D), "w1": (DIN, D), "w2": (DIN, D), "g": (D,), "be": (D,), "g2": (D,),
+                   "be2": (D,)})
+
+
+def test_an_auxiliary_centering_over_d_does_not_serve_a_norm_over_halves(x64):
+  # P4: one centering of v = gelu(x @ w) over d lets the two LayerNorms fold; the GroupNorm over
+  # halves of d would need v centered per half, which is another centering (its shift is not
+  # constant along d: the LayerNorms would see it). Two sites fold.
+  def apply(p, x):
+    v = jax.nn.gelu(x @ p["w"])
+    halves = v + x @ p["w3"]
+    halves = ln(halves.reshape(halves.shape[:-1] + (2, D // 2)), p["g3"], p["be3"]).reshape(halves.shape)
+    return ln(v + x @ p["w1"], p["g"], p["be"]), ln(v + x @ p["w2"], p["g2"], p["be2"]), halves
+  sound(apply, 2, {"w": (DIN, D), "w1": (DIN, D), "w2": (DIN, D), "w3": (DIN, D), "g": (D,), "be": (D,), "g2": (D,),
+                   "be2": (D,), "g3": (D // 2,), "be3": (D // 2,)})
+
+
+def test_an_auxiliary_centering_is_not_stored_in_bfloat16(x64):
+  # P7: in a float32 program, one centering of u = bf16(gelu(x @ w)) would let both norms fold,
+  # but stored in bfloat16 its mean is zero only to bfloat16 precision (and u has no single
+  # exact widening to center instead: two casts read it). Nothing folds.
+  f32, bf16 = jnp.float32, jnp.bfloat16
+
+  def apply(p, x):
+    u = jax.nn.gelu(x @ p["w"]).astype(bf16)
+    return (ln(u.astype(f32) + x @ p["w1"], p["g"], p["be"]), ln(u.astype(f32) + x @ p["w2"], p["g2"], p["be2"]))
+  args = [tuple(a.astype(f32) for a in xs) for xs in x_args()]
+  sound(apply, 0, {"w": (DIN, D), "w1": (DIN, D), "w2": (DIN, D), "g": (D,), "be": (D,), "g2": (D,), "be2": (D,)},
+        args, tol=1e-5, grad_tol=1e-3, convert=lambda p: jax.tree_util.tree_map(lambda a: a.astype(f32), p))
+
+
+def _needs(fn, params, *args):
+  traced = pipeline.trace(fn, params, args)
+  with pipeline.analyzer(traced) as an:
+    (site,) = [s for s in find_sites(an.top) if len(s.input.shape) >= 3]
+    needs = site.level.needs(site.input, freeze(full_spec(site.input.shape, site.axes)))
+    return ([traced.names[n.var.index] for n in needs if isinstance(n, LeafNeed)],
+            [n.reason for n in needs if isinstance(n, Blocker)])
+
+
+def _mask_args(dtype=bool):
+  def extra(rng, b):
+    return (jnp.asarray(rng.random((b, 4, D)) < 0.5, dtype),)
+  return x_args(extra=extra)
+
+
+def test_a_selection_that_mixes_features_is_not_zero_sum(x64):
+  # E10: both cases carry the same shift c (a roll along d keeps it), so the centering is
+  # invisible; but picking h[d] or h[d-1] per feature does not keep a zero sum over d.
+  def apply(p, x, m):
+    h = _h(p, x)
+    return ln(jnp.where(m, h, jnp.roll(h, 1, -1)), p["g"], p["be"])
+  sound(apply, 0, args=_mask_args())
+
+
+# Zero-sum facets whose wrong claims obligation 1 masks in any fold: a product, quotient or odd
+# power that breaks the zero sum also moves the centering's shift off the constants, so the
+# planner refuses the centering anyway. The walk itself must still refuse them.
+
+
+def test_the_walk_refuses_products_quotients_and_odd_powers_that_break_a_zero_sum(x64):
+  p = {k: np.ones(s) for k, s in DENSE.items()}
+  x = np.ones((2, 4, DIN))
+  m = np.ones((2, 4, D))
+  g = np.random.default_rng(0).standard_normal(D)
+  for what, fn, args in (
+      ("E3: h·m, m varying along d", lambda p, x, m: ln(_h(p, x) * m, g, g), (x, m)),
+      ("E3: m·h", lambda p, x, m: ln(m * _h(p, x), g, g), (x, m)),
+      ("E4: over (t, d), m constant along t only", lambda p, x, m: ln(_h(p, x) * m[0, 0], g, g, (1, 2)), (x, m)),
+      ("E5: h / m", lambda p, x, m: ln(_h(p, x) / (m * m + 1.0), g, g), (x, m)),
+      ("E8: h³", lambda p, x: ln(_h(p, x) ** 3, g, g), (x,)),
+  ):
+    leaves, blockers = _needs(fn, p, *args)
+    assert blockers, f"{what}: the walk claims a zero sum after centering {leaves}"
+
+
+def test_the_walk_refuses_rearrangements_that_break_a_zero_sum(x64):
+  p = {k: np.ones(s) for k, s in DENSE.items()}
+  x = np.ones((2, 4, DIN))
+  x8 = np.ones((2, D, DIN))   # as many tokens as features: a transposition mistaken for none fits
+  one = 1.0
+  for what, fn, xx in (
+      ("S1: one column repeated along d", lambda p, x: ln(jnp.broadcast_to(x @ p["w"][:, :1], x.shape[:2] + (D,)),
+                                                           one, one), x),
+      ("S4: a norm over the tokens of h transposed", lambda p, x: ln(_h(p, x).transpose(0, 2, 1), one, one), x8),
+      ("S5: a slice across a group boundary", lambda p, x: ln(_h(p, x)[..., 1:5], one, one), x),
+      ("S8: pieces that are not whole groups", lambda p, x: ln(
+          jnp.concatenate([_h(p, x), _h(p, x)[..., :4]], -1).reshape(x.shape[:2] + (2, 6)), one, one), x),
+      ("R4: a cumulative sum along d", lambda p, x: ln(lax.cumsum(_h(p, x), 2), one, one), x),
+      ("S9: padding with ones", lambda p, x: ln(jnp.pad(_h(p, x), ((0, 0), (0, 0), (0, 2)), constant_values=1.0),
+                                                one, one), x),
+      ("S19: a strided group of a split axis", lambda p, x: ln(_h(p, x).reshape(x.shape[:2] + (2, D // 2)), one,
+                                                                one, (-2,)), x),
+  ):
+    leaves, blockers = _needs(fn, p, xx)
+    assert blockers, f"{what}: the walk claims a zero sum after centering {leaves}"
