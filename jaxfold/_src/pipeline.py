@@ -236,7 +236,7 @@ def analyzer(traced: Traced, *, cbwc: bool = False, through_dropout: bool = Fals
   the parameters, valid inside the ``with`` (which owns the factor tables of
   ``algebra``)."""
   with algebra.scope(), no_gc():
-    an = Analyzer(Program(traced.closed), cbwc=cbwc, through_dropout=through_dropout)
+    an = Analyzer(Program(traced.closed, custom_boundaries=cbwc), cbwc=cbwc, through_dropout=through_dropout)
     an.num_leaves = len(traced.names)
     yield an
 

@@ -154,10 +154,12 @@ class Program:
   """One level of a traced program: nodes in execution order."""
 
   def __init__(self, jaxpr: Any, consts: Optional[list] = None, prefix: Path = (),
-               parent: Optional[tuple] = None, calls: tuple = ()):
+               parent: Optional[tuple] = None, calls: tuple = (), custom_boundaries: bool = False):
     inner, inner_consts = compat.open_jaxpr(jaxpr)
     consts = list(consts) if consts else inner_consts
     self.prefix = prefix
+    # CBWC: a custom_jvp/custom_vjp call that returns an input unchanged stays a node (see _kept)
+    self.custom_boundaries = custom_boundaries
     self.parent = parent                       # (Node, Program) for loop/branch bodies
     self.nodes: list[Node] = []
     self.consts: list[Val] = []
@@ -180,6 +182,11 @@ class Program:
       ins = [_read(env, a) for a in eqn.invars]
       rule = rule_for(eqn.primitive)
       call = rule.inline(eqn)
+      own = ()
+      if call is not None and self._kept(call):
+        own = (CallSite(path, call.kind, compat.call_name(eqn), compat.user_source(eqn) or compat.source_summary(eqn),
+                        compat.name_stack(eqn)),)
+        call = None
       if call is not None:
         inner, consts = compat.open_jaxpr(call.body)
         sub = {}
@@ -196,14 +203,25 @@ class Program:
         for ov, iv in zip(eqn.outvars, inner.outvars):
           env[ov] = _read(sub, iv)
         continue
-      node = Node(eqn, path, ins, calls, len(self.nodes), self)
+      node = Node(eqn, path, ins, calls + own, len(self.nodes), self)
       node.outs = tuple([Val(v.aval, (path, "out", k), self, producer=node, index=k)
                          for k, v in enumerate(eqn.outvars)])
       for v, val in zip(eqn.outvars, node.outs):
         env[v] = val
-      node.subs = tuple(Program(j, None, path + (k,), (node, self), calls)
+      node.subs = tuple(Program(j, None, path + (k,), (node, self), calls + own, self.custom_boundaries)
                         for k, j in enumerate(rule.bodies(eqn)))
       self.nodes.append(node)
+
+  def _kept(self, call: Any) -> bool:
+    """A custom-differentiation call kept as a node: flattened, an output that is an input
+    unchanged (``clip_gradient(x) = x`` with its own backward rule) has no node inside the call,
+    so nothing would tell CBWC that a shift crosses the custom rule (whose gradient then sees the
+    projected cotangent). As a node it is opaque: its ``custom_calls`` name it."""
+    if not self.custom_boundaries or call.kind not in ("custom_jvp", "custom_vjp"):
+      return False
+    inner, _ = compat.open_jaxpr(call.body)
+    ins = {id(v) for v in inner.invars}
+    return any(id(v) in ins for v in inner.outvars)
 
   # -- dataflow maps ----------------------------------------------------------
 

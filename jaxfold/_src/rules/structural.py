@@ -647,10 +647,21 @@ def _dus_zero_sum(node, k, spec, ctx):
   return [Need(i, spec) for i in (0, 1) if not ctx.is_zero(node.ins[i])]
 
 
-register(Rule("dynamic_update_slice", (lax.dynamic_update_slice_p,),
-              facts=lambda node, ins, ctx: [Facts(
-                  (ins[0].const & ins[1].const) | size_one(node.outs[0].shape), None,
-                  ins[0].random or ins[1].random)],
+def _dus_facts(node, ins, ctx):
+  """Constant along a dim where operand and update both are and the update spans it whole:
+  along a dim it covers in part, positions mix the two (ones written over half of a zeros
+  vector are not constant), unless both are the same known scalar."""
+  a, u = ins[0], ins[1]
+  out_shape = node.outs[0].shape
+  random = a.random or u.random
+  if a.value is not None and a.value == u.value:
+    return [Facts(frozenset(range(len(out_shape))), a.value, random)]
+  covered = _dus_covered(node)
+  const = frozenset(d for d in a.const & u.const if covered[d])
+  return [Facts(const | size_one(out_shape), None, random)]
+
+
+register(Rule("dynamic_update_slice", (lax.dynamic_update_slice_p,), facts=_dus_facts,
               canon=lambda node, ins, ctx: [A.app(node.tag(), ins, node.outs[0].shape, False)],
               shift=_dus_shift, zero_sum=_dus_zero_sum, simplify=_all_data_zero(2)))
 

@@ -298,6 +298,16 @@ def test_dynamic_update_slice_features(x64):
       0, extra=index_args((2, 5)))
 
 
+@pytest.mark.parametrize("index", ["static", "traced"])
+def test_dynamic_update_slice_mask_is_not_constant(x64, index):
+  # A mask of ones over half the features on zeros: each piece is constant along d, the result
+  # is not. (The facts once said it was, and h · mask folded wrongly, error 0.6.)
+  def op(h, p, *i):
+    start = (i[0],) if i else (0,)
+    return h * lax.dynamic_update_slice(jnp.zeros((D,), h.dtype), jnp.ones((D // 2,), h.dtype), start)
+  run(op, 0, extra=index_args((0, 3)) if index == "traced" else None)
+
+
 # ----------------------------------------------------------------------------
 # gather / iota
 
