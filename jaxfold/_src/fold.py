@@ -460,10 +460,11 @@ class _Centering:
   a plan that another shape changes keeps the jobs it shares."""
 
   _PARALLEL_BYTES = 1 << 20   # smaller leaves: a thread hop costs more than it saves
+  _SPLIT_BYTES = 16 << 20     # larger ones (an embedding table) also split into row blocks
 
   def __init__(self, leaves: list):
     self._leaves = leaves
-    self._futures: dict = {}   # (leaf index, spec) -> Future of the centered NumPy array
+    self._futures: dict = {}   # (leaf index, spec) -> Future (or _Blocks) of the centered NumPy array
 
   def start(self, an: Analysis) -> None:
     """Starts every large centering of ``an``'s plan not started yet, largest first."""
@@ -472,7 +473,19 @@ class _Centering:
       x = self._leaves[i]
       if (not isinstance(x, jax.ShapeDtypeStruct) and _nbytes(x) >= self._PARALLEL_BYTES
           and _on_host(x)):
-        self._futures[(i, spec)] = _pool().submit(_host_center, np.asarray(x), dict(spec))
+        self._futures[(i, spec)] = self._submit(np.asarray(x), dict(spec))
+
+  def _submit(self, x: np.ndarray, spec: dict):
+    # The mean (accumulated in float64) is compute-bound: one large table on one
+    # thread is the fold's critical path. Blocks of rows along a dim the spec
+    # does not center are independent and contiguous (dim 0 of a C-ordered array).
+    workers = _pool()._max_workers
+    if _nbytes(x) < self._SPLIT_BYTES or workers < 2 or 0 in spec or x.ndim < 2 or x.shape[0] < workers:
+      return _pool().submit(_host_center, x, spec)
+    out = _aligned_empty(x.shape, x.dtype)
+    cuts = np.linspace(0, x.shape[0], workers + 1).astype(int)
+    return _Blocks(out, [_pool().submit(layout.center, x[a:b], spec, out[a:b])
+                         for a, b in zip(cuts[:-1], cuts[1:])])
 
   def cancel(self) -> None:
     for f in self._futures.values():
@@ -497,6 +510,27 @@ class _Centering:
     finally:
       self.cancel()   # speculation the final plan does not use
     return new, untied
+
+
+class _Blocks:
+  """The futures of one leaf centered by row blocks into ``out``, as one future."""
+
+  def __init__(self, out: np.ndarray, futures: list):
+    self._out, self._futures = out, futures
+
+  def result(self) -> np.ndarray:
+    for f in self._futures:
+      f.result()
+    return self._out
+
+  def cancel(self) -> bool:
+    return all([f.cancel() for f in self._futures])
+
+  def cancelled(self) -> bool:
+    return all(f.cancelled() for f in self._futures)
+
+  def done(self) -> bool:
+    return all(f.done() for f in self._futures)
 
 
 def _nbytes(x) -> int:

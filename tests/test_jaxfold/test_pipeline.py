@@ -288,6 +288,33 @@ def test_centered_leaves_equal_host_centering_and_keep_dtype_and_sharding(x64, d
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_large_leaves_center_by_row_blocks(x64, dtype, monkeypatch):
+  """A large leaf is centered by blocks of rows on the workers (not along a
+  centered dim 0), with exactly ``_center_leaf``'s values; inputs untouched."""
+  from jaxfold._src import fold as F
+  pool = concurrent.futures.ThreadPoolExecutor(max_workers=3)
+  monkeypatch.setattr(F, "_POOL", [pool])
+  monkeypatch.setattr(F._Centering, "_SPLIT_BYTES", 1 << 20)
+  key = jax.random.PRNGKey(2)
+  shapes = [(2001, 520), (8, 300, 256), (2048, 300), (1200, 1024)]
+  specs = (((1, 520),), ((2, 64),), ((0, 2048),), ((1, 1024),))   # the third centers dim 0: whole
+  leaves = [jax.random.normal(jax.random.fold_in(key, i), s, jnp.float32).astype(dtype) * 3 + 1
+            for i, s in enumerate(shapes)]
+  before = [np.asarray(x).copy() for x in leaves]
+  an = types.SimpleNamespace(leaf_specs=tuple(enumerate(specs)), untied=())
+  centering = F._Centering(leaves)
+  centering.start(an)
+  assert [type(centering._futures[(i, s)]) is F._Blocks for i, s in enumerate(specs)] == [True, True, False, True]
+  new, _ = centering.result(an)
+  pool.shutdown(wait=True)
+  for i, spec in enumerate(specs):
+    assert new[i].dtype == dtype and new[i].shape == shapes[i]
+    np.testing.assert_array_equal(np.asarray(new[i]), np.asarray(F._center_leaf(leaves[i], spec)))
+  for x, b in zip(leaves, before):
+    np.testing.assert_array_equal(np.asarray(x), b)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_threaded_centering_equals_leaf_by_leaf(x64, dtype, monkeypatch):
   """``_Centering`` (large leaves on worker threads, kept when the final plan
   shares them; small ones inline, abstract ones kept, untied copies) gives
