@@ -107,18 +107,18 @@ class Analysis:
 
 
 def analyse(apply_fn: Callable, params: Any, args: tuple, opts: FoldOptions,
-            cbwc: bool = False, fixed: Optional[tuple] = None, call: Optional[str] = None) -> Analysis:
+            cbwc: bool = False, fixed: Optional[tuple] = None, later: Optional[str] = None) -> Analysis:
   """Traces ``apply_fn`` at abstract params/args and plans the fold; with
   ``fixed`` (another analysis' ``param_key``) the plan keeps exactly those
-  centered parameters or raises ``PlanConflict``. ``call``: ``args`` are a
-  later call's (``pipeline.trace``'s message names them)."""
+  centered parameters or raises ``PlanConflict``. ``later``: ``args`` are a
+  later call's, described so (``pipeline.trace``'s message names them)."""
   _check_params(params)
   # One collector pause for the trace and the analysis (pipeline.no_gc): the
   # analysis' object graph is garbage before the collector runs again, so
   # the next collection frees it young instead of promoting it alive.
   with pipeline.no_gc():
     traced = pipeline.trace(apply_fn, pipeline.abstract_tree(params), pipeline.abstract_tree(args),
-                            error=FoldError, call=call)
+                            error=FoldError, later=later)
     key = (opts, cbwc, traced.names, fixed)
     cached = _ANALYSES.get(traced.closed, key)
     if cached is not None:
@@ -334,7 +334,7 @@ class FoldedApply(PipelineApply):
       params = jax.tree_util.tree_unflatten(self._tree, [abstract(x) for x in leaves])
     made = "cbwc" if self._center else "fold"
     at = f"shapes {shapes_text(call.args)}; {made}() was given {shapes_text(self._example)}"
-    an = analyse(call.fn, params, call.args, self._opts, cbwc=self._center, call=at)
+    an = analyse(call.fn, params, call.args, self._opts, cbwc=self._center, later=at)
     # CBWC centers in the forward pass, per analysis; a fold's parameters are fixed.
     if not self._center and not _compatible(an, self._base):
       try:   # the fold's parameters, proved at these shapes

@@ -203,10 +203,10 @@ def trace_session() -> contextlib.AbstractContextManager:
 
 
 def trace(fn: Callable, params: Any, args: tuple, error: Optional[type] = None,
-          call: Optional[str] = None) -> Traced:
+          later: Optional[str] = None) -> Traced:
   """Traces ``fn(params, *args)`` (abstract or concrete values); with
   ``error``, a failure to trace is re-raised as that class with what to fix.
-  ``call``: these are a later call's arguments, not the example (its shapes,
+  ``later``: these are a later call's arguments, not the example (its shapes,
   for the message: the example traced, so the call's arguments are at fault)."""
   try:
     with no_gc(), trace_session():
@@ -217,8 +217,8 @@ def trace(fn: Callable, params: Any, args: tuple, error: Optional[type] = None,
     if error is None:
       raise
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    what, args_name = ("apply_fn(params, *example_args)", "params/example_args") if call is None else (
-        f"apply_fn(params, *args) with this call's arguments ({call})", "params and these arguments")
+    what, args_name = ("apply_fn(params, *example_args)", "params/example_args") if later is None else (
+        f"apply_fn(params, *args) with this call's arguments ({later})", "params and these arguments")
     raise error(
         f"could not trace {what}: {type(e).__name__}: {first}\n"
         "jaxfold analyses the function's jaxpr, so apply_fn must be traceable by jax "
