@@ -10,9 +10,13 @@ we compare them by identity and never by name.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from typing import Any, Optional, Sequence
+import sys
+import sysconfig
+import threading
+from typing import Any, Iterator, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -408,3 +412,118 @@ def reduce_precision_p() -> Any:
 
 
 P = lax  # primitives such as lax.add_p are public in every supported version.
+
+
+# ----------------------------------------------------------------------------
+# Python comparisons of jax.export symbolic sizes.
+#
+# ``b == 5`` on a symbolic dim is False unless jax can prove it true (its
+# ``_DimExpr.__eq__`` says so itself: "really unsound"), so a program that
+# branches on it is traced as one branch for every size. jax's own code only
+# asks such questions where False is safe; user code may not.
+
+_EQ_STATE: dict = {"depth": 0, "orig": None}
+_EQ_LOCK = threading.Lock()
+_EQ_LOCAL = threading.local()
+
+
+def _dim_expr_class() -> Any:
+  try:
+    from jax._src.export import shape_poly
+  except ImportError:  # pragma: no cover - another layout: no recording
+    return None
+  cls = getattr(shape_poly, "_DimExpr", None)
+  return cls if isinstance(getattr(cls, "__eq__", None), type(lambda: 0)) else None
+
+
+@functools.lru_cache(maxsize=1)
+def _trusted_dirs() -> tuple:
+  """jax's and jaxfold's own code (which treat an unproved ``==`` as unknown)."""
+  import importlib.util
+  dirs = []
+  for name in ("jax", "jaxlib", "jaxfold"):
+    spec = importlib.util.find_spec(name)
+    for d in (spec.submodule_search_locations or []) if spec else []:
+      dirs.append(os.path.join(os.path.realpath(d), ""))
+  return tuple(dirs)
+
+
+@functools.lru_cache(maxsize=1)
+def _pass_through_dirs() -> tuple:
+  """Code that only relays a comparison (the standard library: functools,
+  dataclasses, operator, ...): the caller above it decides."""
+  return tuple(os.path.join(os.path.realpath(sysconfig.get_paths()[k]), "") for k in ("stdlib", "platstdlib"))
+
+
+@functools.lru_cache(maxsize=4096)
+def _frame_kind(path: str, name: str) -> str:
+  if path.startswith("<"):   # generated code: a dataclass' __eq__ relays, anything else is the user's
+    return "pass" if name in ("__eq__", "__ne__") else "user"
+  real = os.path.realpath(path)
+  if real.startswith(_trusted_dirs()):
+    return "trusted"
+  return "pass" if real.startswith(_pass_through_dirs()) else "user"
+
+
+def _provably_unequal(a: Any, b: Any) -> bool:
+  """``a != b`` for every value of the symbols (or not a size comparison)."""
+  if isinstance(b, type(a)) and getattr(b, "scope", None) is not getattr(a, "scope", None):
+    return True
+  try:
+    d = a - b
+  except Exception:  # noqa: BLE001 - not a size (None, a string, a tracer): plainly unequal
+    return True
+  for decide in (lambda: d >= 1, lambda: d <= -1):
+    try:
+      if decide():
+        return True
+    except Exception:  # noqa: BLE001 - jax's InconclusiveDimensionOperation
+      pass
+  return False
+
+
+def _recording_eq(self, other):
+  out = _EQ_STATE["orig"](self, other)
+  log = getattr(_EQ_LOCAL, "log", None)
+  if out or log is None or getattr(_EQ_LOCAL, "busy", False):
+    return out
+  _EQ_LOCAL.busy = True   # (deciding compares sizes too)
+  try:
+    if not _provably_unequal(self, other):
+      f = sys._getframe(1)   # the comparing frame: past jax's own __ne__ and relays
+      while f is not None and (f.f_code.co_filename == _EQ_STATE["file"]
+                               or _frame_kind(f.f_code.co_filename, f.f_code.co_name) == "pass"):
+        f = f.f_back
+      if f is not None and _frame_kind(f.f_code.co_filename, f.f_code.co_name) == "user":
+        log.append(f"`{self} == {other}` at {_short_path(f.f_code.co_filename)}:{f.f_lineno}")
+  finally:
+    _EQ_LOCAL.busy = False
+  return out
+
+
+@contextlib.contextmanager
+def undecided_size_comparisons() -> Iterator[list]:
+  """Yields a list that collects, while the block runs on this thread, each
+  ``==``/``!=`` of a symbolic size (``jax.export.symbolic_shape``) that code
+  outside jax and jaxfold made and jax decided as unequal without proof
+  (``b == 5``, ``b % 4 == 0``, ``b == t``): ``"`b == 5` at file.py:12"``.
+  Where this jax keeps its sizes elsewhere, the list stays empty."""
+  cls = _dim_expr_class()
+  if cls is None or getattr(_EQ_LOCAL, "log", None) is not None:
+    yield []
+    return
+  with _EQ_LOCK:
+    if _EQ_STATE["depth"] == 0:
+      _EQ_STATE["orig"], _EQ_STATE["file"] = cls.__eq__, cls.__eq__.__code__.co_filename
+      cls.__eq__ = _recording_eq
+    _EQ_STATE["depth"] += 1
+  log: list = []
+  _EQ_LOCAL.log = log
+  try:
+    yield log
+  finally:
+    _EQ_LOCAL.log = None
+    with _EQ_LOCK:
+      _EQ_STATE["depth"] -= 1
+      if _EQ_STATE["depth"] == 0:
+        cls.__eq__ = _EQ_STATE["orig"]

@@ -13,10 +13,13 @@ size and sequence length.  When the program does not support symbolic shapes
 (Python control flow on a shape, shape-dependent slicing that jax cannot
 prove in range, ...) ``export`` retries with a symbolic batch only and then
 with the concrete example shapes, warning each time. A Python branch on a size
-that tracing *can* decide (``x.shape[0] == 1`` is False for a symbolic batch)
-is decided once for every size: with ``check=True`` the symbolic program is also
-run with every symbolic dim 1 and one larger than the example, and a program
-that differs there from ``folded.apply_fn`` is exported with fewer symbolic dims.
+that tracing *can* decide (``x.shape[0] == 1``, ``b % 4 == 0``, ``b == 5`` are
+False for a symbolic batch unless provably true) is decided once for every
+size: such a comparison, made by the program (not by jax or jaxfold) while it
+is traced, makes ``export`` use fewer symbolic dims; and with ``check=True`` the
+symbolic program is also run with every symbolic dim 1 and one larger than the
+example, and a program that differs there from ``folded.apply_fn`` is exported
+with fewer symbolic dims.
 
 The bytes are a small container around the ``jax.export`` serialization::
 
@@ -211,12 +214,20 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
   flat = (p_leaves,) if (params_as_argument or bundled) else ()
   for attempt in attempts:
     try:
-      exported = exporter(*p_spec, *_arg_specs(example_args, attempt))
+      with compat.undecided_size_comparisons() as undecided:
+        exported = exporter(*p_spec, *_arg_specs(example_args, attempt))
     except Exception as e:  # noqa: BLE001 - shape polymorphism errors come in many types
       if not attempt:
         raise
       first = (str(e).strip().splitlines() or [""])[0]
       errors.append(f"symbolic {attempt}: {type(e).__name__}: {first[:300]}")
+      continue
+    if attempt and undecided:
+      # ``b == 5`` is False for a symbolic b (True would need a proof): a
+      # branch on it was traced once for every size, right only where it holds.
+      errors.append(f"symbolic {attempt}: the program compares symbolic sizes in Python, which jax.export "
+                    f"decides as unequal for every size ({'; '.join(dict.fromkeys(undecided))})")
+      exported = None
       continue
     if attempt and check and concrete:
       # A Python branch on a symbolic size is decided once, for all sizes
