@@ -383,9 +383,9 @@ class _Loaded:
       if not fixed:
         exported = "fixed shapes" if all(isinstance(d, (int, np.integer)) for d in a.shape) else "these shapes"
         return (f"{self.source}: input #{k} has shape {shape}, but the program was exported for {exported} "
-                f"{a.str_short()} (an export falls back to the example's shapes, with an ExportWarning, where "
-                "the program cannot be proved at symbolic ones): call it at that shape, or export again "
-                "with example arguments of the shapes you will call with")
+                f"{a.str_short()} (its int dims are fixed: not asked to be symbolic, or kept at the example's "
+                "size, with an ExportWarning, where the program could not be proved symbolic in them): call it "
+                "at that shape, or export again with example arguments of the shapes you will call with")
     return None
 
   def __repr__(self):
