@@ -684,7 +684,12 @@ class FusedApply(PipelineApply):
     removed = dict(an.removed)
     given = jax.tree_util.tree_flatten(params.base, is_leaf=lambda x: x is None)[0]
     if len(given) != len(self._leaves):
-      raise FuseError("params.base does not have the structure of the fused parameters")
+      # A model fused before (fuse_affine of a fused or rotated model) has Nones
+      # that are empty subtrees of the folded tree, not leaves: flatten up to it.
+      try:
+        given = self._tree.flatten_up_to(params.base)
+      except (ValueError, TypeError) as err:
+        raise FuseError("params.base does not have the structure of the fused parameters") from err
     flat = []
     for i, (x, ref) in enumerate(zip(given, self._leaves)):
       if i in removed:
