@@ -431,6 +431,7 @@ def test_fuse_affine_of_a_transformed_model(x64, tmp_path, inner):
     _same(pre_ln, p, jaxfold.load_fold(tmp_path / "f", pre_ln))
 
 
+@pytest.mark.slow
 def test_transforms_compose_and_round_trip(x64, tmp_path):
   p = _params(**P)
   x = _x(*SHAPES[0])
