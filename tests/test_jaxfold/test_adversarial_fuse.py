@@ -180,6 +180,11 @@ def norm_in_while(p, x):
   return lax.while_loop(lambda c: c[0] < 2, body, (0, _stem(p, x)))[1] @ p["w2"]
 
 
+def conv_1x1_reader(p, x):   # a 1x1 conv contracts d too, but is not a dot_general: kept
+  return lax.conv_general_dilated(_y(p, x), p["w2"][None, None], (1, 1), "SAME",
+                                  dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
 def two_axis_norm(p, x):   # a norm over two axes, read by a contraction over both
   h = _stem(p, x).reshape(x.shape[:-1] + (4, 4))
   y = _ln(h, p["g"].reshape(4, 4), p["beta"].reshape(4, 4), axis=(-2, -1))
@@ -213,17 +218,19 @@ REFUSED = [   # (program, the first site's reason, affine sites found)
     (norm_in_switch, None, 0),                # norms inside sub-jaxprs are not fused
     (norm_in_while, None, 0),
     (two_axis_norm, None, 0),
+    (conv_1x1_reader, "`conv_general_dilated` reads it, which is " + NOT_READ, 1),
 ]
 
 
 @pytest.mark.parametrize("fn, why, n", REFUSED, ids=[r[0].__name__ for r in REFUSED])
 def test_refused_with_reason(x64, fn, why, n):
   p = _params(**P)
-  d = jaxfold.fold(p, fn, _x(*SHAPES[0]), defer_norms=True)
+  shapes = [(2, 5, 6, 4), (1, 3, 4, 4)] if fn is conv_1x1_reader else SHAPES
+  d = jaxfold.fold(p, fn, _x(*shapes[0]), defer_norms=True)
   assert len(d.report.sites) == n and d.report.num_fused == d.report.num_deferred == 0, d.report
   if why is not None:
     assert why in d.report.sites[0].reason and why in d.report.deferred[0].reason, d.report
-  _same(fn, p, d)
+  _same(fn, p, d, shapes)
 
 
 # ----------------------------------------------------------------------------
@@ -361,6 +368,29 @@ def eps_outside_sqrt(p, x):
   return (h / (jnp.sqrt(jnp.mean(h * h, -1, keepdims=True)) + 1e-3) * p["g"] + p["beta"]) @ p["w2"]
 
 
+def _grouped(p, x, axes):
+  h = _stem(p, x)
+  hs = h.reshape(h.shape[:-1] + (4, 4))
+  m = hs.mean(axes, keepdims=True)
+  n = (hs - m) * lax.rsqrt(jnp.square(hs - m).mean(axes, keepdims=True) + 1e-5)
+  return n.reshape(h.shape) * p["g"] + p["beta"]
+
+
+def group_norm_per_token(p, x):   # γ fuses; s is per group, not constant along d: not deferred
+  return _grouped(p, x, (-1,)) @ p["w2"]
+
+
+def group_norm_over_tokens(p, x):
+  return _grouped(p, x, (1, -1)) @ p["w2"]
+
+
+def gamma_on_the_token_axis(p, x):   # γ along axis 1 (S == D), norm over axis 2: contracted on 1
+  h = _stem(p, x)
+  m = h.mean(-1, keepdims=True)
+  n = (h - m) * lax.rsqrt(jnp.square(h - m).mean(-1, keepdims=True) + 1e-6)
+  return jnp.einsum("bij,ik->bjk", n * p["g"][:, None] + p["beta"][:, None], p["wsq"])
+
+
 EXACT = [   # (program, sites fused, sites deferred)
     (broadcast_reader, 1, 1), (transposed_input, 1, 1), (expanded_reader, 1, 1),
     (matvec_reader, 1, 1), (vector_as_weight, 1, 1), (bias_added_twice, 1, 1),
@@ -369,19 +399,23 @@ EXACT = [   # (program, sites fused, sites deferred)
     (norm_in_jit, 1, 1), (reader_in_jit, 1, 1), (reader_in_remat, 1, 1), (reader_custom_jvp, 1, 1),
     (norm_in_remat, 1, 0), (scan_layers, 1, 1), (second_norm_eps0, 1, 1), (second_norm_ln, 2, 2),
     (half_feature_statistic, 1, 1), (other_tensor_statistic, 1, 1), (max_abs_statistic, 1, 1),
-    (eps_outside_sqrt, 1, 1), (weight_columns_sliced, 0, 0),
+    (eps_outside_sqrt, 1, 1), (weight_columns_sliced, 0, 0), (group_norm_per_token, 1, 0),
+    (group_norm_over_tokens, 1, 0), (gamma_on_the_token_axis, 1, 0),
 ]
 
 
 @pytest.mark.parametrize("fn, fused, deferred", EXACT, ids=[e[0].__name__ for e in EXACT])
 def test_fused_and_deferred_equal_the_original(x64, fn, fused, deferred):
   p = _params(**P)
-  fu = jaxfold.fuse_affine(jaxfold.fold(p, fn, _x(*SHAPES[0])))
+  shapes = [(3, D, 4), (2, D, 4)] if fn is gamma_on_the_token_axis else SHAPES
+  fu = jaxfold.fuse_affine(jaxfold.fold(p, fn, _x(*shapes[0])))
   d = jaxfold.defer_norms(fu)
   assert fu.report.num_fused == d.report.num_fused == fused, fu.report
   assert d.report.num_deferred == deferred, d.report
-  _same(fn, p, fu)
-  _same(fn, p, d)
+  if fused and not deferred:
+    assert "γ ⊙ x ⊙ s + β" in d.report.deferred[0].reason or "remat" in d.report.deferred[0].reason
+  _same(fn, p, fu, shapes)
+  _same(fn, p, d, shapes)
 
 
 # Per-row statistics that are not x · rsqrt(Σx²/n + ε) over the contracted axis:
@@ -552,3 +586,53 @@ def test_rotate_stream_readers(x64, read):
   r = jaxfold.rotate(fu, _orth())
   assert r.report.norms >= 2, r.report
   _same(fn, p, r)
+
+
+def _writer(write):
+  def fn(p, x):
+    return _block_from(p, write(p, x))[1]
+  fn.__name__ = write.__name__
+  return fn
+
+
+def _block_from(p, h):
+  h = h + jnp.tanh(_ln(h, p["g"], p["beta"]) @ p["wa"] + p["ba"]) @ p["wb"]
+  return h, _ln(h, p["g2"], p["beta2"]) @ p["w2"] + p["b2"]
+
+
+def scalar_bias(p, x):            # c·1 along d: no rotated form
+  return _stem(p, x) + p["b1"][0]
+
+
+def reversed_positions(p, x):
+  return _stem(p, x) + p["emb"][::-1][:x.shape[1]]
+
+
+def strided_weight(p, x):
+  return x @ jnp.concatenate([p["w1"], p["w1"]], -1)[:, ::2] + p["b1"]
+
+
+def positions(p, x):
+  return _stem(p, x) + p["emb"][:x.shape[1]]
+
+
+def per_token_scale(p, x):
+  return _stem(p, x) * jnp.abs(x[..., :1])
+
+
+WRITERS_REFUSED = [scalar_bias, reversed_positions, strided_weight]
+WRITERS_EXACT = [positions, per_token_scale]
+
+
+@pytest.mark.parametrize("write", WRITERS_REFUSED + WRITERS_EXACT,
+                         ids=[f.__name__ for f in WRITERS_REFUSED + WRITERS_EXACT])
+def test_rotate_stream_writers(x64, write):
+  p = _params(**P)
+  fn = _writer(write)
+  fu = jaxfold.fuse_affine(jaxfold.fold(p, fn, _x(*SHAPES[0])))
+  assert fu.report.num_fused == 2, fu.report
+  if write in WRITERS_REFUSED:
+    with pytest.raises(jaxfold.RotateError, match="not provably exact"):
+      jaxfold.rotate(fu, _orth())
+    return
+  _same(fn, p, jaxfold.rotate(jaxfold.defer_norms(fu), _orth()))
