@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxfold._src import affine, rotate
+from jaxfold._src import affine, pipeline, rotate
 from jaxfold._src.deferral import Deferred, DeferSite
 
 __all__ = ["DeferSite", "Deferred", "defer_norms"]
@@ -47,7 +47,7 @@ def defer_norms(model: Any, *example_args: Any) -> Any:
     model = affine.fuse_affine(model, *example_args)
     fn = model.apply_fn
   args = tuple(example_args) if example_args else fn.example_args
-  kwargs = {} if example_args else dict(fn.example_kwargs)
+  kwargs = pipeline.model_kwargs(model, example_args)
   call = fn.bind(args, kwargs)
   an = affine.analyse(call.fn, fn._params, call.abstract_args(affine.FuseError), defer=True)
   if an.key[:4] != fn._base.key[:4]:

@@ -258,11 +258,15 @@ def model_parts(model: Any, example_args: tuple, takes: str, error: type) -> tup
 
 def model_kwargs(model: Any, example_args: tuple) -> dict:
   """The example keyword arguments a transform analyses at: those the model's
-  apply function recorded (the fold's ``example_kwargs``), unless the caller
-  passed other example arguments."""
+  apply function recorded (the fold's ``example_kwargs``). Where the caller
+  passed other example arguments, only the static ones (``train=False``: which
+  program the model is) are kept; array ones (a mask) go with the example's
+  shapes and are dropped with them."""
+  kwargs = dict(getattr(getattr(model, "apply_fn", None), "example_kwargs", None) or {})
   if example_args:
-    return {}
-  return dict(getattr(getattr(model, "apply_fn", None), "example_kwargs", None) or {})
+    kwargs = {k: v for k, v in kwargs.items()
+              if not any(is_array(x) for x in jax.tree_util.tree_leaves(v))}
+  return kwargs
 
 
 # ----------------------------------------------------------------------------

@@ -636,3 +636,42 @@ def test_rotate_stream_writers(x64, write):
       jaxfold.rotate(fu, _orth())
     return
   _same(fn, p, jaxfold.rotate(jaxfold.defer_norms(fu), _orth()))
+
+
+# ----------------------------------------------------------------------------
+# Example arguments passed to a transform keep the fold's static keyword
+# arguments: they say which program the model is (bug: defer_norms(fused, x)
+# and rotate(fused, q, x) dropped `flag=True` and analysed the flag=False
+# program: FuseError "these inputs fuse differently ... pass the same
+# example_args" / "inputs of these shapes (2, 5, 4) fuse differently", naming
+# the shapes, which were not the cause). Array ones (a mask) go with the
+# example's shapes and are dropped with them.
+
+
+def flagged(p, x, flag=False, mask=None):
+  y = _y(p, x)
+  out = y @ p["w2"] + p["b2"]
+  if flag:
+    out = out + (_ln(_stem(p, x) * 2, p["g2"], p["beta2"]) @ p["w5"]).sum(-1, keepdims=True)
+  if mask is not None:
+    out = out * mask[..., None]
+  return out
+
+
+def test_transforms_given_example_args_keep_static_kwargs(x64):
+  p = _params(**P)
+  x, x2 = _x(*SHAPES[0]), _x(*SHAPES[1], seed=2)
+  fu = jaxfold.fuse_affine(jaxfold.fold(p, flagged, x, example_kwargs={"flag": True}))
+  assert fu.report.num_fused == 2, fu.report
+  for m in [jaxfold.fuse_affine(jaxfold.fold(p, flagged, x, example_kwargs={"flag": True}), x2),
+            jaxfold.defer_norms(fu, x2), jaxfold.rotate(fu, _orth(), x2)]:
+    assert m.apply_fn.example_kwargs == {"flag": True}
+    assert getattr(m.report, "num_fused", 2) == 2, m.report
+    for xs in (x, x2):
+      assert rel_err(flagged(p, xs, flag=True), m.apply_fn(m.params, xs, flag=True)) < 1e-9
+  mask = (x[..., 0] > 0).astype(jnp.float64)
+  fm = jaxfold.fuse_affine(jaxfold.fold(p, flagged, x, example_kwargs={"mask": mask}))
+  d = jaxfold.defer_norms(fm, x2)
+  assert d.apply_fn.example_kwargs == {} and d.report.num_deferred == 1, d.report
+  m2 = (x2[..., 0] > 0).astype(jnp.float64)
+  assert rel_err(flagged(p, x2, mask=m2), d.apply_fn(d.params, x2, mask=m2)) < 1e-9
