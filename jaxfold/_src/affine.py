@@ -659,6 +659,7 @@ class FusedApply(PipelineApply):
     super().__init__(inner, params_abstract, args, kwargs)
     self._leaves, self._tree = jax.tree_util.tree_flatten(params_abstract)
     self._base = base
+    self._example_key = self.bind(args, kwargs).key
     self.seed(self.bind(args, kwargs), base)
 
   def analysis_for(self, args: tuple, kwargs: Optional[dict] = None) -> FuseAnalysis:
@@ -666,12 +667,16 @@ class FusedApply(PipelineApply):
 
   def _analyse(self, call: Call) -> FuseAnalysis:
     an = analyse(call.fn, self._params, call.abstract_args(FuseError), self._base.defer)
+    what = f"inputs of these shapes ({pipeline.shapes_text(call.args)})"
+    kw, ex = pipeline.key_kwargs_text(call.key), pipeline.key_kwargs_text(self._example_key)
+    if kw != ex:   # another program (train=True, a flag): not the shapes' doing
+      what += f" and keyword arguments ({kw or 'none'}; the example's: {ex or 'none'})"
     if an.key[:4] != self._base.key[:4]:
-      raise FuseError(f"inputs of these shapes ({pipeline.shapes_text(call.args)}) fuse differently from "
-                      "the example fuse_affine was given; call fuse_affine again for them")
+      raise FuseError(f"{what} fuse differently from the example fuse_affine was given; call "
+                      "fuse_affine again for them")
     if an.key != self._base.key:
-      raise FuseError(f"inputs of these shapes ({pipeline.shapes_text(call.args)}) defer differently from "
-                      "the example defer_norms was given (the report would not hold for them): "
+      raise FuseError(f"{what} defer differently from the example defer_norms was given (the report "
+                      "would not hold for them): "
                       + _defer_diff(self._base.report.deferred, an.report.deferred))
     return an
 

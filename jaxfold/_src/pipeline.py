@@ -164,6 +164,22 @@ def bind(apply_fn: Callable, args: tuple, kwargs: Optional[dict], error: type = 
   return Call((signature(call_args), tree, dyn, static), bound, call_args)
 
 
+class _Traced:
+  def __repr__(self) -> str:
+    return "<array>"
+
+
+def key_kwargs_text(key: tuple) -> str:
+  """The keyword arguments of a ``Call.key``, for messages: static values, and
+  ``<array>`` for traced leaves ("" without keyword arguments)."""
+  if len(key) != 4:
+    return ""
+  _, tree, dyn, static = key
+  it = iter(static)
+  kwargs = jax.tree_util.tree_unflatten(tree, [_Traced() if d else next(it) for d in dyn])
+  return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+
+
 def kwargs_text(kwargs: dict) -> str:
   return ", ".join(f"{k}={'<array>' if is_array(v) else repr(v)}" for k, v in kwargs.items())
 
@@ -347,5 +363,5 @@ class PipelineApply:
 
 
 __all__ = ["Call", "PipelineApply", "Traced", "abstract", "abstract_tree", "analyzer", "bind",
-           "dtype_of", "is_array", "kwargs_text", "leaves_signature", "model_parts", "no_gc", "shapes_text",
-           "signature", "trace"]
+           "dtype_of", "is_array", "key_kwargs_text", "kwargs_text", "leaves_signature", "model_parts",
+           "no_gc", "shapes_text", "signature", "trace"]

@@ -669,6 +669,10 @@ def test_transforms_given_example_args_keep_static_kwargs(x64):
     assert getattr(m.report, "num_fused", 2) == 2, m.report
     for xs in (x, x2):
       assert rel_err(flagged(p, xs, flag=True), m.apply_fn(m.params, xs, flag=True)) < 1e-9
+  # Called without the flag (as export(fused, x) calls it) it is another program, which
+  # fuses otherwise: the refusal names the keyword arguments, not only the shapes.
+  with pytest.raises(jaxfold.FuseError, match=r"keyword arguments \(none; the example's: flag=True\)"):
+    fu.apply_fn(fu.params, x)
   mask = (x[..., 0] > 0).astype(jnp.float64)
   fm = jaxfold.fuse_affine(jaxfold.fold(p, flagged, x, example_kwargs={"mask": mask}))
   d = jaxfold.defer_norms(fm, x2)
