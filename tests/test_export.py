@@ -96,3 +96,45 @@ def test_bad_arguments(gpt2_tiny):
     load_exported("no-such-model.jaxexport")
   with pytest.raises(TypeError, match="bytes or its path"):
     load_exported(123)
+
+
+class Flagged(nn.Module):
+  """A static keyword argument picks the program (like flax's ``deterministic``)."""
+
+  @nn.compact
+  def __call__(self, x, *, flag=False):
+    h = nn.Dense(16)(x)
+    h = nn.LayerNorm()(h)
+    y = nn.Dense(4)(h)
+    return y if flag else y + 2.0 * h[..., :4]   # flag=False: h has a reader fuse_affine cannot take
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_export_binds_the_folds_static_keyword_arguments(fuse):
+  """Finding: export traced apply_fn(params, *args) with the function's
+  defaults: a fold made with example_kwargs={"flag": True} exported the
+  flag=False program (a fused one refused: 'fuse differently')."""
+  from helpers import x64_context
+  with x64_context():
+    m = Flagged()
+    x = jax.random.normal(jax.random.key(0), (2, 5, 8), "float64")
+    p = models.randomize_norms(m.init(jax.random.key(1), x), jax.random.key(2))
+    p = jax.tree_util.tree_map(lambda a: a.astype("float64"), p)
+    r = jaxfold.fold(p, m.apply, x, example_kwargs={"flag": True})
+    if fuse:
+      r = jaxfold.fuse_affine(r)
+      assert r.report.num_fused == 1
+    fn = load_exported(export(r, x))                        # the fold's flag=True
+    assert exported_signature(fn) == [(("batch", "seq", 8), "float64")]
+    for shape in [(3, 7, 8), (1, 1, 8)]:
+      x2 = jax.random.normal(jax.random.key(4), shape, "float64")
+      assert rel_err(m.apply(p, x2, flag=True), fn(x2)) < 1e-9
+    if not fuse:   # a fold serves every flag; say which one
+      fn0 = load_exported(export(r, x, example_kwargs={"flag": False}))
+      x2 = jax.random.normal(jax.random.key(5), (3, 7, 8), "float64")
+      assert rel_err(m.apply(p, x2, flag=False), fn0(x2)) < 1e-9
+      assert rel_err(m.apply(p, x2, flag=True), fn0(x2)) > 1e-3
+    with pytest.raises(ValueError, match=r"example_kwargs \['mask'\] hold arrays"):
+      export(r, x, example_kwargs={"mask": x})
+    with pytest.raises(TypeError, match="must be a dict"):
+      export(r, x, example_kwargs=[("flag", True)])

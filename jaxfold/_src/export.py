@@ -57,6 +57,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -69,7 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import export as jax_export
 
-from jaxfold._src import compat
+from jaxfold._src import compat, pipeline
 from jaxfold._src.affine import FusedParams
 from jaxfold._src.fold import FoldedParams
 from jaxfold._src.integrity import IntegrityError, IsADirectory, NotFoundError, hmac_hex, hmac_matches, versions
@@ -138,8 +139,9 @@ def _check_symbolic(symbolic) -> tuple:
 def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = ("batch", "seq"),
            params_as_argument: bool = False, platforms: Optional[Sequence[str]] = None,
            check: bool = True, rtol: float = 1e-4, meta: Optional[dict] = None,
-           bundle_params: bool = True, key: Optional[bytes | str] = None) -> bytes:
-  """Serializes ``folded.apply_fn(folded.params, *args)`` with ``jax.export``.
+           bundle_params: bool = True, key: Optional[bytes | str] = None,
+           example_kwargs: Optional[dict] = None) -> bytes:
+  """Serializes ``folded.apply_fn(folded.params, *args, **kwargs)`` with ``jax.export``.
 
   Args:
     folded: the result of :func:`jaxfold.fold` (anything with ``.params`` and
@@ -178,6 +180,11 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
     key: sign the artifact (HMAC-SHA256 of its header, which holds the hash
       of every other byte); ``load_exported(..., key=key)`` then refuses an
       unsigned or modified one.
+    example_kwargs: keyword arguments bound into the program (``{"train":
+      False}``: which program the model is); the artifact takes positional
+      arguments only, so array inputs go in ``example_args``. Default: the
+      non-array keyword arguments the model was folded with (its
+      ``example_kwargs``), as ``fuse_affine``/``defer_norms``/``rotate`` use them.
 
   Returns:
     The serialized artifact (``bytes``), loadable with :func:`load_exported`.
@@ -188,7 +195,9 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
   if not example_args:
     raise ValueError("export needs example arguments: export(folded, *example_args)")
   names = _check_symbolic(symbolic)
-  apply_fn, params = folded.apply_fn, folded.params
+  bound = _bound_kwargs(folded, example_args, example_kwargs)
+  apply_fn = functools.partial(folded.apply_fn, **bound) if bound else folded.apply_fn
+  params = folded.params
 
   bundled = bundle_params and not params_as_argument
   # The program takes the parameters as a flat list: jax.export serializes only the
@@ -261,6 +270,22 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
       raise AssertionError(f"exported program differs from folded.apply_fn: relative error "
                            f"{err:.3g} > rtol={rtol:g}")
   return blob
+
+
+def _bound_kwargs(folded: Any, example_args: tuple, example_kwargs: Optional[dict]) -> dict:
+  """The keyword arguments ``export`` binds into the program (see its docstring)."""
+  if example_kwargs is None:
+    return pipeline.model_kwargs(folded, example_args)
+  if not isinstance(example_kwargs, dict):
+    raise TypeError(f"export's example_kwargs must be a dict of keyword arguments, got "
+                    f"{type(example_kwargs).__name__}")
+  arrays = sorted(k for k, v in example_kwargs.items()
+                  if any(pipeline.is_array(x) for x in jax.tree_util.tree_leaves(v)))
+  if arrays:
+    raise ValueError(f"export's example_kwargs {arrays} hold arrays: the artifact takes positional "
+                     "arguments only, and an array bound here would be a constant of the example's "
+                     "shape. Pass it among example_args (wrap apply_fn to take it positionally).")
+  return dict(example_kwargs)
 
 
 def _resized(args: tuple, names: Sequence[str], size: Callable[[int], int]) -> tuple:
