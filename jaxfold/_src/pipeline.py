@@ -161,7 +161,10 @@ def bind(apply_fn: Callable, args: tuple, kwargs: Optional[dict], error: type = 
     return apply_fn(params, *a[:n], **jax.tree_util.tree_unflatten(tree, full))
 
   call_args = (*args, arrays)
-  return Call((signature(call_args), tree, dyn, static), bound, call_args)
+  # Typed: 1 == 1.0 == True hash alike, but a program may branch on the type
+  # (isinstance(n, int), jnp.arange(n)); one value's analysis must not serve another.
+  typed = tuple((type(x), x) for x in static)
+  return Call((signature(call_args), tree, dyn, typed), bound, call_args)
 
 
 def kwargs_text(kwargs: dict) -> str:
