@@ -263,8 +263,14 @@ def _reconcile(call: Call, params: Any, opts: FoldOptions, an: Analysis) -> Anal
     return an
   if _compatible(gan, an) and _compatible(an, gan):
     return an
+  idle = None
   try:   # else the probe's plan, proved at the example's shapes
-    return analyse(call.fn, params, call.args, opts, fixed=gan.param_key)
+    fx = analyse(call.fn, params, call.args, opts, fixed=gan.param_key)
+    if fx.report.num_folded or not (fx.leaf_specs or fx.untied):
+      return fx
+    # It folds nothing at the example, yet its centerings (for the probe's
+    # sites alone) can fail at shapes that centering less serves.
+    idle, second = fx, "it folds no site there"
   except PlanConflict as e:
     second = str(e)
   # Else the parameters both center alike (each proved invisible at both).
@@ -275,6 +281,8 @@ def _reconcile(call: Call, params: Any, opts: FoldOptions, an: Analysis) -> Anal
     return analyse(call.fn, params, call.args, opts, fixed=common)
   except PlanConflict:
     pass
+  if idle is not None:
+    return idle
   ex, ge = f"the example's shapes ({shapes_text(call.args)})", f"shapes ({shapes_text(gargs)})"
   raise FoldError(
       f"no one fold serves every input shape: {ex} and {ge} need different folded parameters "

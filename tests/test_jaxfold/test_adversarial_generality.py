@@ -22,7 +22,7 @@ refuse (a ``FoldError`` naming both shapes), and the folded function equals
 the original in float64 (≤ 1e-9 relative) at every other call, at random γ, β
 and biases.
 
-Finding (failed before its fix):
+Findings (each failed before its fix):
 
 * A folded (or fused, deferred, CBWC) apply_fn cached its analyses by static
   keyword values compared with ``==``: ``k=True`` reused the analysis traced
@@ -30,6 +30,12 @@ Finding (failed before its fix):
   value's type (``isinstance(k, bool)``, ``jnp.arange(n)``) computed the other
   branch: rel. error 0.5, or outputs of another shape (``jax.jit`` itself
   keeps them apart). The cache key now holds each static value's type.
+* A width set by the length (``w[:, :min(t, D)]``) folded at one token: the
+  example's plan (one feature) failed at the size-2 probe, and the probe's
+  (blocks of 2) was kept although it folded nothing at the example; its
+  centering then refused (3, 7) and (2, 3), which the original parameters
+  serve. A probe plan that folds nothing at the example now yields to the
+  parameters both plans center (here none).
 
 Found, not fixed (coverage, sound refusals pinned below): a variance computed
 twice (two ``jnp.var`` calls, or one spelled out twice, under
@@ -148,6 +154,21 @@ def _sum_over_tokens_count(p, x):
   n = h.shape[1]
   m = h.sum(-1, keepdims=True) / n
   return (h - m) * lax.rsqrt(((h - m) ** 2).sum(-1, keepdims=True) / n + 1e-5) * p["g"] + p["be"]
+
+
+def _sliced_width(p, x):
+  """The first min(t, D) features (a width set by the length)."""
+  k = min(x.shape[1], D)
+  return ln(x @ p["w"][:, :k] + p["b"][:k], p["g"][:k], p["be"][:k]) @ p["v"][:k]
+
+
+def _rolled(p, x):
+  return ln(jnp.roll(dense(p, x), x.shape[1], axis=-1), p["g"], p["be"]) @ p["v"]
+
+
+def _tiled(p, x):
+  t = x.shape[1]
+  return ln(jnp.tile(dense(p, x), (1, 1, t)), jnp.tile(p["g"], t), jnp.tile(p["be"], t)) @ jnp.tile(p["v"], (t, 1))
 
 
 def _w_or_wt(p, x):
@@ -337,6 +358,17 @@ CASES = {
                                              lambda: _tok((4, 3, 4), (2, 3, 4)), 1, (0,)),
     "mean = sum / t, t == D at the example": (_sum_over_tokens_count, BASE, lambda: (xs(1, D, 4),),
                                               lambda: _tok((3, 7, 4), (2, 1, 4), (2, D, 4)), 1, (0, 1)),
+    # one feature at the example, two at its probe: the probe's centering in
+    # blocks of 2 folded nothing at the example and refused (3, 7) and (2, 3)
+    "width sliced by the length, example (1, 1)": (_sliced_width, BASE, lambda: (xs(1, 1, 4),),
+                                                   lambda: _tok((3, 7, 4), (2, 3, 4), (2, 2, 4)), 0, ()),
+    # centering all D columns is a constant shift on any prefix of them
+    "width sliced by the length, example (2, D)": (_sliced_width, BASE, lambda: (xs(2, D, 4),),
+                                                   lambda: _tok((3, 7, 4), (2, 3, 4), (1, 1, 4)), 1, ()),
+    "features rolled by the length": (_rolled, BASE, lambda: (xs(2, 1, 4),), lambda: _tok((3, 7, 4), (1, 6, 4)),
+                                      1, ()),
+    "features tiled by the length": (_tiled, BASE, lambda: (xs(1, 1, 4),), lambda: _tok((3, 7, 4), (2, 2, 4)),
+                                     1, ()),
     "W at batch 1, W.T above": (_w_or_wt, dict(BASE, w=(D, D)), lambda: (xs(2, 3, D),),
                                 lambda: _tok((1, 5, D), (3, 7, D)), 1, (0,)),
     "W at batch 1, W.T above, example batch 1": (_w_or_wt, dict(BASE, w=(D, D)), lambda: (xs(1, 3, D),),
