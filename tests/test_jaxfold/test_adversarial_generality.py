@@ -36,6 +36,11 @@ Findings (each failed before its fix):
   centering then refused (3, 7) and (2, 3), which the original parameters
   serve. A probe plan that folds nothing at the example now yields to the
   parameters both plans center (here none).
+* The analysis' factor tables (``algebra``) are module globals with no lock:
+  two threads interning at once (a folded apply_fn called at new shapes from
+  a thread pool, folds run in parallel) got one id for two keys, so a symbol
+  could name another value and a cancellation be decided on the wrong terms.
+  An ``algebra.scope`` is now one thread's at a time.
 
 Found, not fixed (coverage, sound refusals pinned below): a variance computed
 twice (two ``jnp.var`` calls, or one spelled out twice, under
@@ -47,6 +52,7 @@ shift does not cancel; a Welford mean in a ``scan`` and norms inside
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import sys
 from pathlib import Path
@@ -614,3 +620,44 @@ def test_keras_hub_backbone_folded_at_one_token(request, name):
   for b, s in ((1, 1), (3, 7), (2, 1), (1, 4)):
     x = cast_inputs(inputs(b, s), "float64")
     assert rel_err(f(params, x), fo.apply_fn(fo.params, x)) < 1e-9, (b, s)
+
+
+# ----------------------------------------------------------------------------
+# Threads: a folded apply_fn called at new shapes from a thread pool.
+
+
+def test_factor_tables_are_not_shared_by_concurrent_analyses():
+  """Two threads interning factors at once got the same id for different keys
+  (``len(_FACTORS)`` read before the other's append): one value's symbol named
+  another's, so a cancellation could be decided on the wrong terms. A scope
+  is now one thread's at a time."""
+  from jaxfold._src import algebra as A
+  switch = sys.getswitchinterval()
+  sys.setswitchinterval(1e-6)
+  wrong = []
+
+  def intern(tid):
+    with A.scope():
+      for i in range(5000):
+        (m,), = A.atom((tid, i), (3,)).terms
+        if A.factor(m).key != (tid, i):
+          wrong.append((tid, i))
+          return
+  try:
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+      list(pool.map(intern, range(4)))
+  finally:
+    sys.setswitchinterval(switch)
+  assert not wrong
+
+
+def test_folded_apply_fn_at_new_shapes_from_threads(x64):
+  p = make_params(1, **SM)
+  fo = jaxfold.fold(p, _model, xs(1, 1, 4))
+  shapes = [(2, 5, 4), (3, 2, 4), (5, 4), (0, 4)]
+
+  def call(shape):
+    x = xs(*shape, seed=4)
+    return rel_err(np_eval.run(_model, p, x), np_eval.run(fo.apply_fn, fo.params, x))
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    assert max(pool.map(call, shapes)) < 1e-9
