@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import math
 import os
+import threading
 import weakref
 from typing import Any, Callable, Literal, NamedTuple, Optional, get_args
 
@@ -148,18 +149,21 @@ class _AnalysisCache:
   def __init__(self, size: int = 8):
     self.size = size
     self.entries: collections.OrderedDict = collections.OrderedDict()
+    self._lock = threading.Lock()   # another thread's put may evict between get and move_to_end
 
   def get(self, closed: Any, key: tuple) -> Optional[Analysis]:
-    entry = self.entries.get((id(closed), key))
-    if entry is None or entry[0]() is not closed:
-      return None
-    self.entries.move_to_end((id(closed), key))
-    return entry[1]
+    with self._lock:
+      entry = self.entries.get((id(closed), key))
+      if entry is None or entry[0]() is not closed:
+        return None
+      self.entries.move_to_end((id(closed), key))
+      return entry[1]
 
   def put(self, closed: Any, key: tuple, analysis: Analysis) -> None:
-    self.entries[(id(closed), key)] = (weakref.ref(closed), analysis)
-    while len(self.entries) > self.size:
-      self.entries.popitem(last=False)
+    with self._lock:
+      self.entries[(id(closed), key)] = (weakref.ref(closed), analysis)
+      while len(self.entries) > self.size:
+        self.entries.popitem(last=False)
 
 
 _ANALYSES = _AnalysisCache()
