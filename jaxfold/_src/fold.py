@@ -19,7 +19,15 @@ import numpy as np
 
 from jaxfold._src import display, kernels, layout, pipeline
 from jaxfold._src.errors import FoldError
-from jaxfold._src.pipeline import Call, PipelineApply, abstract, kwargs_text, leaves_signature, shapes_text
+from jaxfold._src.pipeline import (
+  Call,
+  PipelineApply,
+  abstract,
+  kwargs_text,
+  leaves_signature,
+  shapes_text,
+  shapes_texts,
+)
 from jaxfold._src.planner import Outcome, PlanConflict, Planner
 from jaxfold._src.report import Report
 from jaxfold._src.rewrite import Plan, evaluate
@@ -345,19 +353,21 @@ class FoldedApply(PipelineApply):
     if psig is not None:
       params = jax.tree_util.tree_unflatten(self._tree, [abstract(x) for x in leaves])
     made = "cbwc" if self._center else "fold"
-    at = f"shapes {shapes_text(call.args)}; {made}() was given {shapes_text(self._example)}"
+    here, example = shapes_texts(call.args, self._example)
+    at = f"shapes {here}; {made}() was given {example}"
     an = analyse(call.fn, params, call.args, self._opts, cbwc=self._center, later=at)
     # CBWC centers in the forward pass, per analysis; a fold's parameters are fixed.
     if not self._center and not _compatible(an, self._base):
       try:   # the fold's parameters, proved at these shapes
         an = analyse(call.fn, params, call.args, self._opts, fixed=self._base.param_key)
       except PlanConflict as e:
-        what = "parameters of these shapes/dtypes" if psig is not None else "inputs of these shapes"
+        what = "parameters of these shapes/dtypes" if psig is not None else (
+            "inputs of these shapes" + (" and dtypes" if here != shapes_text(call.args) else ""))
         if kwargs:
           what += f" with keyword arguments {kwargs_text(kwargs)}"
         raise FoldError(
-            f"{what} ({shapes_text(call.args)}) need different folded parameters than the "
-            f"example that fold() was given ({shapes_text(self._example)}): "
+            f"{what} ({here}) need different folded parameters than the "
+            f"example that fold() was given ({example}): "
             f"{_param_diff(self._base, an, self._params, 'the example', 'these inputs')}; the fold's "
             f"parameters fail here: {e}. (A different set of parameters or axes can be "
             "centered; e.g. in training mode dropout makes centering visible.) Call "

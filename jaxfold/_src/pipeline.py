@@ -90,9 +90,20 @@ def signature(args: Any) -> tuple:
   return (tree, leaves_signature(leaves))
 
 
-def shapes_text(args: Any) -> str:
-  """``(2, 8), (2, 8)``: the shapes of ``args``' leaves, for messages."""
-  return ", ".join(str(tuple(np.shape(x))).replace("'", "") for x in jax.tree_util.tree_leaves(args)) or "()"
+def shapes_text(args: Any, dtypes: bool = False) -> str:
+  """``(2, 8), (2, 8)``: the shapes of ``args``' leaves, for messages (with
+  ``dtypes``: ``(2, 8) float32, ...``)."""
+  return ", ".join(str(tuple(np.shape(x))).replace("'", "") + (f" {dtype_of(x)}" if dtypes else "")
+                   for x in jax.tree_util.tree_leaves(args)) or "()"
+
+
+def shapes_texts(args: Any, example: Any) -> tuple:
+  """``shapes_text`` of a call's arguments and of the example, with dtypes
+  where those differ: a call at the example's shapes in float32 would read
+  as two equal shapes that need different parameters."""
+  dt = [str(dtype_of(x)) for x in jax.tree_util.tree_leaves(args)]
+  typed = dt != [str(dtype_of(x)) for x in jax.tree_util.tree_leaves(example)]
+  return shapes_text(args, typed), shapes_text(example, typed)
 
 
 # ----------------------------------------------------------------------------
@@ -347,4 +358,4 @@ class PipelineApply:
 
 __all__ = ["Call", "PipelineApply", "Traced", "abstract", "abstract_tree", "analyzer", "bind",
            "dtype_of", "is_array", "kwargs_text", "leaves_signature", "model_parts", "no_gc", "shapes_text",
-           "signature", "trace"]
+           "shapes_texts", "signature", "trace"]

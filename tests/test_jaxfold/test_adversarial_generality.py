@@ -36,6 +36,10 @@ Findings (each failed before its fix):
   centering then refused (3, 7) and (2, 3), which the original parameters
   serve. A probe plan that folds nothing at the example now yields to the
   parameters both plans center (here none).
+* A call at the example's shapes in float32 (the program rounds h to the
+  input's dtype) was refused as "inputs of these shapes ((2, 3, 4)) need
+  different folded parameters than the example ... ((2, 3, 4))"; the
+  message now names the dtypes where they differ.
 * The analysis' factor tables (``algebra``) are module globals with no lock:
   two threads interning at once (a folded apply_fn called at new shapes from
   a thread pool, folds run in parallel) got one id for two keys, so a symbol
@@ -443,6 +447,16 @@ def _outcome(name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_program_at_other_shapes(x64, name):
   assert _outcome(name) == CASES[name][4:]
+
+
+def test_a_refusal_at_the_examples_shapes_in_another_dtype_names_the_dtypes(x64):
+  """It said "inputs of these shapes ((2, 3, 4)) need different folded
+  parameters than the example that fold() was given ((2, 3, 4))"."""
+  p = make_params(0, **BASE)
+  fo = jaxfold.fold(p, _rounded_to_input_dtype, xs(2, 3, 4))
+  with pytest.raises(jaxfold.FoldError, match=r"shapes and dtypes \(\(2, 3, 4\) float32\) need different folded "
+                     r"parameters than the example that fold\(\) was given \(\(2, 3, 4\) float64\)"):
+    fo.apply_fn(fo.params, xs(2, 3, 4).astype(jnp.float32))
 
 
 # ----------------------------------------------------------------------------
