@@ -93,16 +93,21 @@ def signature(args: Any) -> tuple:
 def shapes_text(args: Any, dtypes: bool = False) -> str:
   """``(2, 8), (2, 8)``: the shapes of ``args``' leaves, for messages (with
   ``dtypes``: ``(2, 8) float32, ...``)."""
-  return ", ".join(str(tuple(np.shape(x))).replace("'", "") + (f" {dtype_of(x)}" if dtypes else "")
+  return ", ".join(str(tuple(np.shape(x))).replace("'", "") + (f" {_dtype_text(x)}" if dtypes else "")
                    for x in jax.tree_util.tree_leaves(args)) or "()"
+
+
+def _dtype_text(x: Any) -> str:
+  return str(x.dtype) if hasattr(x, "dtype") else type(x).__name__   # (an example's static keyword value)
 
 
 def shapes_texts(args: Any, example: Any) -> tuple:
   """``shapes_text`` of a call's arguments and of the example, with dtypes
   where those differ: a call at the example's shapes in float32 would read
   as two equal shapes that need different parameters."""
-  dt = [str(dtype_of(x)) for x in jax.tree_util.tree_leaves(args)]
-  typed = dt != [str(dtype_of(x)) for x in jax.tree_util.tree_leaves(example)]
+  def dtypes(tree):
+    return [str(x.dtype) for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "dtype")]
+  typed = dtypes(args) != dtypes(example)
   return shapes_text(args, typed), shapes_text(example, typed)
 
 
