@@ -264,6 +264,16 @@ def _shard_map_side_output(p, x):
   return ln(h, p["g"], p["be"]) @ p["v"], side
 
 
+def _axis_one(p, x):
+  return ln(dense(p, x), p["g"], p["be"], axes=(1,)) @ p["v"]   # the tokens at rank 3, the features at rank 2
+
+
+def _pure_callback_side_output(p, x):
+  h = dense(p, x)
+  s = jax.pure_callback(lambda h: np.asarray(h).sum(-1), jax.ShapeDtypeStruct(h.shape[:-1], h.dtype), h)
+  return ln(h, p["g"], p["be"]) @ p["v"], s
+
+
 def _welford(h, g, b):
   def body(c, xi):
     n, m, m2 = c
@@ -406,6 +416,10 @@ CASES = {
         _rounded_to_input_dtype, BASE, lambda: (xs(2, 3, 4),),
         lambda: [(xs(3, 5, 4).astype(jnp.float32),), (xs(1, 1, 4),)], 1, (0,)),
     "with_sharding_constraint": (_sharding_constraint, BASE, lambda: (xs(1, 1, 4),), lambda: _tok((3, 7, 4)), 1, ()),
+    "norm axis 1 hard-coded, example of rank 2": (_axis_one, BASE, lambda: (xs(1, 4),),
+                                                  lambda: _tok((3, 4), (3, 7, 4), (2, 1, 4)), 1, (1,)),
+    "a side output through pure_callback": (_pure_callback_side_output, BASE, lambda: (xs(1, 1, 4),),
+                                            lambda: _tok((3, 7, 4)), 0, ()),
     # shard_map has no rule: the shift reaching it blocks the centering
     "a side output through shard_map": (_shard_map_side_output, BASE, lambda: (xs(1, 1, 4),),
                                         lambda: _tok((3, 7, 4)), 0, ()),
