@@ -544,7 +544,6 @@ def test_one_fold_through_transformations(x64, transform):
     assert rel_err(_run(transform, _model, p, x), _run(transform, f, fp, x)) < 1e-9, shape
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("how", ["fuse", "defer", "rotate", "cbwc"])
 def test_every_transform_through_transformations(x64, how):
   p = make_params(1, **SM)
