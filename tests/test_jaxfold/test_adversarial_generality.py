@@ -130,6 +130,11 @@ def _gpt_tied(p, x):
   return ln(h, p["g2"], p["be2"]) @ p["wte"].T
 
 
+def _tied_when_long(p, x):
+  h = ln(p["wte"][x], p["g"], p["be"])
+  return h @ p["wte"].T if x.shape[1] > 4 else h @ p["head"]   # the table is the head at t > 4 only
+
+
 def _gpt_padded(p, x):
   t = x.shape[1]
   tp = -(-t // 4) * 4                     # padded to a multiple of 4
@@ -359,6 +364,11 @@ CASES = {
         _gpt, GPT, lambda: (ids(1, 1),), lambda: _ids((4, 7), (1, 5), (3, 1), (2, T), (0, 3), (2, 0)), 2, ()),
     "gpt at (2, 5)": (_gpt, GPT, lambda: (ids(2, 5),), lambda: _ids((4, 7), (1, 1), (3, 1)), 2, ()),
     "gpt, tied head": (_gpt_tied, GPT, lambda: (ids(1, 1),), lambda: _ids((4, 7), (1, 5)), 2, ()),
+    # the example never reads the table as a head: it is centered in place, and t > 4 refuses
+    "tied head at t > 4 only, example t = 2": (_tied_when_long, GPT, lambda: (ids(1, 2),),
+                                               lambda: _ids((3, 7), (2, 3)), 1, (0,)),
+    "tied head at t > 4 only, example t = 7": (_tied_when_long, GPT, lambda: (ids(1, 7),),
+                                               lambda: _ids((3, 2), (2, 9)), 1, ()),
     "gpt, padded to a multiple of 4": (_gpt_padded, GPT, lambda: (ids(1, 1),),
                                        lambda: _ids((4, 7), (1, 5), (2, 8), (1, 4)), 2, ()),
     "gpt, attention only at t > 4, example t = 2": (_gpt_branch, GPT, lambda: (ids(2, 2),),
