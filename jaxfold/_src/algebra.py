@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import threading
 from fractions import Fraction
 from typing import Any, Callable, Optional, Sequence
 
@@ -380,22 +381,31 @@ _DERIVED: dict = {}
 # square and sums) with the same coefficients, only their symbols differ.
 _MEMO: dict = {}
 _DEPTH = [0]
+# The tables are the module's: analyses in two threads (a folded apply_fn
+# called at new shapes from a thread pool, folds run in parallel) would
+# interleave their factor ids, so that one key names another's factor.
+_LOCK = threading.RLock()
 
 
 class scope:
   """One analysis: factor tables are dropped when the outermost scope ends,
-  so a long-running process does not accumulate them."""
+  so a long-running process does not accumulate them. One thread at a time
+  (pure Python under the GIL: nothing ran in parallel anyway)."""
 
   def __enter__(self):
+    _LOCK.acquire()
     _DEPTH[0] += 1
 
   def __exit__(self, *exc):
-    _DEPTH[0] -= 1
-    if not _DEPTH[0]:
-      _FACTORS.clear()
-      _INTERN.clear()
-      _DERIVED.clear()
-      _MEMO.clear()
+    try:
+      _DEPTH[0] -= 1
+      if not _DEPTH[0]:
+        _FACTORS.clear()
+        _INTERN.clear()
+        _DERIVED.clear()
+        _MEMO.clear()
+    finally:
+      _LOCK.release()
 
 
 def _factor(kind: str, key: Any, shape: Shape, args: tuple = (), elementwise: bool = False) -> int:

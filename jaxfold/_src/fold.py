@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import math
 import os
+import threading
 import weakref
 from typing import Any, Callable, Literal, NamedTuple, Optional, get_args
 
@@ -18,7 +19,15 @@ import numpy as np
 
 from jaxfold._src import display, kernels, layout, pipeline
 from jaxfold._src.errors import FoldError
-from jaxfold._src.pipeline import Call, PipelineApply, abstract, kwargs_text, leaves_signature, shapes_text
+from jaxfold._src.pipeline import (
+  Call,
+  PipelineApply,
+  abstract,
+  kwargs_text,
+  leaves_signature,
+  shapes_text,
+  shapes_texts,
+)
 from jaxfold._src.planner import Outcome, PlanConflict, Planner
 from jaxfold._src.report import Report
 from jaxfold._src.rewrite import Plan, evaluate
@@ -148,18 +157,21 @@ class _AnalysisCache:
   def __init__(self, size: int = 8):
     self.size = size
     self.entries: collections.OrderedDict = collections.OrderedDict()
+    self._lock = threading.Lock()   # another thread's put may evict between get and move_to_end
 
   def get(self, closed: Any, key: tuple) -> Optional[Analysis]:
-    entry = self.entries.get((id(closed), key))
-    if entry is None or entry[0]() is not closed:
-      return None
-    self.entries.move_to_end((id(closed), key))
-    return entry[1]
+    with self._lock:
+      entry = self.entries.get((id(closed), key))
+      if entry is None or entry[0]() is not closed:
+        return None
+      self.entries.move_to_end((id(closed), key))
+      return entry[1]
 
   def put(self, closed: Any, key: tuple, analysis: Analysis) -> None:
-    self.entries[(id(closed), key)] = (weakref.ref(closed), analysis)
-    while len(self.entries) > self.size:
-      self.entries.popitem(last=False)
+    with self._lock:
+      self.entries[(id(closed), key)] = (weakref.ref(closed), analysis)
+      while len(self.entries) > self.size:
+        self.entries.popitem(last=False)
 
 
 _ANALYSES = _AnalysisCache()
@@ -263,8 +275,14 @@ def _reconcile(call: Call, params: Any, opts: FoldOptions, an: Analysis) -> Anal
     return an
   if _compatible(gan, an) and _compatible(an, gan):
     return an
+  idle = None
   try:   # else the probe's plan, proved at the example's shapes
-    return analyse(call.fn, params, call.args, opts, fixed=gan.param_key)
+    fx = analyse(call.fn, params, call.args, opts, fixed=gan.param_key)
+    if fx.report.num_folded or not (fx.leaf_specs or fx.untied):
+      return fx
+    # It folds nothing at the example, yet its centerings (for the probe's
+    # sites alone) can fail at shapes that centering less serves.
+    idle, second = fx, "it folds no site there"
   except PlanConflict as e:
     second = str(e)
   # Else the parameters both center alike (each proved invisible at both).
@@ -275,6 +293,8 @@ def _reconcile(call: Call, params: Any, opts: FoldOptions, an: Analysis) -> Anal
     return analyse(call.fn, params, call.args, opts, fixed=common)
   except PlanConflict:
     pass
+  if idle is not None:
+    return idle
   ex, ge = f"the example's shapes ({shapes_text(call.args)})", f"shapes ({shapes_text(gargs)})"
   raise FoldError(
       f"no one fold serves every input shape: {ex} and {ge} need different folded parameters "
@@ -333,19 +353,21 @@ class FoldedApply(PipelineApply):
     if psig is not None:
       params = jax.tree_util.tree_unflatten(self._tree, [abstract(x) for x in leaves])
     made = "cbwc" if self._center else "fold"
-    at = f"shapes {shapes_text(call.args)}; {made}() was given {shapes_text(self._example)}"
+    here, example = shapes_texts(call.args, self._example)
+    at = f"shapes {here}; {made}() was given {example}"
     an = analyse(call.fn, params, call.args, self._opts, cbwc=self._center, later=at)
     # CBWC centers in the forward pass, per analysis; a fold's parameters are fixed.
     if not self._center and not _compatible(an, self._base):
       try:   # the fold's parameters, proved at these shapes
         an = analyse(call.fn, params, call.args, self._opts, fixed=self._base.param_key)
       except PlanConflict as e:
-        what = "parameters of these shapes/dtypes" if psig is not None else "inputs of these shapes"
+        what = "parameters of these shapes/dtypes" if psig is not None else (
+            "inputs of these shapes" + (" and dtypes" if here != shapes_text(call.args) else ""))
         if kwargs:
           what += f" with keyword arguments {kwargs_text(kwargs)}"
         raise FoldError(
-            f"{what} ({shapes_text(call.args)}) need different folded parameters than the "
-            f"example that fold() was given ({shapes_text(self._example)}): "
+            f"{what} ({here}) need different folded parameters than the "
+            f"example that fold() was given ({example}): "
             f"{_param_diff(self._base, an, self._params, 'the example', 'these inputs')}; the fold's "
             f"parameters fail here: {e}. (A different set of parameters or axes can be "
             "centered; e.g. in training mode dropout makes centering visible.) Call "

@@ -90,9 +90,25 @@ def signature(args: Any) -> tuple:
   return (tree, leaves_signature(leaves))
 
 
-def shapes_text(args: Any) -> str:
-  """``(2, 8), (2, 8)``: the shapes of ``args``' leaves, for messages."""
-  return ", ".join(str(tuple(np.shape(x))).replace("'", "") for x in jax.tree_util.tree_leaves(args)) or "()"
+def shapes_text(args: Any, dtypes: bool = False) -> str:
+  """``(2, 8), (2, 8)``: the shapes of ``args``' leaves, for messages (with
+  ``dtypes``: ``(2, 8) float32, ...``)."""
+  return ", ".join(str(tuple(np.shape(x))).replace("'", "") + (f" {_dtype_text(x)}" if dtypes else "")
+                   for x in jax.tree_util.tree_leaves(args)) or "()"
+
+
+def _dtype_text(x: Any) -> str:
+  return str(x.dtype) if hasattr(x, "dtype") else type(x).__name__   # (an example's static keyword value)
+
+
+def shapes_texts(args: Any, example: Any) -> tuple:
+  """``shapes_text`` of a call's arguments and of the example, with dtypes
+  where those differ: a call at the example's shapes in float32 would read
+  as two equal shapes that need different parameters."""
+  def dtypes(tree):
+    return [str(x.dtype) for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "dtype")]
+  typed = dtypes(args) != dtypes(example)
+  return shapes_text(args, typed), shapes_text(example, typed)
 
 
 # ----------------------------------------------------------------------------
@@ -161,7 +177,10 @@ def bind(apply_fn: Callable, args: tuple, kwargs: Optional[dict], error: type = 
     return apply_fn(params, *a[:n], **jax.tree_util.tree_unflatten(tree, full))
 
   call_args = (*args, arrays)
-  return Call((signature(call_args), tree, dyn, static), bound, call_args)
+  # Typed: 1 == 1.0 == True hash alike, but a program may branch on the type
+  # (isinstance(n, int), jnp.arange(n)); one value's analysis must not serve another.
+  typed = tuple((type(x), x) for x in static)
+  return Call((signature(call_args), tree, dyn, typed), bound, call_args)
 
 
 class _Traced:
@@ -176,7 +195,7 @@ def key_kwargs_text(key: tuple) -> str:
     return ""
   _, tree, dyn, static = key
   it = iter(static)
-  kwargs = jax.tree_util.tree_unflatten(tree, [_Traced() if d else next(it) for d in dyn])
+  kwargs = jax.tree_util.tree_unflatten(tree, [_Traced() if d else next(it)[1] for d in dyn])   # (type, value)
   return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
 
 
@@ -364,4 +383,4 @@ class PipelineApply:
 
 __all__ = ["Call", "PipelineApply", "Traced", "abstract", "abstract_tree", "analyzer", "bind",
            "dtype_of", "is_array", "key_kwargs_text", "kwargs_text", "leaves_signature", "model_parts",
-           "no_gc", "shapes_text", "signature", "trace"]
+           "no_gc", "shapes_text", "shapes_texts", "signature", "trace"]
