@@ -308,6 +308,11 @@ _core.defvjp(_core_fwd, _core_bwd)
 # --------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------
+def _empty(x, ws) -> bool:
+  """No rows, columns or K: the reference computes it (a kernel would have a zero-size grid)."""
+  return any(math.prod(a.shape) == 0 for a in (x, *ws))
+
+
 def unsupported_reason(x_shape, x_dtype, w_shape, w_dtype) -> Optional[str]:
   """Why the compiled kernel cannot take these operands, or None.
 
@@ -331,7 +336,8 @@ def rms_matmul(x: jax.Array, w: jax.Array, bias: Optional[jax.Array] = None, *, 
 
   Args:
     x: ``(..., K)``; the statistic is computed from it in ``promote(x, w,
-      float32)``, the dot from ``x.astype(w.dtype)``.
+      float32)``, the dot from ``x.astype(w.dtype)``. Empty operands (no rows) take the
+      reference in every mode.
     w: ``(K, N)``, or ``(N, K)`` with ``w_nk`` (a tied embedding read as a head).
     bias: ``(N,)``, a tuple of ``(N,)`` vectors or None, added after the scale
       (not scaled), each in the accumulator dtype, before the one rounding to
@@ -373,7 +379,7 @@ def rms_matmul(x: jax.Array, w: jax.Array, bias: Optional[jax.Array] = None, *, 
     return _core(x.reshape(-1, k), w, b, st).reshape(*lead, n)
 
   ref = functools.partial(rms_matmul_reference, eps=eps, out_dtype=out_dtype, w_nk=w_nk)
-  if interpret:
+  if interpret and not _empty(x, (w,)):
     return kernel(x, w, bias)
   if unsupported_reason(x.shape, x.dtype, w.shape, w.dtype) is not None or (
       any(np.dtype(b.dtype).name not in SUPPORTED_DTYPES for b in _biases(bias))):
@@ -429,7 +435,7 @@ def rms_matmul_group(x: jax.Array, ws, biases=None, *, eps: float, out_dtypes=No
   def ref(x, ws, bs):
     return _group_ref(x, ws, bs, st, out_dtypes)
 
-  if interpret:
+  if interpret and not _empty(x, ws):
     return kernel(x, ws, bs)
   if any(unsupported_reason(x.shape, x.dtype, w.shape, w.dtype) is not None for w in ws) or any(
       np.dtype(v.dtype).name not in SUPPORTED_DTYPES for b in bs for v in _biases(b)):

@@ -1,7 +1,7 @@
 """RMSNorm and fused residual-add + RMSNorm as Pallas kernels with custom VJPs.
 
 ``y = x * rsqrt(mean(x * x, axis=-1) + eps) * scale + bias``, accumulated in
-float32, returned in ``x.dtype``.
+float32 (float64 for float64 inputs, interpret mode only), returned in ``x.dtype``.
 
 Implementation notes
 --------------------
@@ -86,6 +86,12 @@ BWD_KERNELS = ("rms_norm_bwd", "fused_add_rms_norm_bwd")
 # --------------------------------------------------------------------------
 # Reference (also the XLA path)
 # --------------------------------------------------------------------------
+def _acc(dtype):
+    """Accumulation dtype: float32, float64 for float64 (interpret mode only;
+    the compiled kernels take :data:`SUPPORTED_DTYPES`)."""
+    return jnp.promote_types(dtype, _F32)
+
+
 def rms_norm_reference(
     x: jax.Array, scale: jax.Array, bias: Optional[jax.Array] = None, *, eps: float
 ) -> jax.Array:
@@ -97,7 +103,7 @@ def rms_norm_reference(
         >>> [round(float(v), 4) for v in y[0]]
         [0.8485, 1.1314]
     """
-    acc = jnp.promote_types(x.dtype, _F32)
+    acc = _acc(x.dtype)
     xf = x.astype(acc)
     ms = jnp.mean(xf * xf, axis=-1, keepdims=True)
     y = xf * lax.rsqrt(ms + eps) * scale.astype(acc)
@@ -126,7 +132,7 @@ def fused_add_rms_norm_reference(
         ([[2.0, 2.0]], [[1.0, 1.0]])
     """
     h_dtype = jnp.result_type(x.dtype, residual.dtype)
-    acc = jnp.promote_types(h_dtype, _F32)
+    acc = _acc(h_dtype)
     h = (x.astype(acc) + residual.astype(acc)).astype(h_dtype)
     y = rms_norm_reference(h, scale, bias, eps=eps).astype(x.dtype)
     return y, h
@@ -221,19 +227,20 @@ def _fwd_kernel(*refs, eps, n_rows, n_cols, has_res, has_bias, has_rstd):
     rstd_ref = next(it) if has_rstd else None
 
     br, hp = x_ref.shape
+    acc_dt = _acc((h_ref if has_res else x_ref).dtype)
     row_ok, col_ok, mask = _masks(pl.program_id(0) * br, br, hp, n_rows, n_cols)
-    x = _load(x_ref, mask).astype(_F32)
+    x = _load(x_ref, mask).astype(acc_dt)
     if has_res:
         # Round the sum to the residual-stream dtype first so the normalized
         # value matches what the next layer will read back from new_residual.
-        h = (x + _load(r_ref, mask).astype(_F32)).astype(h_ref.dtype)
+        h = (x + _load(r_ref, mask).astype(acc_dt)).astype(h_ref.dtype)
         _store(h_ref, h, mask)
-        x = h.astype(_F32)
-    scale = _load(scale_ref, col_ok).astype(_F32)
+        x = h.astype(acc_dt)
+    scale = _load(scale_ref, col_ok).astype(acc_dt)
     rstd = lax.rsqrt(jnp.sum(x * x, axis=1) / n_cols + eps)  # padded cols are 0
     y = x * rstd[:, None] * scale[None, :]
     if has_bias:
-        y = y + _load(bias_ref, col_ok).astype(_F32)[None, :]
+        y = y + _load(bias_ref, col_ok).astype(acc_dt)[None, :]
     _store(y_ref, y.astype(y_ref.dtype), mask)
     if has_rstd:
         _store(rstd_ref, rstd, row_ok)
@@ -248,9 +255,10 @@ def _bwd_kernel(*refs, n_rows, n_cols, steps, has_dres, has_bias):
     dbias_ref = next(it) if has_bias else None
 
     rows_per_prog, hp = x_ref.shape
+    acc_dt = _acc(x_ref.dtype)
     br = rows_per_prog // steps
     _, col_ok, _ = _masks(0, 1, hp, n_rows, n_cols)
-    scale = _load(scale_ref, col_ok).astype(_F32)
+    scale = _load(scale_ref, col_ok).astype(acc_dt)
     # Read program_id outside the loop: interpret mode only substitutes it at
     # the top level of the kernel jaxpr, not inside a fori_loop body.
     prog_row0 = pl.program_id(0) * rows_per_prog
@@ -259,20 +267,20 @@ def _bwd_kernel(*refs, n_rows, n_cols, steps, has_dres, has_bias):
         local = pl.ds(s * br, br)
         row0 = prog_row0 + s * br
         row_ok, _, mask = _masks(row0, br, hp, n_rows, n_cols)
-        x = _load(x_ref.at[local, :], mask).astype(_F32)
-        dy = _load(dy_ref.at[local, :], mask).astype(_F32)
+        x = _load(x_ref.at[local, :], mask).astype(acc_dt)
+        dy = _load(dy_ref.at[local, :], mask).astype(acc_dt)
         rstd = _load(rstd_ref.at[local], row_ok)  # masked rows -> 0 -> xhat 0
         xhat = x * rstd[:, None]
         g = dy * scale[None, :]
         c = jnp.sum(xhat * g, axis=1) / n_cols
         dx = (g - xhat * c[:, None]) * rstd[:, None]
         if has_dres:
-            dx = dx + _load(dres_ref.at[local, :], mask).astype(_F32)
+            dx = dx + _load(dres_ref.at[local, :], mask).astype(acc_dt)
         _store(dx_ref.at[local, :], dx.astype(dx_ref.dtype), mask)
         dscale_acc, dbias_acc = acc
         return dscale_acc + jnp.sum(dy * xhat, axis=0), dbias_acc + jnp.sum(dy, axis=0)
 
-    zeros = jnp.zeros((hp,), _F32)
+    zeros = jnp.zeros((hp,), acc_dt)
     dscale, dbias = lax.fori_loop(0, steps, body, (zeros, zeros))
     col_ok2 = col_ok[None, :]
     _store(dscale_ref, dscale[None, :], col_ok2)
@@ -308,7 +316,7 @@ def _forward(x, residual, scale, bias, st: _Static, stats: bool = True):
         out_shape.append(jax.ShapeDtypeStruct(x.shape, jnp.dtype(st.h_dtype)))
         out_specs.append(tile)
     if stats:
-        out_shape.append(jax.ShapeDtypeStruct((n_rows,), _F32))
+        out_shape.append(jax.ShapeDtypeStruct((n_rows,), _acc(st.h_dtype or x.dtype)))
         out_specs.append(rows)
 
     kernel = functools.partial(
@@ -346,10 +354,10 @@ def _backward(xn, scale, rstd, dy, dres, has_bias: bool, dx_dtype, st: _Static):
     has_dres = dres is not None
     inputs = [xn, scale, rstd, dy] + ([dres] if has_dres else [])
     in_specs = [tile, vec, rows, tile] + ([tile] if has_dres else [])
-    out_shape = [jax.ShapeDtypeStruct(xn.shape, dx_dtype), jax.ShapeDtypeStruct((n_prog, hidden), _F32)]
+    out_shape = [jax.ShapeDtypeStruct(xn.shape, dx_dtype), jax.ShapeDtypeStruct((n_prog, hidden), _acc(xn.dtype))]
     out_specs = [tile, part]
     if has_bias:
-        out_shape.append(jax.ShapeDtypeStruct((n_prog, hidden), _F32))
+        out_shape.append(jax.ShapeDtypeStruct((n_prog, hidden), _acc(xn.dtype)))
         out_specs.append(part)
     kernel = functools.partial(
         _bwd_kernel, n_rows=n_rows, n_cols=hidden, steps=steps, has_dres=has_dres, has_bias=has_bias
@@ -511,27 +519,33 @@ def supports(shape: Sequence[int], dtype, backend: Optional[str] = None) -> bool
     return unsupported_reason(shape, dtype, backend) is None
 
 
-def _mode(shape, dtype, interpret: Optional[bool], backend: Optional[str] = None) -> str:
-    """"interpret" | "kernel" (CUDA: kernel, elsewhere: XLA) | "xla"."""
+def _mode(shape, dtypes, interpret: Optional[bool], backend: Optional[str] = None) -> str:
+    """"interpret" | "kernel" (CUDA: kernel, elsewhere: XLA) | "xla".
+
+    ``dtypes``: of every tensor input (the fused kernel's residual too).
+    """
+    if math.prod(int(d) for d in shape) == 0:
+        return "xla"  # no rows (or an empty row): the reference's empty result, no zero-size grid
+    why = next(filter(None, (unsupported_reason(shape, d, backend) for d in dtypes)), None)
     if interpret:
-        if backend == "mosaic_gpu" and (why := unsupported_reason(shape, dtype, backend)):
+        if backend == "mosaic_gpu" and why:
             raise ValueError(f"backend='mosaic_gpu': {why}")
         return "interpret"
-    if not supports(shape, dtype, backend):
+    if why:
         return "xla"
-    if interpret is None and dispatch.choose(shape, dtype) != "pallas":
+    if interpret is None and dispatch.choose(shape, dtypes[0]) != "pallas":
         return "xla"
     return "kernel"
 
 
 def _check(x, scale, bias):
+    if x.ndim == 0:
+        raise ValueError(f"x must have a hidden axis, got shape {x.shape}")
     hidden = x.shape[-1]
     if scale.shape != (hidden,):
         raise ValueError(f"scale must have shape ({hidden},), got {scale.shape}")
     if bias is not None and bias.shape != (hidden,):
         raise ValueError(f"bias must have shape ({hidden},), got {bias.shape}")
-    if x.ndim == 0 or x.size == 0:
-        raise ValueError(f"x must be non-empty with a hidden axis, got shape {x.shape}")
 
 
 def rms_norm(
@@ -546,7 +560,8 @@ def rms_norm(
     """RMSNorm over the last axis; Pallas kernel (fwd + bwd) or XLA fallback.
 
     Args:
-      x: ``(..., hidden)`` float32/bfloat16/float16.
+      x: ``(..., hidden)`` float32/bfloat16/float16 (float64 in interpret mode, accumulated
+        in float64). No rows: :func:`rms_norm_reference` in every mode.
       scale, bias: ``(hidden,)``; bias optional.
       eps: added to the mean square.
       interpret: decided per lowering platform (see the module docstring):
@@ -572,7 +587,7 @@ def rms_norm(
         True
     """
     _check(x, scale, bias)
-    mode = _mode(x.shape, x.dtype, interpret, backend or dispatch.get_backend())
+    mode = _mode(x.shape, (x.dtype,), interpret, backend or dispatch.get_backend())
     if mode == "xla":
         return rms_norm_reference(x, scale, bias, eps=eps)
     st = _Static(float(eps), resolve_backend(backend, mode == "interpret"), mode == "interpret",
@@ -604,7 +619,9 @@ def fused_add_rms_norm(
     ``result_type(x, residual)`` (e.g. bf16 x + f32 residual -> f32 stream).
     Dispatch arguments (``interpret``, ``backend``) as in :func:`rms_norm`:
     on CUDA one kernel reads ``x`` and ``residual`` and writes both outputs;
-    elsewhere the XLA expression :func:`fused_add_rms_norm_reference`.
+    elsewhere the XLA expression :func:`fused_add_rms_norm_reference`, which
+    compiled mode also takes for a residual outside :data:`SUPPORTED_DTYPES`
+    (a float64 stream: the kernel would sum it in float32).
 
     Example:
         >>> import jax.numpy as jnp
@@ -615,7 +632,7 @@ def fused_add_rms_norm(
     _check(x, scale, bias)
     if residual.shape != x.shape:
         raise ValueError(f"residual shape {residual.shape} != x shape {x.shape}")
-    mode = _mode(x.shape, x.dtype, interpret, backend or dispatch.get_backend())
+    mode = _mode(x.shape, (x.dtype, residual.dtype), interpret, backend or dispatch.get_backend())
     if mode == "xla":
         return fused_add_rms_norm_reference(x, residual, scale, bias, eps=eps)
     h_dtype = jnp.result_type(x.dtype, residual.dtype)
