@@ -6,7 +6,8 @@ result), ``rotate`` (fused and deferred, by a random orthogonal Q at each
 candidate stream size; a ``RotateError`` is a refusal), a
 ``save_fold``/``load_fold`` round trip of every result, and ``export`` at
 symbolic (batch, seq) of the last result (an ``ExportWarning`` fallback is
-fine). Every result must equal the ORIGINAL program (rel err < ``prog.tol``)
+fine). Every result must equal the ORIGINAL program (rel err < ``prog.tol``,
+or the precision of a float cast that fuse_affine moved γ/β through, by design)
 at both fuzz argument sets; at the second one a ``JaxfoldError`` is accepted
 only where the fold itself refuses there. Nothing may raise but a
 ``JaxfoldError`` (a refusal: counted, not failed).
@@ -18,9 +19,12 @@ The fuzz programs nearly always hold an op no rotation commutes with, so
 The default tier runs ``N_DEFAULT`` seeds spread over the (rule, variant) keys
 (``JAXFOLD_FUZZX_N``) and ``N_STREAM`` stream programs; ``pytest -m slow`` runs
 ``test_fuzz_transforms_slow`` over seeds 0..N_SLOW-1 (``JAXFOLD_FUZZX_N_SLOW``)
-and ``test_fuzz_transforms_stream_slow`` over N_STREAM_SLOW stream programs.
+and ``test_fuzz_transforms_stream_slow`` over N_STREAM_SLOW stream programs;
+``test_fuzz_transforms_batch_one_slow`` folds (and transforms) at the example
+cut to batch 1 and checks at both argument sets (``JAXFOLD_FUZZX_N_SLOW_BATCH_ONE``).
 Reproduce one program with ``python tests/test_jaxfold/test_fuzz_transforms.py
-SEED ...`` (``STREAM=1`` for stream programs, ``FULL=1`` for tracebacks).
+SEED ...`` (``STREAM=1`` for stream programs, ``BATCH_ONE=1`` to fold at batch 1, ``FULL=1``
+for tracebacks).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ N_DEFAULT = int(os.environ.get("JAXFOLD_FUZZX_N", "6"))
 N_SLOW = int(os.environ.get("JAXFOLD_FUZZX_N_SLOW", "400"))
 N_STREAM = int(os.environ.get("JAXFOLD_FUZZX_N_STREAM", "4"))
 N_STREAM_SLOW = int(os.environ.get("JAXFOLD_FUZZX_N_STREAM_SLOW", "200"))
+N_SLOW_BATCH_ONE = int(os.environ.get("JAXFOLD_FUZZX_N_SLOW_BATCH_ONE", "150"))
 # Default seeds: spread over the key table (seed % len(KEYS) picks the forced op).
 DEFAULT_SEEDS = [(37 * i) % len(fp.KEYS) for i in range(N_DEFAULT)]
 # Candidate residual-stream sizes: the fuzz programs' hidden and input widths.
@@ -85,7 +90,7 @@ class _Run:
     self.failures: list = []
     self.refusals: list = []
     self.refs = [np_eval.run(prog.apply, prog.params, *a) for a in prog.args]
-    self.fold_refuses_other = False
+    self.fold_refuses: set = set()     # argument sets where the fold itself refuses (FoldError)
     self.tol = prog.tol
     self.rotated = 0
 
@@ -107,7 +112,7 @@ class _Run:
       try:
         out = fn(params, *a) if jax_only else np_eval.run(fn, params, *a)
       except jaxfold.JaxfoldError as e:
-        if v and self.fold_refuses_other:
+        if v in self.fold_refuses:
           continue
         self.failures.append(f"{label} at argument set {v}: {type(e).__name__}: {e}\n{_exc(e)}")
         continue
@@ -156,7 +161,7 @@ class _Run:
       try:
         out = fn(*a)
       except Exception as e:  # noqa: BLE001
-        if v and (fell_back or self.fold_refuses_other):   # exported at the example's shapes only
+        if v and (fell_back or v in self.fold_refuses):   # exported at the example's shapes only
           continue
         self.failures.append(f"exported {label} at argument set {v} raised {type(e).__name__}: {e}")
         continue
@@ -167,21 +172,25 @@ class _Run:
         self.failures.append(f"exported {label} != original at argument set {v}: rel err {err:.3g}")
 
 
-def check_transforms(seed: int, export: bool = True, stream: bool = False) -> _Run:
-  """The checks of program ``seed`` (``fuzz_programs.make_stream_program`` with ``stream``)."""
+def check_transforms(seed: int, export: bool = True, stream: bool = False,
+                     batch_one: bool = False) -> _Run:
+  """The checks of program ``seed`` (``fuzz_programs.make_stream_program`` with
+  ``stream``); with ``batch_one`` folded (and so transformed) at the example cut
+  to batch 1, and checked at both fuzz argument sets."""
   with x64_context():
     prog = (fp.make_stream_program if stream else fp.make_program)(seed)
     run = _Run(prog)
-    a0 = prog.args[0]
+    a0 = fp.batch_one(prog.args[0]) if batch_one else prog.args[0]
     folded = run.call("fold", lambda: jaxfold.fold(prog.params, prog.apply, *a0, **prog.fold_kwargs))
     if folded is None:
       return run          # test_fuzz's concern
-    try:
-      np_eval.run(folded.apply_fn, folded.params, *prog.args[1])
-    except jaxfold.FoldError:
-      run.fold_refuses_other = True
-    except Exception:  # noqa: BLE001 - test_fuzz reports it
-      return run
+    for v, a in enumerate(prog.args):
+      try:
+        np_eval.run(folded.apply_fn, folded.params, *a)
+      except jaxfold.FoldError:
+        run.fold_refuses.add(v)
+      except Exception:  # noqa: BLE001 - test_fuzz reports it
+        return run
     results = []
     fused = run.call("fuse_affine", lambda: jaxfold.fuse_affine(folded), ok_refuse=True)
     if fused is not None:
@@ -238,10 +247,17 @@ def test_fuzz_transforms_stream_slow(seed):
   _fail(check_transforms(seed, export=seed % 4 == 0, stream=True))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True], ids=["fuzz", "stream"])
+@pytest.mark.parametrize("seed", range(N_SLOW_BATCH_ONE))
+def test_fuzz_transforms_batch_one_slow(seed, stream):
+  _fail(check_transforms(seed, export=seed % 8 == 0, stream=stream, batch_one=True))
+
+
 if __name__ == "__main__":   # python tests/test_jaxfold/test_fuzz_transforms.py SEED [SEED ...]
-  stream = os.environ.get("STREAM") == "1"
+  stream, one = os.environ.get("STREAM") == "1", os.environ.get("BATCH_ONE") == "1"
   for s in map(int, sys.argv[1:]):
-    r = check_transforms(s, stream=stream)
+    r = check_transforms(s, stream=stream, batch_one=one)
     rot = sum(1 for x in r.refusals if x.startswith("rotate"))
     print(f"seed {s}: {len(r.failures)} failure(s), {len(r.refusals)} refusal(s), {rot} rotate refusal(s)",
           flush=True)
