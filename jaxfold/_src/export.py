@@ -121,6 +121,17 @@ def _arg_specs(args: tuple, names: Sequence[str]) -> tuple:
   return jax.tree_util.tree_map(lambda x: _leaf_spec(x, names, dims), args)
 
 
+def _inconsistent(args: tuple, names: Sequence[str]) -> Optional[str]:
+  """Where the example gives one symbolic dim two sizes (a mask of 48 rows where
+  x has 4 tokens), the reason: the program would refuse the example itself."""
+  shapes = [tuple(getattr(x, "shape", np.shape(x))) for x in jax.tree_util.tree_leaves(args)]
+  for i, name in enumerate(names):
+    sizes = sorted({s[i] for s in shapes if len(s) > i})
+    if len(sizes) > 1:
+      return f"the example arguments give {name!r} (axis {i}) the sizes {sizes}"
+  return None
+
+
 def _check_symbolic(symbolic) -> tuple:
   if symbolic is None:
     return ()
@@ -222,6 +233,10 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
   concrete = all(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree_util.tree_leaves(example_args))
   flat = (p_leaves,) if (params_as_argument or bundled) else ()
   for attempt in attempts:
+    why = _inconsistent(example_args, attempt)
+    if why:
+      errors.append(f"symbolic {attempt}: {why}")
+      continue
     try:
       with compat.undecided_size_comparisons() as undecided:
         exported = exporter(*p_spec, *_arg_specs(example_args, attempt))

@@ -2138,3 +2138,73 @@ if __name__ == "__main__":   # python tests/test_jaxfold/fuzz_programs.py SEED [
   jax.config.update("jax_enable_x64", True)
   for _s in sys.argv[1:]:
     print(make_program(int(_s)).describe())
+
+
+# ============================================================================
+# Residual-stream programs (for ``rotate``): the fuzz programs above nearly
+# always hold an op that no rotation commutes with.
+
+STREAM_NORMS = [k for k in NORMS if not k.grouped and k.name not in ("ln_tokens_and_features",)]
+
+
+def make_stream_program(seed: int) -> Program:
+  """A pre-LN transformer over a residual stream of width D (deterministic;
+  needs jax_enable_x64): embedding or Dense input (+ positions), 1-3 blocks
+  ``h + MLP(norm(h))`` / ``h + Wo(attention(norm(h)))`` with random LayerNorm
+  spellings, a final norm and a head (tied to the embedding or not)."""
+  assert jax.config.jax_enable_x64, "fuzz programs are float64: enable x64 first"
+  g = Gen(seed)
+  T0, D = g.choice(TOKENS), g.choice([4, 8, 12])
+  root = Scope()
+  sc_in = root.child("in")
+  embed = g.coin()
+  if embed:
+    pe, pp = sc_in.param("emb", (VOCAB, D)), sc_in.param("emb", (MAXT, D))
+  else:
+    pe, pb = sc_in.param("w", (DIN, D)), sc_in.param("b", (D,))
+  lines = [f"  stream program (reproduce: fuzz_programs.make_stream_program({seed})): "
+           f"{'embed(ids) + pos[:T]' if embed else 'Dense(x)'} (T={T0}, D={D})"]
+  st = St(T0, D, T0, "pre", extras=True, emit=False, keep_t=True)
+  blocks = []
+  for i in range(g.choice([1, 2, 3])):
+    sc = root.child(f"s{i}")
+    norm = make_norm(g, sc, st, g.choice(STREAM_NORMS))
+    if g.coin():
+      att = _attention(g, sc, st)
+      pwo, pbo = sc.param("w", (D, D)), sc.param("b", (D,))
+      lines.append(f"  block: h + Wo({att.name}({norm.name}(h)))")
+      blocks.append(lambda P, h, E, n=norm, a=att, w=pwo, b=pbo: h + a.fn(P, n.fn(P, h, E), E) @ P[w] + P[b])
+    else:
+      width = g.choice([8, 16])
+      pw1, pb1 = sc.param("w", (D, width)), sc.param("b", (width,))
+      pw2, pb2 = sc.param("w", (width, D)), sc.param("b", (D,))
+      lines.append(f"  block: h + MLP({norm.name}(h)) (width {width})")
+      blocks.append(lambda P, h, E, n=norm, w1=pw1, b1=pb1, w2=pw2, b2=pb2:
+                    h + jax.nn.gelu(n.fn(P, h, E) @ P[w1] + P[b1]) @ P[w2] + P[b2])
+  out_sc = root.child("out")
+  final = make_norm(g, out_sc, st, g.choice(STREAM_NORMS))
+  tied = embed and g.coin()
+  ph = None if tied else out_sc.param("w", (D, g.choice([2, 3])))
+  lines.append(f"  output: {'tied head' if tied else 'head'} after {final.name}")
+
+  def apply(params, x, aux):
+    E = Env(dict(aux, x=x), None)
+    P = params["in"]
+    if embed:
+      h = P[pe][aux["ids"]] + P[pp][: aux["ids"].shape[1]]
+    else:
+      h = x @ P[pe] + P[pb]
+    for i, blk in enumerate(blocks):
+      h = blk(params[f"s{i}"], h, E)
+    y = final.fn(params["out"], h, E)
+    return (y @ (params["in"][pe].T if tied else params["out"][ph]),)
+
+  params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, F64),
+                                  instantiate(root, np.random.default_rng([seed, 1])))
+  other = jax.tree_util.tree_map(lambda a: jnp.asarray(a, F64),
+                                 instantiate(root, np.random.default_rng([seed, 2])))
+  args = [_args(g, T0, BATCHES[0], 0), _args(g, T0 + OTHER_T, BATCHES[1], 0)]
+  lines.append(f"  argument sets: (B={BATCHES[0]}, T={T0}), (B={BATCHES[1]}, T={T0 + OTHER_T})")
+  kw = {"tied_weights": "copy"} if tied and g.coin() else {}
+  return Program(seed, ("stream", ""), params, other, args, apply, lines, frozenset(g.tags), kw, 1e-9, 1e-8,
+                 True, True)
