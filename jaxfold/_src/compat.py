@@ -20,6 +20,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 try:  # jax >= 0.4.30
@@ -91,6 +92,11 @@ def precision(dtype: Any) -> tuple:
   """``(finfo.nmant, finfo.nexp)`` of a float dtype, remembered."""
   info = jnp.finfo(dtype)
   return int(info.nmant), int(info.nexp)
+
+
+def x64_enabled() -> bool:
+  """Whether jax computes in float64 here (the flag, or an ``enable_x64`` context)."""
+  return jax.dtypes.canonicalize_dtype(np.float64) == np.float64
 
 
 @per_dtype

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfold._src import display, kernels, layout, pipeline
+from jaxfold._src import compat, display, kernels, layout, pipeline
 from jaxfold._src.errors import FoldError
 from jaxfold._src.pipeline import (
   Call,
@@ -441,11 +441,16 @@ def _on_host(x) -> bool:
                               and len(sharding.device_set) <= 1)
 
 
-def _host_center(x, spec: dict) -> np.ndarray:
+def _host_center(x, spec: dict, out: Optional[np.ndarray] = None, pairwise: Optional[bool] = None) -> np.ndarray:
   # NumPy on the host: no per-shape compilation, which dominates a cold fold.
   # Written 64-byte aligned, jax's CPU client adopts the result without a
   # copy (an unaligned one is copied: as long as the centering itself).
-  return layout.center(x, spec, out=_aligned_empty(np.shape(x), x.dtype))
+  # The float64 mean of a float32 table is the fold's critical path; float32
+  # rows take NumPy's pairwise sum (~2 ulp) unless jax computes in float64
+  # (asked on the caller's thread: enable_x64 contexts are thread-local).
+  out = _aligned_empty(np.shape(x), x.dtype) if out is None else out
+  pairwise = not compat.x64_enabled() if pairwise is None else pairwise
+  return layout.center(x, spec, out=out, pairwise=pairwise)
 
 
 def _adopt(y, like):
@@ -486,6 +491,7 @@ class _Centering:
 
   def __init__(self, leaves: list):
     self._leaves = leaves
+    self._pairwise = not compat.x64_enabled()   # here: the workers do not see an enable_x64 context
     self._futures: dict = {}   # (leaf index, spec) -> Future (or _Blocks) of the centered NumPy array
 
   def start(self, an: Analysis) -> None:
@@ -503,10 +509,10 @@ class _Centering:
     # does not center are independent and contiguous (dim 0 of a C-ordered array).
     workers = _pool()._max_workers
     if _nbytes(x) < self._SPLIT_BYTES or workers < 2 or 0 in spec or x.ndim < 2 or x.shape[0] < workers:
-      return _pool().submit(_host_center, x, spec)
+      return _pool().submit(_host_center, x, spec, None, self._pairwise)
     out = _aligned_empty(x.shape, x.dtype)
     cuts = np.linspace(0, x.shape[0], workers + 1).astype(int)
-    return _Blocks(out, [_pool().submit(layout.center, x[a:b], spec, out[a:b])
+    return _Blocks(out, [_pool().submit(_host_center, x[a:b], spec, out[a:b], self._pairwise)
                          for a, b in zip(cuts[:-1], cuts[1:])])
 
   def cancel(self) -> None:

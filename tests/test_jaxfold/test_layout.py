@@ -54,3 +54,36 @@ def test_center_keeps_low_precision_dtypes_and_rounds_once(dtype):
 def test_spec_helpers():
   assert layout.full_spec((2, 3, 4), (1, 2)) == {1: 3, 2: 4}
   assert layout.fmt_spec({1: 3, 2: 2}, (2, 3, 4)) == "(1, 2(groups of 2))"
+
+
+@pytest.mark.parametrize("shape,spec", [((300, 768), {1: 768}), ((300, 768), {1: 256}),
+                                        ((768, 96), {0: 768}), ((4, 6, 8), {1: 3, 2: 8})])
+def test_pairwise_center_is_within_ulps_of_the_float64_mean(shape, spec):
+  """pairwise=True (the fold's float32 host path without x64): NumPy's pairwise
+  float32 sum where the block is the contiguous last axis, float64 elsewhere."""
+  rng = np.random.default_rng(1)
+  x = (rng.normal(size=shape) * 0.02 + 0.01).astype(np.float32)
+  ref = layout.center(x, spec)
+  got = layout.center(x, spec, pairwise=True)
+  assert got.dtype == np.float32
+  fast = set(spec) == {x.ndim - 1}
+  if not fast:   # a strided or multi-axis block keeps the float64 mean: bit-identical
+    assert np.array_equal(got, ref)
+  else:
+    assert np.max(np.abs(got - ref) / np.spacing(np.abs(x).max())) <= 4
+  # the block means left are at float32 rounding (the float64 path leaves ~1e-9 too)
+  assert np.abs(_block_sums(got, spec) / np.prod([spec[d] for d in spec])).max() < 1e-8
+
+
+def test_fold_centers_float64_under_x64_and_pairwise_without():
+  from helpers import x64_context
+
+  from jaxfold._src import compat, fold
+  x = (np.random.default_rng(2).normal(size=(64, 512)) * 0.02 + 0.01).astype(np.float32)
+  fast = layout.center(x, {1: 512}, pairwise=True)
+  assert not np.array_equal(fast, layout.center(x, {1: 512}))   # the two paths differ here
+  with x64_context():
+    assert compat.x64_enabled()
+    assert np.array_equal(fold._host_center(x, {1: 512}), layout.center(x, {1: 512}))
+  assert not compat.x64_enabled()
+  assert np.array_equal(fold._host_center(x, {1: 512}), fast)
