@@ -333,10 +333,10 @@ def test_threaded_centering_equals_leaf_by_leaf(x64, dtype, monkeypatch):
   # still queued (then cancelled) or still running shows it was not waited for.
   release, host_center = threading.Event(), F._host_center
 
-  def blocking(x, spec):
+  def blocking(x, spec, *rest):
     if spec == {1: 1024}:
       release.wait(timeout=10)
-    return host_center(x, spec)
+    return host_center(x, spec, *rest)
 
   monkeypatch.setattr(F, "_host_center", blocking)
   pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)   # one blocked, one for the plan's jobs
