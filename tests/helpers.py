@@ -24,6 +24,21 @@ def randomize(params, seed=0, scale=0.5, key=None):
   return jax.tree_util.tree_unflatten(tree, out)
 
 
+def named_params(seed=0, **shapes):
+  """A dict of float64 leaves by name: ``g*`` γ near 1 (non-uniform), ``b*`` β
+  and biases with a non-zero mean, anything else a weight scaled by its fan-in."""
+  rng = np.random.default_rng(seed)
+  out = {}
+  for k, s in shapes.items():
+    if k.startswith("g"):
+      out[k] = jnp.asarray(1 + 0.5 * rng.normal(size=s))
+    elif k.startswith("b"):
+      out[k] = jnp.asarray(rng.normal(size=s) + 0.3)
+    else:
+      out[k] = jnp.asarray(rng.normal(size=s) / np.sqrt(s[0]))
+  return out
+
+
 def rel_err(a, b) -> float:
   """``max |a − b| / max |a|`` over the leaves, in float64 (NaN anywhere fails)."""
   errs = []

@@ -659,26 +659,31 @@ class FusedApply(PipelineApply):
     super().__init__(inner, params_abstract, args, kwargs)
     self._leaves, self._tree = jax.tree_util.tree_flatten(params_abstract)
     self._base = base
-    self._example_key = self.bind(args, kwargs).key
-    self.seed(self.bind(args, kwargs), base)
+    example = self.bind(args, kwargs)
+    self._example_key = example.key
+    self.seed(example, base)
 
   def analysis_for(self, args: tuple, kwargs: Optional[dict] = None) -> FuseAnalysis:
     return self.analysed(self.bind(args, kwargs))
 
   def _analyse(self, call: Call) -> FuseAnalysis:
     an = analyse(call.fn, self._params, call.abstract_args(FuseError), self._base.defer)
+    if an.key[:4] != self._base.key[:4]:
+      raise FuseError(f"{self._differing(call)} fuse differently from the example fuse_affine was "
+                      "given; call fuse_affine again for them")
+    if an.key != self._base.key:
+      raise FuseError(f"{self._differing(call)} defer differently from the example defer_norms was "
+                      "given (the report would not hold for them): "
+                      + _defer_diff(self._base.report.deferred, an.report.deferred))
+    return an
+
+  def _differing(self, call: Call) -> str:
+    """What a refused call differs in, for its message."""
     what = f"inputs of these shapes ({pipeline.shapes_text(call.args)})"
     kw, ex = pipeline.key_kwargs_text(call.key), pipeline.key_kwargs_text(self._example_key)
     if kw != ex:   # another program (train=True, a flag): not the shapes' doing
       what += f" and keyword arguments ({kw or 'none'}; the example's: {ex or 'none'})"
-    if an.key[:4] != self._base.key[:4]:
-      raise FuseError(f"{what} fuse differently from the example fuse_affine was given; call "
-                      "fuse_affine again for them")
-    if an.key != self._base.key:
-      raise FuseError(f"{what} defer differently from the example defer_norms was given (the report "
-                      "would not hold for them): "
-                      + _defer_diff(self._base.report.deferred, an.report.deferred))
-    return an
+    return what
 
   def __call__(self, params: FusedParams, *args, **kwargs):
     if not isinstance(params, FusedParams):

@@ -294,8 +294,7 @@ def _bound_kwargs(folded: Any, example_args: tuple, example_kwargs: Optional[dic
   if not isinstance(example_kwargs, dict):
     raise TypeError(f"export's example_kwargs must be a dict of keyword arguments, got "
                     f"{type(example_kwargs).__name__}")
-  arrays = sorted(k for k, v in example_kwargs.items()
-                  if any(pipeline.is_array(x) for x in jax.tree_util.tree_leaves(v)))
+  arrays = sorted(k for k, v in example_kwargs.items() if pipeline.holds_array(v))
   if arrays:
     raise ValueError(f"export's example_kwargs {arrays} hold arrays: the artifact takes positional "
                      "arguments only, and an array bound here would be a constant of the example's "

@@ -504,8 +504,8 @@ class _Centering:
         self._futures[(i, spec)] = self._submit(np.asarray(x), dict(spec))
 
   def _submit(self, x: np.ndarray, spec: dict):
-    # The mean (accumulated in float64) is compute-bound: one large table on one
-    # thread is the fold's critical path. Blocks of rows along a dim the spec
+    # The mean is compute-bound (in float64 unless pairwise): one large table on
+    # one thread is the fold's critical path. Blocks of rows along a dim the spec
     # does not center are independent and contiguous (dim 0 of a C-ordered array).
     workers = _pool()._max_workers
     if _nbytes(x) < self._SPLIT_BYTES or workers < 2 or 0 in spec or x.ndim < 2 or x.shape[0] < workers:

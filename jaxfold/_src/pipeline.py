@@ -291,6 +291,11 @@ def model_parts(model: Any, example_args: tuple, takes: str, error: type) -> tup
   return params, fn, tuple(example_args)
 
 
+def holds_array(value: Any) -> bool:
+  """Whether a keyword argument's value has an array leaf (traced, not static)."""
+  return any(is_array(x) for x in jax.tree_util.tree_leaves(value))
+
+
 def model_kwargs(model: Any, example_args: tuple) -> dict:
   """The example keyword arguments a transform analyses at: those the model's
   apply function recorded (the fold's ``example_kwargs``). Where the caller
@@ -299,8 +304,7 @@ def model_kwargs(model: Any, example_args: tuple) -> dict:
   shapes and are dropped with them."""
   kwargs = dict(getattr(getattr(model, "apply_fn", None), "example_kwargs", None) or {})
   if example_args:
-    kwargs = {k: v for k, v in kwargs.items()
-              if not any(is_array(x) for x in jax.tree_util.tree_leaves(v))}
+    kwargs = {k: v for k, v in kwargs.items() if not holds_array(v)}
   return kwargs
 
 
@@ -382,5 +386,5 @@ class PipelineApply:
 
 
 __all__ = ["Call", "PipelineApply", "Traced", "abstract", "abstract_tree", "analyzer", "bind",
-           "dtype_of", "is_array", "key_kwargs_text", "kwargs_text", "leaves_signature", "model_parts",
+           "dtype_of", "holds_array", "is_array", "key_kwargs_text", "kwargs_text", "leaves_signature", "model_parts",
            "no_gc", "shapes_text", "shapes_texts", "signature", "trace"]

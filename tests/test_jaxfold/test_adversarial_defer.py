@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import rel_err
+from helpers import named_params
 from jax import lax
 
 import jaxfold
@@ -22,17 +23,7 @@ def _x(*shape, seed=1, dtype=jnp.float64):
   return jax.random.normal(jax.random.PRNGKey(seed), shape, dtype)
 
 
-def _params(seed=0, **shapes):
-  rng = np.random.default_rng(seed)
-  out = {}
-  for k, s in shapes.items():
-    if k.startswith("g"):
-      out[k] = jnp.asarray(1 + 0.5 * rng.normal(size=s))      # γ: non-uniform
-    elif k.startswith("b"):
-      out[k] = jnp.asarray(rng.normal(size=s) + 0.3)          # β, biases: non-zero mean
-    else:
-      out[k] = jnp.asarray(rng.normal(size=s) / np.sqrt(s[0]))
-  return out
+_params = named_params
 
 
 BASE = dict(w1=(4, D), b1=(D,), g=(D,), beta=(D,), w2=(D, 6), b2=(6,), w3=(6, 3))
