@@ -5,7 +5,7 @@ import warnings
 import flax.linen as nn
 import jax
 import pytest
-from helpers import rel_err
+from helpers import randomize, rel_err
 
 import jaxfold
 from jaxfold.exporting import ExportWarning, export, exported_signature, load_exported
@@ -118,8 +118,8 @@ def test_export_binds_the_folds_static_keyword_arguments(fuse):
   with x64_context():
     m = Flagged()
     x = jax.random.normal(jax.random.key(0), (2, 5, 8), "float64")
-    p = models.randomize_norms(m.init(jax.random.key(1), x), jax.random.key(2))
-    p = jax.tree_util.tree_map(lambda a: a.astype("float64"), p)
+    p = jax.tree_util.tree_map(lambda a: a.astype("float64"), m.init(jax.random.key(1), x))
+    p = randomize(p, seed=2)   # γ, β and the Dense biases all non-trivial
     r = jaxfold.fold(p, m.apply, x, example_kwargs={"flag": True})
     if fuse:
       r = jaxfold.fuse_affine(r)
