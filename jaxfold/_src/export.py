@@ -11,8 +11,11 @@ Batch and sequence dimensions are exported symbolically where the program
 allows it (``jax.export.symbolic_shape``), so one artifact serves any batch
 size and sequence length.  When the program does not support symbolic shapes
 (Python control flow on a shape, shape-dependent slicing that jax cannot
-prove in range, ...) ``export`` retries with a symbolic batch only and then
-with the concrete example shapes, warning each time. A Python branch on a size
+prove in range, ...) ``export`` retries with a symbolic batch only, a
+symbolic sequence only and then the concrete example shapes, warning each
+time. An axis is named only on the arguments whose size there is the
+example's for that name (the first argument's): a raw PRNG key of shape (2,)
+or a position table of 48 rows keeps its size, and a typed key its shape. A Python branch on a size
 that tracing *can* decide (``x.shape[0] == 1``, ``b % 4 == 0``, ``b == 5`` are
 False for a symbolic batch unless provably true) is decided once for every
 size: such a comparison, made by the program (not by jax or jaxfold) while it
@@ -103,33 +106,63 @@ class ExportWarning(UserWarning):
   """The artifact was exported with fewer symbolic dimensions than asked for."""
 
 
-def _leaf_spec(x: Any, names: Sequence[str], dims: dict) -> jax.ShapeDtypeStruct:
-  shape = list(np.shape(x))
-  for i, name in enumerate(names):
-    if i < len(shape):
-      shape[i] = dims[name]
-  return jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x))
+def _naming(args: tuple, names: Sequence[str]) -> list:
+  """Per flattened leaf of ``args``, the symbolic name of each leading axis or
+  None (kept at the example's size).
+
+  Axis ``i`` of a leaf is named ``names[i]`` where its size is the example's
+  size for that name: the size of axis ``i`` of the first argument leaf that
+  has one. A leaf of another size there (a position table of 48 rows beside 4
+  tokens, a raw PRNG key of shape (2,) beside a batch of 4) keeps its size, and
+  typed PRNG keys keep their shape. (Where the program then needs the two
+  sizes to agree, tracing fails and ``export`` tries fewer names.)
+  """
+  leaves = jax.tree_util.tree_leaves(args)
+  shapes = [tuple(getattr(x, "shape", np.shape(x))) for x in leaves]
+  ref = {i: next((s[i] for s in shapes if len(s) > i), None) for i in range(len(names))}
+  out = []
+  for x, s in zip(leaves, shapes):
+    key = compat.is_prng_key(getattr(x, "dtype", None))
+    out.append(tuple(None if key or names[i] is None or s[i] != ref[i] else names[i]
+                     for i in range(min(len(names), len(s)))))
+  return out
+
+
+def _shown(attempt: Sequence[Optional[str]]) -> str:
+  """An attempt's names as the warnings show them: ``('batch', 'seq')``, ``(axis 1: 'seq')``."""
+  if all(n is not None for n in attempt):
+    return str(tuple(attempt))
+  return "(" + ", ".join(f"axis {i}: {n!r}" for i, n in enumerate(attempt) if n is not None) + ")"
+
+
+def _unnamed(args: tuple, names: Sequence[str]) -> Optional[str]:
+  """Which argument axes keep the example's size although ``names`` asks for
+  them to be symbolic (the warning's text), or None."""
+  kept = []
+  for path_leaf, named in zip(jax.tree_util.tree_flatten_with_path(args)[0], _naming(args, names)):
+    path, x = path_leaf
+    if compat.is_prng_key(getattr(x, "dtype", None)):
+      continue   # a key's shape is never a batch or a sequence
+    fixed = [i for i, n in enumerate(named) if n is None and names[i] is not None]
+    if fixed:
+      shape = tuple(getattr(x, "shape", np.shape(x)))
+      kept.append(f"args{jax.tree_util.keystr(path)} {list(shape)} axis {', '.join(map(str, fixed))}")
+  return "; ".join(kept) or None
 
 
 def _arg_specs(args: tuple, names: Sequence[str]) -> tuple:
-  """ShapeDtypeStructs for ``args``; leading axis i of every array gets ``names[i]``."""
-  if names:
-    symbols = jax_export.symbolic_shape(", ".join(names))
-    dims = dict(zip(names, symbols))
-  else:
-    dims = {}
-  return jax.tree_util.tree_map(lambda x: _leaf_spec(x, names, dims), args)
-
-
-def _inconsistent(args: tuple, names: Sequence[str]) -> Optional[str]:
-  """Where the example gives one symbolic dim two sizes (a mask of 48 rows where
-  x has 4 tokens), the reason: the program would refuse the example itself."""
-  shapes = [tuple(getattr(x, "shape", np.shape(x))) for x in jax.tree_util.tree_leaves(args)]
-  for i, name in enumerate(names):
-    sizes = sorted({s[i] for s in shapes if len(s) > i})
-    if len(sizes) > 1:
-      return f"the example arguments give {name!r} (axis {i}) the sizes {sizes}"
-  return None
+  """ShapeDtypeStructs for ``args``, leading axes named as ``_naming`` says."""
+  given = [n for n in names if n is not None]
+  dims = dict(zip(given, jax_export.symbolic_shape(", ".join(given)))) if given else {}
+  leaves, tree = jax.tree_util.tree_flatten(args)
+  specs = []
+  for x, named in zip(leaves, _naming(args, names)):
+    shape = list(np.shape(x))
+    for i, n in enumerate(named):
+      if n is not None:
+        shape[i] = dims[n]
+    specs.append(jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x)))
+  return jax.tree_util.tree_unflatten(tree, specs)
 
 
 def _check_symbolic(symbolic) -> tuple:
@@ -162,7 +195,9 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
     symbolic: names for the leading dimensions of every array argument, e.g.
       ``("batch", "seq")`` (axis 0 is ``batch``, axis 1 is ``seq`` wherever an
       argument has it); ``None`` or ``()`` exports the example shapes exactly.
-      When tracing with these fails, ``export`` falls back to ``symbolic[:1]``
+      An argument whose axis has another size than the first argument's keeps
+      it (a key, a position table). When tracing with these fails,
+      ``export`` falls back to ``symbolic[:1]``, then to ``symbolic[1]`` alone
       and then to concrete shapes, with an :class:`ExportWarning`.
     params_as_argument: ``False`` (default) ships the folded parameters in
       the artifact; ``True`` exports ``f(params, *args)`` (the caller supplies
@@ -223,9 +258,11 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
   p_spec = ([jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in p_leaves],) \
       if (params_as_argument or bundled) else ()
 
+  # Fewer symbolic dims each time tracing (or the check) refuses: batch only,
+  # then sequence only (a program that branches on its batch size), then none.
   attempts = [names]
   if len(names) > 1:
-    attempts.append(names[:1])
+    attempts += [names[:1], (None, *names[1:2])]
   if names:
     attempts.append(())
   errors = []
@@ -233,10 +270,6 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
   concrete = all(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree_util.tree_leaves(example_args))
   flat = (p_leaves,) if (params_as_argument or bundled) else ()
   for attempt in attempts:
-    why = _inconsistent(example_args, attempt)
-    if why:
-      errors.append(f"symbolic {attempt}: {why}")
-      continue
     try:
       with compat.undecided_size_comparisons() as undecided:
         exported = exporter(*p_spec, *_arg_specs(example_args, attempt))
@@ -244,12 +277,12 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
       if not attempt:
         raise
       first = (str(e).strip().splitlines() or [""])[0]
-      errors.append(f"symbolic {attempt}: {type(e).__name__}: {first[:300]}")
+      errors.append(f"symbolic {_shown(attempt)}: {type(e).__name__}: {first[:300]}")
       continue
     if attempt and undecided:
       # ``b == 5`` is False for a symbolic b (True would need a proof): a
       # branch on it was traced once for every size, right only where it holds.
-      errors.append(f"symbolic {attempt}: the program compares symbolic sizes in Python, which jax.export "
+      errors.append(f"symbolic {_shown(attempt)}: the program compares symbolic sizes in Python, which jax.export "
                     f"decides as unequal for every size ({'; '.join(dict.fromkeys(undecided))})")
       exported = None
       continue
@@ -260,11 +293,15 @@ def export(folded: Any, *example_args: Any, symbolic: Optional[Sequence[str]] = 
       # branches flip (every symbolic dim 1, and one larger than the example).
       differs = _differs_at_other_sizes(exported, fn, flat, example_args, attempt, rtol)
       if differs:
-        errors.append(f"symbolic {attempt}: {differs}")
+        errors.append(f"symbolic {_shown(attempt)}: {differs}")
         exported = None
         continue
+    kept = _unnamed(example_args, attempt)
+    if kept:
+      errors.append(f"these argument axes keep the example's size: {kept}")
     if errors:
-      what = f"symbolic dimensions {attempt}" if attempt else "the concrete example shapes"
+      what = (f"symbolic dimensions {_shown(attempt)}" if any(attempt)
+              else "the concrete example shapes")
       warnings.warn("the program does not support all the requested symbolic dimensions; "
                     f"exported with {what} instead ({'; '.join(errors)})", ExportWarning,
                     stacklevel=2)
@@ -303,14 +340,19 @@ def _bound_kwargs(folded: Any, example_args: tuple, example_kwargs: Optional[dic
 
 
 def _resized(args: tuple, names: Sequence[str], size: Callable[[int], int]) -> tuple:
-  """``args`` with the leading axes named ``names`` resized to ``size(n)``: the
+  """``args`` with the axes that ``_naming`` names resized to ``size(n)``: the
   example's entries repeated cyclically (valid inputs, e.g. token ids)."""
-  def one(x):
+  leaves, tree = jax.tree_util.tree_flatten(args)
+
+  def one(x, named):
+    if all(n is None for n in named):
+      return x
     x = np.asarray(x)
-    for i in range(min(len(names), x.ndim)):
-      x = np.take(x, np.arange(size(x.shape[i])) % x.shape[i], axis=i)
+    for i, n in enumerate(named):
+      if n is not None:
+        x = np.take(x, np.arange(size(x.shape[i])) % x.shape[i], axis=i)
     return x
-  return jax.tree_util.tree_map(one, args)
+  return jax.tree_util.tree_unflatten(tree, [one(x, n) for x, n in zip(leaves, _naming(args, names))])
 
 
 def _differs_at_other_sizes(exported: Any, fn: Callable, flat: tuple, args: tuple, names: Sequence[str],

@@ -18,8 +18,10 @@ Findings (each test failed before its fix):
   214 of ``test_fuzz_transforms``): ``export`` exported at symbolic ``seq``
   anyway, then its own check raised jax's "Input shapes do not match the
   polymorphic shapes specification" ValueError (with ``check=False`` it returned
-  an artifact that refuses the example). ``export`` now skips a symbolic
-  assignment the example contradicts (``_inconsistent``), with an ExportWarning.
+  an artifact that refuses the example). ``export`` now names an axis only on the
+  arguments of the example's size for it (``_naming``): the mask keeps its 48
+  rows, the program cannot slice it to a symbolic length and falls back to a
+  symbolic batch, with an ExportWarning.
 
 Pinned (passed when written; they kill a ``_gather_canon`` that forgets its
 in-bounds condition): constant-index gathers at concrete shapes, a first-token
@@ -29,6 +31,7 @@ with clip and fill, folded and deferred, exact and exported at a symbolic batch.
 
 import warnings
 
+import jax
 import jax.numpy as jnp
 import np_eval
 import numpy as np
@@ -90,10 +93,13 @@ def test_a_size_branch_the_probes_miss_is_not_exported_symbolically(x64, fn, how
   r = jaxfold.fold(p, fn, _x(2, 4), defer_norms=how == "defer")
   with pytest.warns(ExportWarning, match="compares symbolic sizes in Python"):
     fn_loaded = load_exported(jaxfold.export(r, _x(2, 4)))
-  assert exported_signature(fn_loaded) == [((2, 4, 8), "float64")]
-  assert rel_err(np_eval.run(fn, p, _x(2, 4)), fn_loaded(_x(2, 4))) < 1e-9
+  # A branch on the batch size alone leaves the sequence symbolic; one on both, neither.
+  seq = fn is not _twice_when_square
+  assert exported_signature(fn_loaded) == [((2, "seq" if seq else 4, 8), "float64")]
+  for t in ((4, 1, 7) if seq else (4,)):
+    assert rel_err(np_eval.run(fn, p, _x(2, t)), fn_loaded(_x(2, t))) < 1e-9
   for b, t in [(4, 4), (5, 4), (8, 4), (5, 2)]:
-    with pytest.raises(ValueError, match="exported for fixed shapes"):
+    with pytest.raises(ValueError, match="exported for fixed shapes" if not seq else "its int dims are fixed"):
       fn_loaded(_x(b, t))
 
 
@@ -136,7 +142,7 @@ def test_an_example_with_two_sizes_for_seq_falls_back_to_a_symbolic_batch(x64):
   p = _params()
   r = jaxfold.fold(p, _masked, _x(2, 4), _mask(2), fuse_affine=True)
   for check in (True, False):
-    with pytest.warns(ExportWarning, match=r"'seq' \(axis 1\) the sizes \[4, 48\]"):
+    with pytest.warns(ExportWarning, match=r"exported with symbolic dimensions \('batch',\) .*min\(48, seq\)"):
       fn = load_exported(jaxfold.export(r, _x(2, 4), _mask(2), check=check))
     for b in (2, 5):
       assert rel_err(np_eval.run(_masked, p, _x(b, 4), _mask(b)), fn(_x(b, 4), _mask(b))) < 1e-9
@@ -189,3 +195,48 @@ def test_constant_gathers_fuse_exactly_and_export(x64, name):
   fn_loaded = load_exported(jaxfold.export(r, _x(2, 4), symbolic=("batch",)))
   for b in (1, 5):
     assert rel_err(np_eval.run(fn, p, _x(b, 4)), fn_loaded(_x(b, 4))) < 1e-9, b
+
+
+# ----------------------------------------------------------------------------
+# Arguments whose leading axes are not the batch or the sequence: a typed PRNG
+# key, a raw key of shape (2,), a position table of the example's length. Each
+# used to make every symbolic export fail the consistency check (the example
+# gave `batch` two sizes) and fell back to concrete shapes; now such an argument
+# keeps its own size and the stream stays symbolic where the program allows.
+
+
+def _noisy(p, x, key):
+  """Deterministic in the key: a per-feature scale drawn from it."""
+  return _block(p, x * (1.0 + 0.1 * jax.random.uniform(key, x.shape[-1:], x.dtype)))
+
+
+def _positioned(p, x, pos):
+  return _block(p, x + pos[:, None])
+
+
+@pytest.mark.parametrize("key", ["typed", "raw"])
+def test_a_key_argument_keeps_its_shape_and_the_stream_stays_symbolic(x64, key):
+  p = _params()
+  k = jax.random.key(7) if key == "typed" else jax.random.PRNGKey(7)
+  r = jaxfold.fold(p, _noisy, _x(3, 4), k, fuse_affine=True)
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always", ExportWarning)
+    fn = load_exported(jaxfold.export(r, _x(3, 4), k))
+  # A raw key is a uint32 array like any other: the warning names the axis it keeps.
+  msgs = [str(w.message) for w in seen if issubclass(w.category, ExportWarning)]
+  assert len(msgs) == (key == "raw") and all("args[1] [2] axis 0" in m for m in msgs), msgs
+  assert exported_signature(fn)[0] == (("batch", "seq", 8), "float64")
+  want = jax.jit(_noisy)
+  for b, t in [(1, 1), (5, 3), (3, 4)]:
+    assert rel_err(want(p, _x(b, t), k), fn(_x(b, t), k)) < 1e-9
+
+
+def test_a_position_table_falls_back_to_a_symbolic_batch_not_to_concrete_shapes(x64):
+  p = _params()
+  pos = jnp.linspace(-1.0, 1.0, 4)
+  r = jaxfold.fold(p, _positioned, _x(2, 4), pos)
+  with pytest.warns(ExportWarning, match=r"exported with symbolic dimensions \('batch',\)"):
+    fn = load_exported(jaxfold.export(r, _x(2, 4), pos))
+  assert exported_signature(fn)[0] == (("batch", 4, 8), "float64")
+  for b in (1, 5):
+    assert rel_err(np_eval.run(_positioned, p, _x(b, 4), pos), fn(_x(b, 4), pos)) < 1e-9
