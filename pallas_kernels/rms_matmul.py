@@ -52,6 +52,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
 from pallas_kernels._compat import pallas_api
+from pallas_kernels.rms_norm import static_eps
 
 # Name of the compiled kernel (its PTX entry and thunk name): one launch per reader.
 KERNEL = "rms_matmul_fwd"
@@ -372,7 +373,7 @@ def rms_matmul(x: jax.Array, w: jax.Array, bias: Optional[jax.Array] = None, *, 
   if isinstance(bias, tuple) and not bias:
     bias = None
   out_dtype = jnp.dtype(out_dtype or w.dtype)
-  st = _Static(float(eps), out_dtype.name, bool(w_nk), bool(interpret))
+  st = _Static(static_eps(eps, "rms_matmul"), out_dtype.name, bool(w_nk), bool(interpret))
   lead = x.shape[:-1]
 
   def kernel(x, w, b):
@@ -425,7 +426,7 @@ def rms_matmul_group(x: jax.Array, ws, biases=None, *, eps: float, out_dtypes=No
       if v.shape != (n,):
         raise ValueError(f"bias must have shape ({n},), got {v.shape}")
   out_dtypes = tuple(np.dtype(d).name for d in (out_dtypes or [w.dtype for w in ws]))
-  st = _Static(float(eps), out_dtypes[0], bool(w_nk), bool(interpret))
+  st = _Static(static_eps(eps, "rms_matmul_group"), out_dtypes[0], bool(w_nk), bool(interpret))
   lead = x.shape[:-1]
 
   def kernel(x, ws, bs):

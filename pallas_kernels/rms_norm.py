@@ -538,6 +538,22 @@ def _mode(shape, dtypes, interpret: Optional[bool], backend: Optional[str] = Non
     return "kernel"
 
 
+def static_eps(eps, fn: str) -> float:
+    """``eps`` as the Python float a kernel is compiled with; a traced one is
+    refused by name (``float`` of a tracer raises jax's ConcretizationTypeError,
+    which names neither the argument nor what to do)."""
+    if isinstance(eps, jax.core.Tracer):
+        raise TypeError(
+            f"pallas_kernels.{fn}: eps must be a Python number or a concrete array (it is compiled "
+            f"into the kernel), got a traced value ({eps.aval.str_short()}). Pass it as a static "
+            "argument (functools.partial, or jax.jit(..., static_argnames=...)), or use "
+            f"{fn.replace('_group', '')}_reference, which takes a traced eps.")
+    try:
+        return float(eps)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"pallas_kernels.{fn}: eps must be a number, got {eps!r:.60}") from e
+
+
 def _check(x, scale, bias):
     if x.ndim == 0:
         raise ValueError(f"x must have a hidden axis, got shape {x.shape}")
@@ -590,8 +606,8 @@ def rms_norm(
     mode = _mode(x.shape, (x.dtype,), interpret, backend or dispatch.get_backend())
     if mode == "xla":
         return rms_norm_reference(x, scale, bias, eps=eps)
-    st = _Static(float(eps), resolve_backend(backend, mode == "interpret"), mode == "interpret",
-                 jnp.dtype(x.dtype).name, None, None)
+    st = _Static(static_eps(eps, "rms_norm"), resolve_backend(backend, mode == "interpret"),
+                 mode == "interpret", jnp.dtype(x.dtype).name, None, None)
     shape = x.shape
 
     def kernel(x, scale, bias):
@@ -637,7 +653,7 @@ def fused_add_rms_norm(
         return fused_add_rms_norm_reference(x, residual, scale, bias, eps=eps)
     h_dtype = jnp.result_type(x.dtype, residual.dtype)
     st = _Static(
-        float(eps), resolve_backend(backend, mode == "interpret"), mode == "interpret",
+        static_eps(eps, "fused_add_rms_norm"), resolve_backend(backend, mode == "interpret"), mode == "interpret",
         jnp.dtype(x.dtype).name, jnp.dtype(residual.dtype).name, jnp.dtype(h_dtype).name,
     )
     shape = x.shape

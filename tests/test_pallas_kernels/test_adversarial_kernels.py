@@ -190,6 +190,19 @@ def test_no_rows_takes_the_reference():
     pk.rms_norm(jnp.float32(1.0), jnp.ones(()), eps=1e-6, interpret=True)
 
 
+@pytest.mark.parametrize("fn", ["rms_norm", "fused_add_rms_norm", "rms_matmul"])
+def test_a_traced_eps_is_refused_by_name(fn):
+  """eps is compiled into the kernel: a traced one used to raise jax's bare
+  ConcretizationTypeError from ``float``; a concrete jax scalar still works."""
+  x = jnp.ones((2, 8))
+  call = {"rms_norm": lambda x, e: pk.rms_norm(x, jnp.ones(8), eps=e, interpret=True),
+          "fused_add_rms_norm": lambda x, e: pk.fused_add_rms_norm(x, x, jnp.ones(8), eps=e, interpret=True),
+          "rms_matmul": lambda x, e: pk.rms_matmul(x, jnp.ones((8, 4)), eps=e, interpret=True)}[fn]
+  with pytest.raises(TypeError, match=rf"pallas_kernels\.{fn}: eps must be .* got a traced value"):
+    jax.jit(call)(x, 1e-6)
+  assert np.all(np.isfinite(np.asarray(jax.tree_util.tree_leaves(call(x, jnp.float32(1e-6)))[0])))
+
+
 def test_scale_and_bias_in_other_dtypes(x64):
   """γ bfloat16 / float64 and β float16 on a float32 x: accumulation is float32 as in
   the reference; output and cotangent dtypes are the reference's."""
