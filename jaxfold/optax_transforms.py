@@ -56,10 +56,26 @@ def centered_weights(reparam: Any) -> Callable[[Any], Any]:
   specs, expected_tree = _leaf_specs(reparam)
   if expected_tree is None:      # leaf indices only: the whole parameter tree is expected
     def center(params):
+      # optax.masked (and multi_transform) drop masked-out leaves or whole subtrees
+      # (an optax.MaskedNode each): the indices would then name other leaves.
+      nodes = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda n: isinstance(n, optax.MaskedNode))[0]
+      masked = [jax.tree_util.keystr(k) for k, leaf in nodes if isinstance(leaf, optax.MaskedNode)]
+      if masked:
+        raise ValueError(
+            f"params has leaves masked out by optax.masked/multi_transform ({masked[0]}, ...): "
+            "with leaf indices (reparam's .analysis or .leaf_specs) the remaining leaves cannot be "
+            "matched to the parameters reparam centers. Pass the result of jaxfold.cbwc itself, "
+            "which matches them by path, or use decay_centered_weights(..., mask=...).")
       leaves, tree = jax.tree_util.tree_flatten(params)
       if specs and max(specs) >= len(leaves):
         raise ValueError(f"reparam centers leaf {max(specs)} but params has only "
                          f"{len(leaves)} leaves")
+      for i, spec in specs.items():
+        shape = tuple(jnp.shape(leaves[i]))
+        if any(d >= len(shape) or shape[d] % b for d, b in spec.items()):
+          raise ValueError(f"params leaf {i} has shape {shape}, but reparam centers it in blocks "
+                           f"{spec} (axis: block size): params does not have the structure reparam "
+                           "was made for")
       return jax.tree_util.tree_unflatten(
           tree, [layout.center(x, specs[i]) if i in specs else x for i, x in enumerate(leaves)])
     return center
@@ -156,6 +172,19 @@ def decay_centered_weights(
   rate = (optax.scale_by_schedule(weight_decay) if callable(weight_decay)
           else optax.scale(weight_decay))
 
+  def add_decay(updates, state, v):
+    # Leaves that are not float weights (PRNG keys, counters, flags) are never decayed.
+    floats = jax.tree_util.tree_map(_decays, v)
+    v = jax.tree_util.tree_map(lambda x, f: x if f else jnp.zeros((), jnp.float32), v, floats)
+    decay, state = rate.update(v, state)
+    return jax.tree_util.tree_map(lambda u, d, f: (u + d).astype(u.dtype) if f else u,
+                                  updates, decay, floats), state
+
+  # The mask applies to V, centered on the whole tree first: with leaf indices
+  # (reparam's .analysis) a masked tree's indices would name other leaves.
+  t = optax.GradientTransformation(rate.init, add_decay)
+  t = optax.masked(t, mask) if mask is not None else t
+
   def update_fn(updates, state, params=None):
     if params is None:
       raise ValueError("decay_centered_weights needs the current params: call "
@@ -163,12 +192,6 @@ def decay_centered_weights(
     if jax.tree_util.tree_structure(updates) != jax.tree_util.tree_structure(params):
       raise ValueError(f"updates structure {jax.tree_util.tree_structure(updates)} differs "
                        f"from params structure {jax.tree_util.tree_structure(params)}")
-    # Leaves that are not float weights (PRNG keys, counters, flags) are never decayed.
-    floats = jax.tree_util.tree_map(_decays, params)
-    v = jax.tree_util.tree_map(lambda x, f: x if f else jnp.zeros((), jnp.float32), center(params), floats)
-    decay, state = rate.update(v, state)
-    return jax.tree_util.tree_map(lambda u, d, f: (u + d).astype(u.dtype) if f else u,
-                                  updates, decay, floats), state
+    return t.update(updates, state, center(params))
 
-  t = optax.GradientTransformation(rate.init, update_fn)
-  return optax.masked(t, mask) if mask is not None else t
+  return optax.GradientTransformation(t.init, update_fn)
