@@ -123,9 +123,12 @@ def decay_centered_weights(
   alone and is the gradient of the L2 penalty ``weight_decay/2 · ‖V‖²``
   (P is an orthogonal projection, so ∂‖PW‖²/∂W = 2·PW).
 
-  * As a *decoupled* decay (added after the preconditioner, as in
-    ``optax.adamw``), both choices give the same model function at every step
-    — P·(update) is identical — and differ only in the invisible component.
+  * As a *decoupled* decay (added after the preconditioner and followed only
+    by a step size, as in ``optax.adamw``), both choices give the same model
+    function at every step — P·(update) is identical — and differ only in the
+    invisible component. A transformation after the decay that reads norms
+    (``scale_by_trust_ratio`` in LAMB and LARS: ‖W‖ and ‖update‖) sees the two
+    differ, so there the functions differ too.
   * As a *coupled* L2 term (added before a per-element preconditioner such as
     ``scale_by_adam``, PyTorch's ``Adam(weight_decay=...)``), the preconditioner
     mixes the ones-component into the visible part, so the two trajectories
@@ -135,6 +138,12 @@ def decay_centered_weights(
 
   Leaves that ``reparam`` uses both centered and uncentered (an "untied copy"
   of a tied weight) are decayed on W, since W itself is used too.
+
+  The leaves decayed on V are those that ``reparam``'s plan centers: the plan
+  at the example ``cbwc`` was given. ``r.apply_fn`` re-plans per call, and a
+  training call can center less than the example (dropout between a layer and
+  its norm blocks the fold in training mode only), so give ``cbwc`` the
+  training call's keyword arguments (``example_kwargs={"train": True, ...}``).
 
   Args:
     weight_decay: the decay rate: a float, a scalar array, or an optax
