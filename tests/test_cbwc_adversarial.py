@@ -60,7 +60,7 @@ def _check_trajectory_then_fold(opt, tol=1e-11):
   r = jaxfold.cbwc(p0, Net().apply, x)
   assert r.report.num_folded == r.report.num_sites == 2, str(r.report)
   (pa, la), (pb, lb) = _both_trajectories(Net().apply, r.apply_fn, p0, opt(r), x)
-  assert rel_err(p0, pa) > 1e-4          # it trained
+  assert rel_err(p0, pa) > 1e-6          # it trained (prodigy starts with steps of ~1e-6)
   assert rel_err(la, lb) < tol and rel_err(pa, pb) < tol, (rel_err(la, lb), rel_err(pa, pb))
   # The CBWC-trained parameters fold exactly, at the traced and at another batch size.
   f = jaxfold.fold(pb, Net().apply, x)
