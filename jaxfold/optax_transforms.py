@@ -178,10 +178,14 @@ def decay_centered_weights(
     True
   """
   center = centered_weights(reparam)
+  # By path, the leaves optax.masked keeps are centered after the mask; leaf
+  # indices name leaves of the whole tree, so there V is made before the mask.
+  by_index = _leaf_specs(reparam)[1] is None
   rate = (optax.scale_by_schedule(weight_decay) if callable(weight_decay)
           else optax.scale(weight_decay))
 
-  def add_decay(updates, state, v):
+  def add_decay(updates, state, params):
+    v = params if by_index else center(params)
     # Leaves that are not float weights (PRNG keys, counters, flags) are never decayed.
     floats = jax.tree_util.tree_map(_decays, v)
     v = jax.tree_util.tree_map(lambda x, f: x if f else jnp.zeros((), jnp.float32), v, floats)
@@ -189,8 +193,6 @@ def decay_centered_weights(
     return jax.tree_util.tree_map(lambda u, d, f: (u + d).astype(u.dtype) if f else u,
                                   updates, decay, floats), state
 
-  # The mask applies to V, centered on the whole tree first: with leaf indices
-  # (reparam's .analysis) a masked tree's indices would name other leaves.
   t = optax.GradientTransformation(rate.init, add_decay)
   t = optax.masked(t, mask) if mask is not None else t
 
@@ -201,6 +203,6 @@ def decay_centered_weights(
     if jax.tree_util.tree_structure(updates) != jax.tree_util.tree_structure(params):
       raise ValueError(f"updates structure {jax.tree_util.tree_structure(updates)} differs "
                        f"from params structure {jax.tree_util.tree_structure(params)}")
-    return t.update(updates, state, center(params))
+    return t.update(updates, state, center(params) if by_index else params)
 
   return optax.GradientTransformation(t.init, update_fn)

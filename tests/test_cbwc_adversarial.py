@@ -204,6 +204,21 @@ def test_index_form_refuses_a_tree_masked_by_optax(x64):
     np.testing.assert_allclose(u[k], want[k], rtol=1e-12, atol=1e-14, err_msg=k)
 
 
+def test_path_form_ignores_masked_out_leaves_it_was_not_made_for(x64):
+  """By path, a leaf that the mask removes need not be one of reparam's (a counter
+  beside the parameters): the mask applies first, as with optax.masked alone."""
+  p, r = _named_setup()
+  q = {**p, "step": jnp.zeros(3)}
+  zero = jax.tree_util.tree_map(jnp.zeros_like, q)
+  t = decay_centered_weights(0.1, r, mask={k: k != "step" for k in q})
+  u, _ = t.update(zero, t.init(q), q)
+  want = _expected_decay(p, r, 0.1, set(p))
+  for k in p:
+    np.testing.assert_allclose(u[k], want[k], rtol=1e-12, atol=1e-14, err_msg=k)
+  with pytest.raises(ValueError, match=r"\['step'\] is not in the parameters reparam was made for"):
+    decay_centered_weights(0.1, r).update(zero, (), q)
+
+
 def test_index_form_refuses_params_of_another_structure(x64):
   """Leaf indices applied to another tree: leaf 3 (w0's index, centered over axis 1)
   is 1-D here, and centering it over an axis it lacks returned zeros (V = 0: no
