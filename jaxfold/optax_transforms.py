@@ -56,10 +56,26 @@ def centered_weights(reparam: Any) -> Callable[[Any], Any]:
   specs, expected_tree = _leaf_specs(reparam)
   if expected_tree is None:      # leaf indices only: the whole parameter tree is expected
     def center(params):
+      # optax.masked (and multi_transform) drop masked-out leaves or whole subtrees
+      # (an optax.MaskedNode each): the indices would then name other leaves.
+      nodes = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda n: isinstance(n, optax.MaskedNode))[0]
+      masked = [jax.tree_util.keystr(k) for k, leaf in nodes if isinstance(leaf, optax.MaskedNode)]
+      if masked:
+        raise ValueError(
+            f"params has leaves masked out by optax.masked/multi_transform ({masked[0]}, ...): "
+            "with leaf indices (reparam's .analysis or .leaf_specs) the remaining leaves cannot be "
+            "matched to the parameters reparam centers. Pass the result of jaxfold.cbwc itself, "
+            "which matches them by path, or use decay_centered_weights(..., mask=...).")
       leaves, tree = jax.tree_util.tree_flatten(params)
       if specs and max(specs) >= len(leaves):
         raise ValueError(f"reparam centers leaf {max(specs)} but params has only "
                          f"{len(leaves)} leaves")
+      for i, spec in specs.items():
+        shape = tuple(jnp.shape(leaves[i]))
+        if any(d >= len(shape) or shape[d] % b for d, b in spec.items()):
+          raise ValueError(f"params leaf {i} has shape {shape}, but reparam centers it in blocks "
+                           f"{spec} (axis: block size): params does not have the structure reparam "
+                           "was made for")
       return jax.tree_util.tree_unflatten(
           tree, [layout.center(x, specs[i]) if i in specs else x for i, x in enumerate(leaves)])
     return center
@@ -107,9 +123,12 @@ def decay_centered_weights(
   alone and is the gradient of the L2 penalty ``weight_decay/2 · ‖V‖²``
   (P is an orthogonal projection, so ∂‖PW‖²/∂W = 2·PW).
 
-  * As a *decoupled* decay (added after the preconditioner, as in
-    ``optax.adamw``), both choices give the same model function at every step
-    — P·(update) is identical — and differ only in the invisible component.
+  * As a *decoupled* decay (added after the preconditioner and followed only
+    by a step size, as in ``optax.adamw``), both choices give the same model
+    function at every step — P·(update) is identical — and differ only in the
+    invisible component. A transformation after the decay that reads norms
+    (``scale_by_trust_ratio`` in LAMB and LARS: ‖W‖ and ‖update‖) sees the two
+    differ, so there the functions differ too.
   * As a *coupled* L2 term (added before a per-element preconditioner such as
     ``scale_by_adam``, PyTorch's ``Adam(weight_decay=...)``), the preconditioner
     mixes the ones-component into the visible part, so the two trajectories
@@ -119,6 +138,12 @@ def decay_centered_weights(
 
   Leaves that ``reparam`` uses both centered and uncentered (an "untied copy"
   of a tied weight) are decayed on W, since W itself is used too.
+
+  The leaves decayed on V are those that ``reparam``'s plan centers: the plan
+  at the example ``cbwc`` was given. ``r.apply_fn`` re-plans per call, and a
+  training call can center less than the example (dropout between a layer and
+  its norm blocks the fold in training mode only), so give ``cbwc`` the
+  training call's keyword arguments (``example_kwargs={"train": True, ...}``).
 
   Args:
     weight_decay: the decay rate: a float, a scalar array, or an optax
@@ -153,8 +178,23 @@ def decay_centered_weights(
     True
   """
   center = centered_weights(reparam)
+  # By path, the leaves optax.masked keeps are centered after the mask; leaf
+  # indices name leaves of the whole tree, so there V is made before the mask.
+  by_index = _leaf_specs(reparam)[1] is None
   rate = (optax.scale_by_schedule(weight_decay) if callable(weight_decay)
           else optax.scale(weight_decay))
+
+  def add_decay(updates, state, params):
+    v = params if by_index else center(params)
+    # Leaves that are not float weights (PRNG keys, counters, flags) are never decayed.
+    floats = jax.tree_util.tree_map(_decays, v)
+    v = jax.tree_util.tree_map(lambda x, f: x if f else jnp.zeros((), jnp.float32), v, floats)
+    decay, state = rate.update(v, state)
+    return jax.tree_util.tree_map(lambda u, d, f: (u + d).astype(u.dtype) if f else u,
+                                  updates, decay, floats), state
+
+  t = optax.GradientTransformation(rate.init, add_decay)
+  t = optax.masked(t, mask) if mask is not None else t
 
   def update_fn(updates, state, params=None):
     if params is None:
@@ -163,12 +203,6 @@ def decay_centered_weights(
     if jax.tree_util.tree_structure(updates) != jax.tree_util.tree_structure(params):
       raise ValueError(f"updates structure {jax.tree_util.tree_structure(updates)} differs "
                        f"from params structure {jax.tree_util.tree_structure(params)}")
-    # Leaves that are not float weights (PRNG keys, counters, flags) are never decayed.
-    floats = jax.tree_util.tree_map(_decays, params)
-    v = jax.tree_util.tree_map(lambda x, f: x if f else jnp.zeros((), jnp.float32), center(params), floats)
-    decay, state = rate.update(v, state)
-    return jax.tree_util.tree_map(lambda u, d, f: (u + d).astype(u.dtype) if f else u,
-                                  updates, decay, floats), state
+    return t.update(updates, state, center(params) if by_index else params)
 
-  t = optax.GradientTransformation(rate.init, update_fn)
-  return optax.masked(t, mask) if mask is not None else t
+  return optax.GradientTransformation(t.init, update_fn)
