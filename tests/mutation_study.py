@@ -56,6 +56,27 @@ TESTS_FUSE = (
     "tests/test_jaxfold/test_defer.py",
 )
 FUSE_FILES = ("affine.py", "deferral.py")
+# Mutants of the rest of the library (sel=...): the tests of the module each concerns, fast.
+SELECTIONS = {
+  "layout": ("tests/test_jaxfold/test_layout.py", "tests/test_jaxfold/test_pipeline.py",
+             "tests/test_multihost.py::test_fold_of_params_sharded_over_two_devices"),
+  "rotate": ("tests/test_jaxfold/test_rotate.py",),
+  "kernels": ("tests/test_jaxfold/test_kernels.py",
+              *(f"tests/test_jaxfold/test_adversarial_core.py::test_program_sound[rc9_kernel_{n}]" for n in (
+                  "near_cancel_mean", "bessel_var", "rsqrt_4var", "eps_outside_sqrt", "beta_before_gamma",
+                  "large_eps"))),
+  "defer": ("tests/test_jaxfold/test_defer.py",),
+  "export": ("tests/test_integrity.py", "tests/test_export.py", "tests/test_jaxfold/test_export_symbolic.py",
+             "tests/test_jaxfold/test_adversarial_export.py"),
+  "save": ("tests/test_integrity.py", "tests/test_jaxfold/test_fingerprint.py", "tests/test_serialization.py",
+           "tests/test_jaxfold/test_transform_results.py",
+           *(f"tests/test_deploy_safety.py::{t}" for t in (
+               "test_load_with_another_program_says_what_differs", "test_signed_folds", "test_signed_artifacts"))),
+  "serve": ("tests/test_serve_hardening.py", "tests/test_serve.py"),
+  "cbwc": ("tests/test_cbwc.py",),
+  "pallas": ("tests/test_pallas_kernels/test_rms_norm.py", "tests/test_pallas_kernels/test_rms_matmul.py",
+             "tests/test_pallas_kernels/test_adversarial_kernels.py"),
+}
 PYTEST = ("-q", "-x", "-p", "no:cacheprovider", "-n", "1", "-rfE", "--no-header")
 
 
@@ -68,6 +89,7 @@ class Mutant(NamedTuple):
   # After a survival: "gap: ..." (the test that now kills it), "masked: ..." (why no fold goes
   # wrong) or "equivalent: ..." (why the change is no fault; not counted in the kill rate).
   verdict: str = ""
+  sel: str = ""        # the test selection (a key of SELECTIONS); "" for the analysis' own (TESTS/TESTS_FUSE)
 
 
 M = Mutant
@@ -266,6 +288,168 @@ MUTANTS = [
 ]
 
 
+# -- the library outside the analysis: centering, rotate, kernels, export, saving, serving, CBWC, Pallas ---
+# (run with the selection named by sel=, see SELECTIONS)
+LAY, ROT, KER, EXP, SER, INT, FP = ("layout.py", "rotate.py", "kernels.py", "export.py", "serialization.py",
+                                    "integrity.py", "fingerprint.py")
+RRO, SRV, OPT = "rules/rotation.py", "serve/model.py", "jaxfold/optax_transforms.py"
+PRN, PRM = "pallas_kernels/rms_norm.py", "pallas_kernels/rms_matmul.py"
+LIB_MUTANTS = [
+  # -- layout.center and the fold's host centering ------------------------------------------------------
+  M("L1", LAY, "      split.extend([s // b, b])", "      split.extend([b, s // b])",
+    "center: a block of b consecutive elements read as b strided ones (groups interleaved)", sel="layout"),
+  M("L2", LAY, "      axes.append(len(split) - 1)", "      axes.append(len(split) - 2)",
+    "center: the mean taken over the block index instead of within each block", sel="layout"),
+  M("L3", LAY, "    m = z.mean(axis=axes, dtype=np.float32 if fast else np.float64",
+    "    m = z.mean(axis=axes, dtype=np.float32 if pairwise else np.float64",
+    "host center: any table (float64, several axes) takes the float32 mean when pairwise", sel="layout"),
+  M("L4", LAY, "      y = (z.astype(np.float32) - m.astype(np.float32)).astype(dtype)",
+    "      y = z - m.astype(dtype)",
+    "host center: bfloat16/float16 subtracts a rounded mean (rounds twice)", sel="layout"),
+  M("L5", LAY, "        dest[...] = y\n", "",
+    "host center: a low-precision row block is not written into the shared output", sel="layout"),
+  M("L6", LAY, "  acc = jnp.promote_types(dtype, jnp.float32)", "  acc = dtype",
+    "jax center (CBWC, sharded leaves): bfloat16 mean accumulated in bfloat16", sel="layout"),
+  M("L7", LAY, "  z = z - z.mean(axis=axes, keepdims=True)", "  z = z - z.mean(axis=axes[:1], keepdims=True)",
+    "jax center: a spec over several dims centered along the first only", sel="layout"),
+  M("L8", "fold.py", "or workers < 2 or 0 in spec or x.ndim < 2", "or workers < 2 or x.ndim < 2",
+    "fold: row blocks split along a centered dim 0 (each block centered by its own mean)", sel="layout"),
+  M("L9", "fold.py", "                         for a, b in zip(cuts[:-1], cuts[1:])])",
+    "                         for a, b in zip(cuts[:-2], cuts[1:-1])])",
+    "fold: the last row block of a large leaf is never centered (left uninitialised)", sel="layout"),
+  M("L10", "fold.py", "  return jax.device_put(y, sharding) if sharding is not None else jnp.asarray(y)",
+    "  return jnp.asarray(y)", "fold: a centered leaf loses its sharding (placed on the default device)",
+    sel="layout"),
+  M("L11", "fold.py", "  return _center_jit_cached(tuple(sorted(spec.items())))",
+    "  return _center_jit_cached(tuple(sorted(spec.items()))[:1])",
+    "fold: a device-resident leaf centered along its first spec dim only", sel="layout"),
+  # -- rotate and the rotation facets --------------------------------------------------------------------
+  M("T1", ROT, "      if o in prog.output_positions:\n        return f\"the rotation reaches program output",
+    "      if False:\n        return f\"the rotation reaches program output",
+    "rotate: a rotated value may be a program output", sel="rotate"),
+  M("T2", ROT, "    if key != self._key:\n      raise RotateError(", "    if False:\n      raise RotateError(",
+    "rotate: inputs of another shape that rotate other parameters run with these parameters", sel="rotate"),
+  M("T3", ROT, "      if i in seeds and seeds[i] != set(dims):", "      if False:",
+    "rotate: a parameter asked to rotate along two different dims keeps the last", sel="rotate"),
+  M("T4", ROT, "    if (view.offset // ls) % nk:\n      return None", "    if False:\n      return None",
+    "rotate: a parameter view starting inside the rotated dim treated as the whole dim", sel="rotate"),
+  M("T5", RRO, "  if not ctx.constant_along(other, _dims_of(s), out_shape):\n    raise Block(\"a rotated value is "
+    "multiplied", "  if False:\n    raise Block(\"a rotated value is multiplied",
+    "rotation mul: a factor varying along the rotated dim (an unfused γ) passes", sel="rotate"),
+  M("T6", RRO, "  if s.dims & axes:\n    raise Block(", "  if False:\n    raise Block(",
+    "rotation reduce_sum: a sum over the rotated dim of a rotated value passes", sel="rotate"),
+  M("T7", RRO, "    if s is None and not _zero(ctx, node.ins[k]):\n      if isinstance(state, Lin)",
+    "    if False:\n      if isinstance(state, Lin)",
+    "rotation add: an unrotated value added to the rotated stream", sel="rotate"),
+  M("T8", RRO, "  if isinstance(s, Lin) and len(s.dims) == 1 and y == 2:",
+    "  if isinstance(s, Lin) and len(s.dims) == 1 and y % 2 == 0:",
+    "rotation integer_pow: x⁴ treated as a sum of squares", sel="rotate"),
+  M("T9", RRO, "  if any(node.ins[0].shape[d] != node.outs[0].shape[d] for d in dims):\n    raise Block(\"a slice",
+    "  if False:\n    raise Block(\"a slice", "rotation slice: a slice of the rotated dim keeps the rotation",
+    sel="rotate"),
+  # -- kernels: the epilogue proofs ----------------------------------------------------------------------
+  M("N1", KER, "            elif C == _formula(X, shape, eps, gamma, beta):", "            else:",
+    "epilogue: a matched shape accepted without the exact formula (1/n, ε placement, extra scale)",
+    sel="kernels"),
+  M("N2", KER, "  if any(a.key in changed for a in aliases[1:]):", "  if False:",
+    "epilogue: the kernel reads the source although a widening of it is changed (auxiliary centering)",
+    sel="kernels"),
+  M("N3", KER, "  return aliases[0] if _precise(aliases[0].dtype, out_dtype) else None", "  return aliases[0]",
+    "epilogue: a norm whose output is wider than the source computed from the narrow source", sel="kernels"),
+  M("N4", KER, "            elif np.dtype(inp.dtype) not in _KERNEL_DTYPES:", "            elif False:",
+    "epilogue: a float64 norm run by the float32 kernel", sel="kernels"),
+  M("N5", KER, "  if v.strides[-1] != 1 or any(", "  if abs(v.strides[-1]) != 1 or any(",
+    "epilogue: a reversed γ/β view (stride -1) passed to the kernel as stored", sel="kernels"),
+  M("N6", KER, "      ok = level.canon(src) == A.add(Ea, Eb)", "      ok = True",
+    "fused add: any two-operand equation (a - b, a * b) fused as a residual add", sel="kernels"),
+  M("N7", KER, "      if C != _formula(X, shape, m[0], None, None):\n        return None",
+    "      if False:\n        return None",
+    "rms_read (deferred matmul kernel): the exact formula check dropped", sel="defer"),
+  M("N8", "defer.py", "  if an.key[:4] != fn._base.key[:4]:", "  if False:",
+    "defer_norms: example inputs that fuse differently from the fused model accepted", sel="defer"),
+  # -- export ----------------------------------------------------------------------------------------------
+  M("X1", EXP, "names[i] is None or s[i] != ref[i] else names[i]", "names[i] is None else names[i]",
+    "export: every leading axis named symbolic whatever its size (a position table, a raw key)",
+    sel="export"),
+  M("X2", EXP, "    if attempt and undecided:", "    if False and undecided:",
+    "export: a Python comparison of symbolic sizes (decided once for all sizes) accepted", sel="export"),
+  M("X3", EXP, "  for size in (lambda n: n, lambda n: 1, lambda n: n + 1):", "  for size in (lambda n: n,):",
+    "export check: the symbolic program is not run at other sizes (size 1, one larger)", sel="export"),
+  M("X4", EXP, "    if not (np.array_equal(fg, fw) and", "    if not (True or",
+    "export check: NaN/inf where the program is finite counts as no difference", sel="export"),
+  M("X5", EXP, "  if hashlib.sha256(program).hexdigest() != header.get(\"payload_sha256\"):",
+    "  if False:", "load_exported: the program's SHA-256 is not checked", sel="export"),
+  M("X6", EXP, "  mac = header.get(\"hmac_sha256\")\n  if mac is None:\n    raise",
+    "  mac = header.get(\"hmac_sha256\")\n  if mac is None:\n    return\n    raise",
+    "load_exported(key=...): an unsigned artifact accepted", sel="export"),
+  M("X7", EXP, "    if hashlib.sha256(chunk).hexdigest() != t[\"sha256\"]:", "    if False:",
+    "load_exported: a bundled parameter tensor's SHA-256 is not checked", sel="export"),
+  # -- saved folds: integrity, format and analysis-key checks, fingerprints -----------------------------------
+  M("V1", SER, "      if verify and (_key_digest(an.key) != step.get(\"key_sha256\")\n                     or ",
+    "      if verify and (", "load_fold: a fuse_affine step's analysis key not compared", sel="save"),
+  M("V2", SER, "      if verify and key != rotated[k]:", "      if False:",
+    "load_fold: a rotation that rotates other parameters now accepted", sel="save"),
+  M("V3", SER, "    if got != want or bool(refold.params.untied)", "    if bool(refold.params.untied)",
+    "load_fold: the re-analysed fold's sites not compared with the saved ones", sel="save"),
+  M("V4", SER, "  if saved.get(\"jax_version\") != jax.__version__:", "  if True:",
+    "load_fold: another program only warned about (as if saved by another jax)", sel="save"),
+  M("V5", SER, "  if not isinstance(version, int) or version > FORMAT_VERSION:",
+    "  if not isinstance(version, int) or version > FORMAT_VERSION + 1:",
+    "load_fold: a format newer than this jaxfold reads accepted", sel="save"),
+  M("V6", INT, "  if h.hexdigest() != want.get(\"sha256\"):", "  if False:",
+    "integrity: a copied file's SHA-256 not checked (only its size)", sel="save"),
+  M("V7", INT, "  if not hmac_matches(key, raw_manifest, mac):", "  if mac is None:",
+    "integrity: a signature present is accepted whatever it is", sel="save"),
+  M("V8", FP, "    return f\"{k}={_ADDR.sub('', repr(v))[:200]}\"", "    return f\"{k}=\"",
+    "fingerprint: primitive parameters dropped (x**2 and x**3, other axes look alike)", sel="save"),
+  M("V9", FP, "      return f\"lit({_ADDR.sub('', repr(getattr(val, 'tolist', lambda: val)()))[:60]})\"",
+    "      return \"lit\"", "fingerprint: literal values dropped (apply(p, x) * 2 and * 3 look alike)",
+    sel="save"),
+  M("V10", FP, "      ins = \", \".join(f\"{self.name(v)}:{_aval(v)}\" for v in eqn.invars)",
+    "      ins = \", \".join(f\"{_aval(v)}\" for v in eqn.invars)",
+    "fingerprint: which values flow where dropped (x - y and y - x look alike)", sel="save"),
+  # -- serve: request validation -------------------------------------------------------------------------
+  M("W1", SRV, "        if lo < low or hi >= high:", "        if lo < low or hi > high:",
+    "serve: an id equal to the vocabulary size accepted (gather clamps it: a wrong answer)", sel="serve"),
+  M("W2", SRV, "    if seq is not None and self.max_seq and seq > self.max_seq:",
+    "    if seq is not None and self.max_seq and seq > self.max_seq + 1:",
+    "serve: a sequence one longer than the position table accepted", sel="serve"),
+  M("W3", SRV, "        elif sizes.setdefault(d, arr.shape[k]) != arr.shape[k]:", "        elif False:",
+    "serve: inputs that disagree on a shared symbolic dim accepted", sel="serve"),
+  # -- CBWC and its optax transforms ----------------------------------------------------------------------
+  M("B1", "fold.py", "      leaves = [layout.center(x, dict(specs[i])) if i in specs else x",
+    "      leaves = [x - jax.lax.stop_gradient(x - layout.center(x, dict(specs[i]))) if i in specs else x",
+    "cbwc: the centering's gradient not projected (straight-through: the forward is P·W, the gradient is not)",
+    sel="cbwc"),
+  M("B2", OPT, "  if expected_tree is None:      # leaf indices only", "  if True:      # leaf indices only",
+    "optax: leaves matched by index even for a masked subtree (the wrong leaves centered)", sel="cbwc"),
+  M("B3", OPT, "jnp.zeros((), jnp.float32), center(params), floats)", "jnp.zeros((), jnp.float32), params, floats)",
+    "decay_centered_weights: decays W instead of V = P·W", sel="cbwc"),
+  # -- Pallas kernels (interpret mode) ----------------------------------------------------------------------
+  M("Q1", PRN, "    return jnp.promote_types(dtype, _F32)", "    return jnp.dtype(dtype)",
+    "rms_norm: accumulation in the input dtype (bfloat16), reference and kernel alike", sel="pallas"),
+  M("Q2", PRN, "    rstd = lax.rsqrt(jnp.sum(x * x, axis=1) / n_cols + eps)",
+    "    rstd = lax.rsqrt((jnp.sum(x * x, axis=1) + eps) / n_cols)",
+    "rms_norm kernel: ε added before the division by n (ε/n)", sel="pallas"),
+  M("Q3", PRN, "    rstd = lax.rsqrt(jnp.sum(x * x, axis=1) / n_cols + eps)",
+    "    rstd = lax.rsqrt(jnp.sum(x * x, axis=1) / hp + eps)",
+    "rms_norm kernel: the mean square over the padded width (ragged hidden)", sel="pallas"),
+  M("Q4", PRN, "    col_ok = jnp.arange(hp) < n_cols", "    col_ok = jnp.arange(hp) <= n_cols",
+    "rms_norm kernel: one column past a ragged hidden read and written", sel="pallas"),
+  M("Q5", PRN, "        dx = (g - xhat * c[:, None]) * rstd[:, None]", "        dx = g * rstd[:, None]",
+    "rms_norm backward: the rstd term of dx dropped", sel="pallas"),
+  M("Q6", PRN, "        _store(h_ref, h, mask)\n        x = h.astype(acc_dt)",
+    "        _store(h_ref, h, mask)\n        x = x + _load(r_ref, mask).astype(acc_dt)",
+    "add_rms_norm kernel: normalizes the unrounded sum, not the h it writes", sel="pallas"),
+  M("Q7", PRM, "    k_ok = t * bk + jnp.arange(bk) < k", "    k_ok = t * bk + jnp.arange(bk) <= k",
+    "rms_matmul: one element past a ragged K read", sel="pallas"),
+  M("Q8", PRM, "  out = out * lax.rsqrt(ss / k + st.eps)[:, None]",
+    "  out = out * lax.rsqrt(ss / (pl.cdiv(k, bk) * bk) + st.eps)[:, None]",
+    "rms_matmul: the mean square over the padded K", sel="pallas"),
+]
+MUTANTS += LIB_MUTANTS
+
+
 T = "test_mutants.py::"
 MASKED = ("masked: a wrong zero-sum claim, but the same change moves the centering's shift off the constants "
           "(it varies along the normalized axes), so obligation 1 refuses every centering that would rely on it; "
@@ -339,9 +523,15 @@ def _copy_tree(dst: str) -> None:
       shutil.copy2(src, os.path.join(dst, name))
 
 
+def _file_path(file: str) -> tuple:
+  """A mutant's file under the tree: ``jaxfold/...`` and ``pallas_kernels/...`` as written, else under jaxfold/_src."""
+  return tuple(file.split("/")) if file.split("/")[0] in ("jaxfold", "pallas_kernels") else (
+      "jaxfold", "_src", *file.split("/"))
+
+
 def _apply(tree: str, m: Mutant) -> Optional[tuple]:
   """(path, original text) after writing the mutant, or None when it does not apply."""
-  path = os.path.join(tree, "jaxfold", "_src", m.file)
+  path = os.path.join(tree, *_file_path(m.file))
   with open(path) as f:
     text = f.read()
   if text.count(m.old) != 1:
@@ -436,7 +626,8 @@ def write_report(data: dict) -> str:
   lines += [f"  - {h}" for h in data.get("history", [])]
   lines += ["", f"Tests: `python -m pytest {' '.join(PYTEST)} SELECTION` (timeout {data.get('timeout', '?')} s per "
             f"mutant), SELECTION = `{' '.join(TESTS)}`; for mutants of {' and '.join(FUSE_FILES)}: "
-            f"`{' '.join(TESTS_FUSE)}`.", "",
+            f"`{' '.join(TESTS_FUSE)}`; for the mutants of the rest of the library, by their group (sel): "
+            + "; ".join(f"{k}: `{' '.join(v)}`" for k, v in SELECTIONS.items()) + ".", "",
             f"Kill rate, over the mutants that apply and are not equivalent ({len(equiv)} equivalent: "
             f"{', '.join(equiv) or 'none'}):", "",
             f"- before: {_rate(before)[2] if before else 'not run'}",
@@ -484,7 +675,8 @@ def main(argv=None) -> int:
     if args.tests:
       return tuple(args.tests.split(","))
     # (the scratch tree is this checkout as it was at the start: a test file added since is not run)
-    return tuple(t for t in (TESTS_FUSE if m.file in FUSE_FILES else TESTS) if os.path.exists(os.path.join(tree, t)))
+    tests = SELECTIONS[m.sel] if m.sel else TESTS_FUSE if m.file in FUSE_FILES else TESTS
+    return tuple(t for t in tests if os.path.exists(os.path.join(tree, t.split("::")[0])))
   with tempfile.TemporaryDirectory(prefix="jaxfold-mutants-") as tree:
     _copy_tree(tree)
     if args.before:
