@@ -3,6 +3,7 @@
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import randomize, rel_err
 
@@ -209,3 +210,25 @@ def test_wider_output_reads_the_widened_value():
   assert ep.add_path is None
   assert _kernel_calls(ker.apply_fn, ker.params, x, dtypes=True) == [("rms_norm_fwd", "float32")]
   assert rel_err(xla.apply_fn(xla.params, x), ker.apply_fn(ker.params, x)) < 1e-2
+
+
+@pytest.mark.parametrize("rev", ["gamma", "beta"])
+def test_a_reversed_gamma_or_beta_keeps_xla(rev):
+  """``γ[::-1]`` (or ``β[::-1]``) in the norm's epilogue is a view of the
+  parameter read backwards: the kernel takes its γ/β as stored, so the site
+  keeps XLA's expression (the fold stays exact), at two shapes."""
+  r = np.random.default_rng(4)
+  p = {k: jnp.asarray(r.normal(size=s), jnp.float32) for k, s in
+       (("w", (6, 16)), ("b", (16,)), ("g", (16,)), ("be", (16,)), ("w2", (16, 5)))}
+
+  def apply(p, x):
+    h = x @ p["w"] + p["b"]
+    c = h - h.mean(-1, keepdims=True)
+    g = p["g"][::-1] if rev == "gamma" else p["g"]
+    be = p["be"][::-1] if rev == "beta" else p["be"]
+    return (c * jax.lax.rsqrt((c * c).mean(-1, keepdims=True) + 1e-5) * g + be) @ p["w2"]
+  x = jax.random.normal(jax.random.PRNGKey(2), (3, 5, 6))
+  ker = jaxfold.fold(p, apply, x, norm_impl="interpret")
+  assert ker.report.num_folded == 1
+  for xs in (x, x[:1, :2]):
+    assert rel_err(apply(p, xs), ker.apply_fn(ker.params, xs)) < 2e-5
