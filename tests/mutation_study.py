@@ -1,4 +1,4 @@
-"""Fault injection into jaxfold's analysis: does the test suite notice?
+"""Fault injection into jaxfold: does the test suite notice?
 
 A tool, not a test (pytest does not collect it): each mutant below is one
 hand-written textual replacement in ``jaxfold/_src`` that introduces a plausible
@@ -9,6 +9,16 @@ selection of fast tests runs with ``-x`` and a timeout, and the result is
 recorded: killed (some test failed, named), survived, timeout, or no-apply (the
 old text is not found exactly once: the mutant is stale).
 
+The analysis' mutants (rules, drivers, planner, fold, affine, deferral) run
+TESTS or TESTS_FUSE. The rest of the library (LIB_MUTANTS: layout/host
+centering, rotate and its facets, the kernel epilogue proofs, defer_norms,
+export, saved-fold and artifact checks, fingerprints, serve's request
+validation, CBWC and its optax transforms, the Pallas kernels in interpret
+mode; files outside ``jaxfold/_src`` by their repository path) names its
+selection with ``sel=``, a key of SELECTIONS: a few fast test files or test
+ids of the module concerned (a ``file::test`` the scratch tree's file does
+not define is skipped).
+
   python tests/mutation_study.py                 # every mutant, writes the report
   python tests/mutation_study.py --only E3,P4    # some mutants (merged into the saved results)
   python tests/mutation_study.py --check         # only checks that every patch applies
@@ -16,7 +26,9 @@ old text is not found exactly once: the mutant is stale).
 Results: ``benchmarks/results/mutation_study.json`` (per mutant, merged across
 runs) and ``benchmarks/results/mutation_study.md`` (the table). A survivor is
 either equivalent (``equivalent=`` says why the change is no fault) or a test
-gap, closed by a test in ``tests/test_jaxfold/test_mutants.py``.
+gap, closed by a test in ``tests/test_jaxfold/test_mutants.py`` (the analysis)
+or in the test file of the module concerned (the rest of the library; such a
+rerun may name the new test with ``--tests``).
 """
 
 from __future__ import annotations
@@ -61,25 +73,27 @@ SELECTIONS = {
   "layout": ("tests/test_jaxfold/test_layout.py", "tests/test_jaxfold/test_pipeline.py",
              "tests/test_multihost.py::test_fold_of_params_sharded_over_two_devices"),
   "rotate": ("tests/test_jaxfold/test_rotate.py",),
-  "kernels": ("tests/test_jaxfold/test_kernels.py",
-              *(f"tests/test_jaxfold/test_adversarial.py::test_fold_exact[rc9_kernel_{n}]" for n in (
+  "kernels": (*(f"tests/test_jaxfold/test_adversarial.py::test_fold_exact[rc9_kernel_{n}]" for n in (
                   "near_cancel_mean", "bessel_var", "rsqrt_4var", "eps_outside_sqrt", "beta_before_gamma",
-                  "large_eps", "inv_std_output"))),
+                  "large_eps", "inv_std_output")),
+              "tests/test_jaxfold/test_kernels.py"),
   "defer": ("tests/test_jaxfold/test_defer.py",),
-  "export": ("tests/test_integrity.py", "tests/test_deploy_safety.py::test_signed_artifacts", "tests/test_export.py",
-             "tests/test_jaxfold/test_export_symbolic.py", "tests/test_jaxfold/test_adversarial_export.py"),
-  "save": ("tests/test_serialization.py",
-           "tests/test_deploy_safety.py::test_load_with_another_program_says_what_differs",
+  "export": ("tests/test_deploy_safety.py::test_signed_artifacts",
+             *(f"tests/test_integrity.py::{t}" for t in (
+                 "test_damaged_artifacts", "test_newer_artifact_format_is_refused",
+                 "test_raw_serialization_needs_verify_false_and_junk_still_fails")),
+             "tests/test_jaxfold/test_adversarial_export.py", "tests/test_export.py"),
+  "save": ("tests/test_deploy_safety.py::test_load_with_another_program_says_what_differs",
+           "tests/test_serialization.py::test_refuses_non_empty_dir_and_wrong_model",
            *(f"tests/test_jaxfold/test_transform_results.py::{t}" for t in (
-               "test_load_refuses_another_program", "test_load_refuses_a_chain_the_analysis_does_not_reproduce",
-               "test_save_load_roundtrip"))),
-  "integrity": ("tests/test_integrity.py", "tests/test_deploy_safety.py::test_signed_folds"),
+               "test_load_refuses_another_program", "test_load_refuses_a_chain_the_analysis_does_not_reproduce")),
+           "tests/test_integrity.py::test_newer_format_is_refused"),
+  "integrity": ("tests/test_deploy_safety.py::test_signed_folds", "tests/test_integrity.py"),
   "fingerprint": ("tests/test_jaxfold/test_fingerprint.py",
                   "tests/test_deploy_safety.py::test_load_with_another_program_says_what_differs"),
-  "serve": ("tests/test_serve_hardening.py", "tests/test_serve.py"),
+  "serve": ("tests/test_serve.py", "tests/test_serve_hardening.py"),
   "cbwc": ("tests/test_cbwc.py",),
-  "pallas": ("tests/test_pallas_kernels/test_rms_norm.py", "tests/test_pallas_kernels/test_rms_matmul.py",
-             "tests/test_pallas_kernels/test_adversarial_kernels.py"),
+  "pallas": ("tests/test_pallas_kernels/test_rms_norm.py", "tests/test_pallas_kernels/test_rms_matmul.py"),
 }
 PYTEST = ("-q", "-x", "-p", "no:cacheprovider", "-n", "1", "-rfE", "--no-header")
 
@@ -509,6 +523,38 @@ VERDICTS = {
         "axes, so it never cancels the true (varying) shift; a per-token mean of any shift is constant along d "
         "anyway; tried: a ones-contraction LayerNorm after a per-half centering (still refused)",
 }
+# The library outside the analysis: each gap closed by a test in the test file of the module concerned.
+TJ = "tests/test_jaxfold/"
+VERDICTS.update({
+  "L4": "gap: " + TJ + "test_layout.py::test_half_precision_center_subtracts_in_float32_and_rounds_once (the "
+        "old test allowed 8 ulp: bit for bit now)",
+  "L6": "gap: " + TJ + "test_layout.py::test_half_precision_center_subtracts_in_float32_and_rounds_once (the "
+        "jax path, which CBWC's forward pass and device leaves take, was only checked for its dtype)",
+  "L10": "gap: tests/test_multihost.py::test_fold_of_params_sharded_over_two_devices (parameters on the second "
+         "of two devices: every sharded case went through jit, which keeps the sharding anyway)",
+  "L11": "gap: " + TJ + "test_pipeline.py::test_centered_leaves_equal_host_centering_and_keep_dtype_and_sharding "
+         "(a spec over two dims under jax)",
+  "T1": "gap: " + TJ + "test_rotate.py::test_rotated_stream_as_an_output_refused (the stream, or a slice of it, "
+        "returned beside the logits would come back rotated)",
+  "T2": "gap: " + TJ + "test_rotate.py::test_inputs_that_rotate_other_parameters_are_refused (a shape branch "
+        "that adds an unrotated bias to the rotated stream)",
+  "T3": "gap (message only): " + TJ + "test_rotate.py::test_a_parameter_needed_along_two_dims_is_named; no "
+        "wrong result: the final seeds are still proved by _propagate, a flip-flopping parameter ends in 'did "
+        "not settle'",
+  "T4": "equivalent: _leaf_dims only proposes which dims of a parameter a Want rotates; a rotation is accepted "
+        "only once _propagate, from the parameters themselves through every equation's rotate facet, proves "
+        "every output unchanged, so a wrong proposal (a view starting inside the dim) ends in a refusal "
+        "(a reshape/slice facet blocks), never in a wrong result",
+  "T8": "gap: " + TJ + "test_rotate.py::test_rotation_refused_where_it_does_not_commute[fourth-power statistic]",
+  "T9": "gap: " + TJ + "test_rotate.py::test_rotation_refused_where_it_does_not_commute[statistic of half of d]",
+  "N5": "gap: " + TJ + "test_kernels.py::test_a_reversed_gamma_or_beta_keeps_xla",
+  "V1": "gap: " + TJ + "test_transform_results.py::test_load_refuses_a_chain_the_analysis_does_not_reproduce"
+        "[fused]",
+  "V2": "gap: " + TJ + "test_transform_results.py::test_load_refuses_a_chain_the_analysis_does_not_reproduce"
+        "[rotated]",
+  "V3": "gap: tests/test_serialization.py::test_refuses_non_empty_dir_and_wrong_model (without program.json "
+        "the per-site comparison is what refuses another model; it was never reached)",
+})
 MUTANTS = [m._replace(verdict=VERDICTS.get(m.id, "")) for m in MUTANTS]
 
 # ----------------------------------------------------------------------------
@@ -632,9 +678,11 @@ def write_report(data: dict) -> str:
   equiv = [m.id for m in MUTANTS if m.verdict.startswith("equivalent")]
   lines = ["# Mutation study of jaxfold's soundness tests", "",
            "Generated by `tests/mutation_study.py`: each mutant is one hand-written soundness fault injected "
-           "into a scratch copy of `jaxfold/_src`; a fixed selection of tests runs with `-x` until the first "
+           "into a scratch copy of `jaxfold/_src` (or `pallas_kernels/`, `jaxfold/optax_transforms.py`); a fixed "
+           "selection of tests runs with `-x` until the first "
            "failure (the killing test). *Before*: the suite without `tests/test_jaxfold/test_mutants.py` "
-           "(`--before`); *after*: with it.", ""]
+           "(`--before`) and the tests added for this study's survivors; *after*: with them (a library "
+           "mutant's rerun may run only its new test: see the command).", ""]
   lines += [f"- {r['date']}, commit {r['commit']}: `{r['command']}` ({r['mutants']} mutants, {r['seconds']} s)"
             for r in data["runs"]]
   lines += [f"  - {h}" for h in data.get("history", [])]
@@ -723,7 +771,8 @@ def main(argv=None) -> int:
   data["timeout"] = args.timeout
   data["runs"].append({"date": datetime.date.today().isoformat(), "commit": _commit(),
                        "command": "python tests/mutation_study.py" + (" --before" if args.before else "")
-                       + (f" --only {args.only}" if args.only else ""),
+                       + (f" --only {args.only}" if args.only else "")
+                       + (f" --tests {args.tests}" if args.tests else ""),
                        "mutants": len(chosen), "seconds": round(time.time() - t0)})
   if args.note:
     data.setdefault("history", []).append(args.note)
