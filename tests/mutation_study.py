@@ -547,7 +547,21 @@ VERDICTS.update({
         "(a reshape/slice facet blocks), never in a wrong result",
   "T8": "gap: " + TJ + "test_rotate.py::test_rotation_refused_where_it_does_not_commute[fourth-power statistic]",
   "T9": "gap: " + TJ + "test_rotate.py::test_rotation_refused_where_it_does_not_commute[statistic of half of d]",
-  "N5": "gap: " + TJ + "test_kernels.py::test_a_reversed_gamma_or_beta_keeps_xla",
+  "N1": "gap: " + TJ + "test_kernels.py::test_kernel_epilogue_near_misses_in_float32 (the rc9 adversarial "
+        "kernel programs run in float64, where no kernel runs: they could not notice a wrong epilogue proof)",
+  "N2": "open: not closed in this study (a widening of the norm's source that an auxiliary centering changes; "
+        "no test program yet)",
+  "N3": "open: not closed in this study; plausibly masked (a jaxpr widens a narrow source explicitly, and that "
+        "convert is an alias of the output's dtype, so the dropped fallback is rarely reached), not proven",
+  "N4": "equivalent: a float64 norm given to the kernel computes in float64 in interpret mode (_acc promotes "
+        "to float64), and compiled (interpret=False) pallas_kernels' dispatch sends float64 to the XLA "
+        "reference (unsupported_reason): the same formula either way",
+  "N5": "equivalent: a reversed (hidden,) view of a vector starts at offset hidden-1, which _vector_param's "
+        "offset check refuses anyway (a stride -1 view at offset 0 has size 1); "
+        + TJ + "test_kernels.py::test_a_reversed_gamma_or_beta_keeps_xla pins the exact fold",
+  "V8": "gap: " + TJ + "test_fingerprint.py::test_same_operations_other_parameters_constants_or_wiring_differ",
+  "V9": "gap: " + TJ + "test_fingerprint.py::test_same_operations_other_parameters_constants_or_wiring_differ",
+  "V10": "gap: " + TJ + "test_fingerprint.py::test_same_operations_other_parameters_constants_or_wiring_differ",
   "V1": "gap: " + TJ + "test_transform_results.py::test_load_refuses_a_chain_the_analysis_does_not_reproduce"
         "[fused]",
   "V2": "gap: " + TJ + "test_transform_results.py::test_load_refuses_a_chain_the_analysis_does_not_reproduce"
