@@ -124,6 +124,8 @@ TWO_DEVICES = textwrap.dedent("""
   kept = [a.sharding.is_equivalent_to(s, a.ndim)
           for a, s in zip(jax.tree_util.tree_leaves(f.params.params), flat_s)]
   out = np.asarray(jax.jit(f.apply_fn)(f.params, x))
+  # parameters kept on the second device (not the default one): centered on the host, put back there
+  on1 = jaxfold.fold(jax.device_put(params, jax.devices()[1]), m.apply, x)
   d = jaxfold.save_fold(f, sys.argv[1])
   target = jax.tree_util.tree_map(
       lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), f.params)
@@ -131,6 +133,7 @@ TWO_DEVICES = textwrap.dedent("""
   print(json.dumps({
       "n_sharded": sum(not s.is_fully_replicated for s in flat_s),
       "sharding_kept": kept,
+      "second_device_kept": [a.devices() == {jax.devices()[1]} for a in jax.tree_util.tree_leaves(on1.params)],
       "num_folded": [f.report.num_folded, f.report.num_sites],
       "out_vs_original": float(np.max(np.abs(out - np.asarray(m.apply(params, x))))),
       "out_vs_unsharded_fold": float(np.max(np.abs(out - np.asarray(ref.apply_fn(ref.params, x))))),
@@ -152,7 +155,7 @@ def test_fold_of_params_sharded_over_two_devices(tmp_path):
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
   r = _last_json(proc.stdout)
   assert r["n_sharded"] == 3 and r["num_folded"] == [2, 2]
-  assert all(r["sharding_kept"]), r
+  assert all(r["sharding_kept"]) and all(r["second_device_kept"]), r
   assert r["out_vs_original"] < 1e-5 and r["out_vs_unsharded_fold"] < 1e-5, r
   assert r["params_vs_unsharded_fold"] < 1e-6, r        # the same centering, up to rounding
   assert r["restored_sharding_kept"] and r["restored_equal"], r

@@ -56,6 +56,11 @@ def test_refuses_non_empty_dir_and_wrong_model(tmp_path, gpt2_tiny):
     return p["wte"]["embedding"][ids]
   with pytest.raises(ValueError, match="does not reproduce|not the program the fold"):
     load_fold(d, no_norm)
+  # without program.json (a fold saved before it was recorded; integrity=False as the manifest lists it)
+  # the re-analysis' per-site decisions still refuse the other model
+  os.remove(os.path.join(d, "program.json"))
+  with pytest.raises(jaxfold.FoldError, match="does not reproduce the saved fold"):
+    load_fold(d, no_norm, integrity=False)
   with pytest.raises(FileNotFoundError, match="not a saved fold"):
     load_fold(tmp_path, apply)
   with pytest.raises(FileNotFoundError, match="not a saved fold"):

@@ -56,3 +56,29 @@ def test_output_shapes_are_part_of_the_fingerprint():
   b = fingerprint(lambda p, x: (x @ p).T.T, np.ones((4, 2), np.float32), (X,), {})
   assert a["outputs"] == ["float32[3, 2]"]
   assert a["sha256"] != b["sha256"]
+
+
+def _sub(a, b):
+  return a - b
+
+
+def _rsub(a, b):
+  return b - a
+
+
+def test_same_operations_other_parameters_constants_or_wiring_differ():
+  """Programs with the same primitives and shapes that compute other
+  functions: another primitive parameter (a power, the reduced axis), another
+  literal, operands swapped. Each is another program."""
+  p = _params()
+
+  def fp(f):
+    return fingerprint(lambda p, x: f(_mlp(p, x)), p, (X,), {})
+
+  pairs = [(lambda y: y ** 2, lambda y: y ** 3),                         # integer_pow's y
+           (lambda y: y.sum(0), lambda y: y.sum(1)[:2]),                 # reduce_sum's axes
+           (lambda y: y * 2.0, lambda y: y * 3.0),                       # a literal
+           (lambda y: _sub(y[:, :1], y[:, 1:]), lambda y: _rsub(y[:, :1], y[:, 1:]))]   # which value flows where
+  for f, g in pairs:
+    a, b = fp(f), fp(g)
+    assert a["sha256"] != b["sha256"] and difference(a, b) is not None

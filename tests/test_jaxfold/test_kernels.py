@@ -3,7 +3,16 @@
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from adversarial_programs import (
+  bessel_ln,
+  beta_before_gamma_ln,
+  eps_outside_sqrt_ln,
+  large_eps_ln,
+  ln_flax,
+  rsqrt_4var_ln,
+)
 from conftest import randomize, rel_err
 
 import jaxfold
@@ -209,3 +218,52 @@ def test_wider_output_reads_the_widened_value():
   assert ep.add_path is None
   assert _kernel_calls(ker.apply_fn, ker.params, x, dtypes=True) == [("rms_norm_fwd", "float32")]
   assert rel_err(xla.apply_fn(xla.params, x), ker.apply_fn(ker.params, x)) < 1e-2
+
+
+@pytest.mark.parametrize("rev", ["gamma", "beta"])
+def test_a_reversed_gamma_or_beta_keeps_xla(rev):
+  """``γ[::-1]`` (or ``β[::-1]``) in the norm's epilogue is a view of the
+  parameter read backwards: the kernel takes its γ/β as stored, so the site
+  keeps XLA's expression (the fold stays exact), at two shapes."""
+  r = np.random.default_rng(4)
+  p = {k: jnp.asarray(r.normal(size=s), jnp.float32) for k, s in
+       (("w", (6, 16)), ("b", (16,)), ("g", (16,)), ("be", (16,)), ("w2", (16, 5)))}
+
+  def apply(p, x):
+    h = x @ p["w"] + p["b"]
+    c = h - h.mean(-1, keepdims=True)
+    g = p["g"][::-1] if rev == "gamma" else p["g"]
+    be = p["be"][::-1] if rev == "beta" else p["be"]
+    return (c * jax.lax.rsqrt((c * c).mean(-1, keepdims=True) + 1e-5) * g + be) @ p["w2"]
+  x = jax.random.normal(jax.random.PRNGKey(2), (3, 5, 6))
+  ker = jaxfold.fold(p, apply, x, norm_impl="interpret")
+  assert ker.report.num_folded == 1
+  for xs in (x, x[:1, :2]):
+    assert rel_err(apply(p, xs), ker.apply_fn(ker.params, xs)) < 2e-5
+
+
+# The rc9 adversarial norms of test_adversarial run in float64, where no kernel runs (it computes in
+# float32): here in float32, where norm_impl="interpret" substitutes the kernel wherever the proof accepts.
+EPILOGUES = {"flax": (ln_flax, 1), "large_eps": (large_eps_ln, 1), "bessel_var": (bessel_ln, 0),
+             "rsqrt_4var": (rsqrt_4var_ln, 0), "eps_outside_sqrt": (eps_outside_sqrt_ln, 0),
+             "beta_before_gamma": (beta_before_gamma_ln, 1)}
+
+
+@pytest.mark.parametrize("name", sorted(EPILOGUES))
+def test_kernel_epilogue_near_misses_in_float32(name):
+  """Only the kernel's exact formula (any ε) runs the kernel; a Bessel-corrected
+  or rescaled variance and ε outside the root keep XLA's expression; with β
+  before γ the kernel computes ``n + β`` (γ = 1) and XLA multiplies by γ.
+  Every fold equals the original at two shapes."""
+  ln, kernels = EPILOGUES[name]
+  r = np.random.default_rng(5)
+  p = {k: jnp.asarray(r.normal(size=s), jnp.float32) for k, s in
+       (("w", (6, 32)), ("b", (32,)), ("g", (32,)), ("be", (32,)), ("w2", (32, 5)))}
+
+  def apply(p, x):
+    return ln(x @ p["w"] + p["b"], p["g"], p["be"]) @ p["w2"]
+  x = jax.random.normal(jax.random.PRNGKey(3), (3, 5, 6))
+  ker = jaxfold.fold(p, apply, x, norm_impl="interpret")
+  assert ker.report.num_folded == 1 and len(_epilogues(ker, x)) == kernels
+  for xs in (x, x[:1, :2]):
+    assert rel_err(apply(p, xs), ker.apply_fn(ker.params, xs)) < 1e-4

@@ -87,3 +87,28 @@ def test_fold_centers_float64_under_x64_and_pairwise_without():
     assert np.array_equal(fold._host_center(x, {1: 512}), layout.center(x, {1: 512}))
   assert not compat.x64_enabled()
   assert np.array_equal(fold._host_center(x, {1: 512}), fast)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("shape,spec", [((4, 16), {1: 16}), ((6, 8), {0: 3}), ((4, 6, 8), {1: 3, 2: 8})])
+def test_half_precision_center_subtracts_in_float32_and_rounds_once(dtype, shape, spec):
+  """A bfloat16/float16 table: the float64 block mean, then ``x - mean`` in
+  float32 rounded once to the table's dtype, bit for bit (subtracting a mean
+  already rounded to bfloat16 leaves a block mean of bfloat16's rounding)."""
+  rng = np.random.default_rng(3)
+  x = (rng.normal(size=shape) * 0.5 + 2.0).astype(dtype)
+  c = layout.center(x, spec)
+  split, axes = [], []
+  for d, s in enumerate(shape):
+    split += [s // spec[d], spec[d]] if d in spec else [s]
+    if d in spec:
+      axes.append(len(split) - 1)
+  z = x.reshape(split)
+  m = z.astype(np.float64).mean(axis=tuple(axes), keepdims=True)
+  want = (z.astype(np.float32) - m.astype(np.float32)).astype(dtype).reshape(shape)
+  assert c.dtype == np.dtype(dtype)
+  assert np.array_equal(c.view(np.uint16), want.view(np.uint16))
+  # under jax (CBWC's forward pass, a leaf on an accelerator) the same: float32 arithmetic, one rounding
+  cj = np.asarray(layout.center(jnp.asarray(x), spec))
+  assert cj.dtype == np.dtype(dtype)
+  assert np.array_equal(cj.view(np.uint16), want.view(np.uint16))

@@ -282,6 +282,13 @@ def test_centered_leaves_equal_host_centering_and_keep_dtype_and_sharding(x64, d
   y = F._center_leaf(x, ((1, 8),))
   assert isinstance(y, jax.Array) and y.dtype == x.dtype and y.sharding == x.sharding
   np.testing.assert_array_equal(np.asarray(y), layout.center(np.asarray(x), {1: 8}))
+  # A leaf off the host (an accelerator's, a sharded one) is centered by jax: every dim of its spec.
+  x3 = x.reshape(4, 12, 24)
+  spec = {1: 6, 2: 24}
+  got = np.asarray(F._center_jit(spec)(x3), np.float64)
+  want = np.asarray(layout.center(np.asarray(x3), spec), np.float64)
+  np.testing.assert_allclose(got, want, rtol=0, atol=float(jnp.finfo(dtype).eps) * 16)
+  assert np.abs(got.reshape(4, 2, 6, 24).mean(axis=(2, 3))).max() < float(jnp.finfo(dtype).eps) * 16
   out = F._aligned_empty((5, 7), dtype)
   assert out.shape == (5, 7) and out.dtype == dtype and out.ctypes.data % 64 == 0
   assert F._aligned_empty((0, 3), dtype).shape == (0, 3)

@@ -182,6 +182,9 @@ REFUSED_OPS = {
     "scale along d": lambda h: h * jnp.linspace(1, 2, D),
     "relu": jax.nn.relu,
     "mean over d": lambda h: h - h.mean(-1, keepdims=True),
+    # per-token statistics that a rotation changes: Σh⁴ (not a sum of squares), Σ over half of d
+    "fourth-power statistic": lambda h: h * (1 + jnp.mean(h ** 4, -1, keepdims=True)),
+    "statistic of half of d": lambda h: h * jax.lax.rsqrt(1 + jnp.mean(h[..., :D // 2] ** 2, -1, keepdims=True)),
 }
 
 
@@ -220,3 +223,54 @@ def test_more_zoo_models(x64, name):
   assert fu.report.num_fused == folded.report.num_folded and max(errors(name, fu)) < ZOO_TOL
   r = jaxfold.rotate(fu, hadamard(32))
   assert max(errors(name, r, fu.apply_fn)) < ZOO_TOL
+
+
+@pytest.mark.parametrize("which", ["stream", "stream slice"])
+def test_rotated_stream_as_an_output_refused(x64, which):
+  """A program that also returns the residual stream (hidden states): rotated,
+  that output would be h·Q, so rotate refuses it."""
+  r = np.random.default_rng(1)
+  params = {"w_in": jnp.asarray(r.normal(size=(5, D))), "b": jnp.asarray(r.normal(size=(D,))),
+            "w_out": jnp.asarray(r.normal(size=(D, 3)))}
+
+  def apply(p, x):
+    h = x @ p["w_in"] + p["b"]
+    return _rms(h) @ p["w_out"], (h if which == "stream" else h[:, -1])
+  with pytest.raises(jaxfold.FuseError, match="program output"):
+    jaxfold.rotate(_Model(params, apply), random_orthogonal(D, 7), _x(2, 4, 5))
+
+
+def test_inputs_that_rotate_other_parameters_are_refused(x64):
+  """A shape branch that adds a parameter to the stream only for longer
+  sequences: the example's rotation leaves it unrotated, so calling with the
+  longer shape must refuse, not compute with a half-rotated stream."""
+  r = np.random.default_rng(2)
+  params = {"w_in": jnp.asarray(r.normal(size=(5, D))), "b": jnp.asarray(r.normal(size=(D,))),
+            "b_long": jnp.asarray(r.normal(size=(D,))), "w_out": jnp.asarray(r.normal(size=(D, 3)))}
+
+  def apply(p, x):
+    h = x @ p["w_in"] + p["b"]
+    if x.shape[1] > 4:
+      h = h + p["b_long"]
+    return _rms(h) @ p["w_out"]
+  m = _Model(params, apply)
+  rot = jaxfold.rotate(m, random_orthogonal(D, 5), _x(2, 4, 5))
+  assert "['b_long']" not in {n for n, _ in rot.report.rotated}
+  assert rel_err(apply(params, _x(3, 4, 5, seed=2)), rot.apply_fn(rot.params, _x(3, 4, 5, seed=2))) < 1e-12
+  with pytest.raises(jaxfold.FuseError, match="rotate different parameters"):
+    rot.apply_fn(rot.params, _x(2, 6, 5))
+
+
+def test_a_parameter_needed_along_two_dims_is_named(x64):
+  """A square parameter that both reads the stream (dim 0) and writes it
+  (dim 1): no single rotation of it is exact, and the refusal names it."""
+  r = np.random.default_rng(2)
+  params = {"w_in": jnp.asarray(r.normal(size=(5, D))), "m": jnp.asarray(r.normal(size=(D, D))),
+            "w_out": jnp.asarray(r.normal(size=(D, 3)))}
+
+  def apply(p, x):
+    h = x @ p["w_in"]
+    h = h + h @ p["m"] + p["m"][0]
+    return _rms(h) @ p["w_out"]
+  with pytest.raises(jaxfold.FuseError, match=r"\bm would have to be rotated along dims"):
+    jaxfold.rotate(_Model(params, apply), random_orthogonal(D, 5), _x(2, 4, 5))

@@ -63,6 +63,26 @@ def test_load_refuses_another_program(x64, tmp_path):
     jaxfold.load_fold(tmp_path / "f", lambda p, x: apply(p, x) * 2)
 
 
+@pytest.mark.parametrize("kind", ["fused", "rotated"])
+def test_load_refuses_a_chain_the_analysis_does_not_reproduce(x64, tmp_path, kind):
+  """fold.json records each step's decisions (fuse_affine's analysis key, the
+  rotated parameters); one that re-analysing apply_fn does not reproduce (a
+  fold.json of another model's chain; integrity=False, as an edited file fails
+  the manifest first) is refused, not loaded into another plan."""
+  d = tmp_path / kind
+  jaxfold.save_fold(_result(kind), d)
+  info = json.loads((d / "fold.json").read_text())
+  step = info["transforms"][-1]
+  if kind == "fused":
+    step["key_sha256"] = "0" * 64
+  else:
+    step["rotated"] = step["rotated"][:-1]
+  (d / "fold.json").write_text(json.dumps(info))
+  apply, _ = original(NAME)
+  with pytest.raises(jaxfold.FoldError, match="does not reproduce the saved"):
+    jaxfold.load_fold(d, apply, integrity=False)
+
+
 # The rotated program is the fused one (rotate changes parameters only): slow run only.
 @pytest.mark.parametrize("kind", ["fused", pytest.param("rotated", marks=pytest.mark.slow)])
 def test_export_load_exported(x64, kind):

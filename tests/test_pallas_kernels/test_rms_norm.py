@@ -320,3 +320,21 @@ def test_benchmark_smoke(tmp_path):
     assert {r["variant"] for r in rows} == {"pallas-triton", "xla-rmsnorm", "xla-layernorm", "copy"}
     assert all(r["gbps"] > 0 for r in rows)
     assert isinstance(bench.suggest_rules(rows), list)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_large_eps_is_added_to_the_mean_square(fused):
+  """ε against a float64 NumPy formula where it dominates (x ~ 0.1, ε = 0.5,
+  a ragged hidden of 20): ``rsqrt(Σx²/n + ε)``, not ``rsqrt((Σx² + ε)/n)``."""
+  r = np.random.default_rng(6)
+  x = (r.normal(size=(5, 20)) * 0.1).astype(np.float32)
+  res = (r.normal(size=(5, 20)) * 0.1).astype(np.float32)
+  scale, bias = r.normal(size=20).astype(np.float32), r.normal(size=20).astype(np.float32)
+  h = x.astype(np.float64) + (res if fused else 0)
+  want = h / np.sqrt((h * h).mean(-1, keepdims=True) + 0.5) * scale + bias
+  if fused:
+    got, _ = pk.add_rms_norm(jnp.asarray(x), jnp.asarray(res), jnp.asarray(scale), jnp.asarray(bias), eps=0.5,
+                             interpret=True)
+  else:
+    got = pk.rms_norm(jnp.asarray(x), jnp.asarray(scale), jnp.asarray(bias), eps=0.5, interpret=True)
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5)
