@@ -286,8 +286,14 @@ class Level:
         e = outs[k] if outs is not None else None
         # A long sum (a residual stream) stands for itself: cancellation
         # only ever needs the structure near one value, and expanding it
-        # would make products grow quadratically.
-        memo[o] = e if e is not None and len(e.terms) <= CANON_TERMS else self.atom(o)
+        # would make products grow quadratically. Boxed by its expression,
+        # not by the value: equal expressions are equal values, so a
+        # statistic the program computes twice is one symbol.
+        if e is None:
+          e = self.atom(o)
+        elif len(e.terms) > CANON_TERMS:
+          e = A.boxed(e, o.shape)
+        memo[o] = e
     return memo[a]
 
   @contextlib.contextmanager
