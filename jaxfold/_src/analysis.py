@@ -684,7 +684,8 @@ def find_sites(level: Level) -> list:
       continue
     k, axes = summed
     u = node.ins[k]
-    if not (_is_subtracted(level, node.outs[0], _strip(u, _PASS)) or _shift_cancels(level, node, u, axes)):
+    if not (_is_subtracted(level, node.outs[0], _unscaled(level, _strip(u, _PASS)))
+            or _shift_cancels(level, node, u, axes)):
       continue
     key = (u, tuple(axes))
     if key in sites:
@@ -706,7 +707,7 @@ def _shift_cancels(level: Level, reduce: Node, u: Val, axes: tuple) -> bool:
   ``E[h²] - m²``, ``h*inv - m*inv`` (Keras) all cancel; a mean pooling or an
   RMS statistic does not. Detection only: soundness is proved per site.
   """
-  root = _strip(u, ("identity",))
+  root = _unscaled(level, _strip(u, ("identity",)))
   seed = root if isinstance(root, Val) and root.shape == u.shape else u
   consumers = level.program.consumers
   # The seed must reach the cancelling node along two paths: a value read
@@ -769,6 +770,21 @@ def _strip(v: Any, kinds: tuple) -> Any:
       v = node.ins[0]
     else:
       break
+  return v
+
+
+def _unscaled(level: Level, v: Any) -> Any:
+  """``x`` where ``v = x * k`` with ``k`` a known non-zero constant of any shape
+  (``jnp.average``'s weights of ones, summed as ``Σ h·w / Σ w``), else ``v``.
+  Detection only: the site's input stays ``v``, whose zero sum the walk proves."""
+  node = v.producer if isinstance(v, Val) else None
+  if node is None or rule_for(node.prim).arith != "*" or len(node.ins) != 2:
+    return v
+  for i in (0, 1):
+    x, k = node.ins[i], node.ins[1 - i]
+    value = level.facts(k).value
+    if isinstance(x, Val) and x.shape == v.shape and value is not None and value != 0:
+      return _strip(x, _PASS)
   return v
 
 
