@@ -116,6 +116,13 @@ def _fast_var_twice(h, g, b):
   return (h / jnp.sqrt(v() + EPS) - mean(h) / jnp.sqrt(v() + EPS)) * g + b
 
 
+def _group_var_twice(h, g, b):
+  # GroupNorm (2 groups of 4), Keras-style, with each group variance computed twice
+  r = h.reshape(h.shape[:-1] + (2, D // 2))
+  var = lambda: jnp.var(r, -1, keepdims=True)
+  return (r * rs(var()) - r.mean(-1, keepdims=True) * rs(var())).reshape(h.shape) * g + b
+
+
 def _weighted_ones(h, g, b):
   m = jnp.average(h, axis=-1, weights=jnp.ones(D), keepdims=True)
   return (h - m) * rs(mean((h - m) ** 2)) * g + b
@@ -132,6 +139,7 @@ FOLDS = {
     "variance twice, spelled out": _var_twice_spelled,
     "variance twice, a jitted jnp.var": _var_twice_jit,
     "E[h²]-E[h]² twice, 1/sqrt": _fast_var_twice,
+    "GroupNorm, variance twice": _group_var_twice,
     "jnp.average, weights of ones": _weighted_ones,
     "jnp.average, uniform weights": _weighted_uniform,
 }
