@@ -432,7 +432,7 @@ CASES = {
                                                   lambda: _tok((3, 4), (3, 7, 4), (2, 1, 4)), 1, (1,)),
     "a side output through pure_callback": (_pure_callback_side_output, BASE, lambda: (xs(1, 1, 4),),
                                             lambda: _tok((3, 7, 4)), 0, ()),
-    # shard_map has no rule: the shift reaching it blocks the centering
+    # the side output inside the shard_map sums the features: it sees the shift, so nothing folds
     "a side output through shard_map": (_shard_map_side_output, BASE, lambda: (xs(1, 1, 4),),
                                         lambda: _tok((3, 7, 4)), 0, ()),
     # not recognised (the variance is a scan's carry): nothing folds
