@@ -684,8 +684,9 @@ def find_sites(level: Level) -> list:
       continue
     k, axes = summed
     u = node.ins[k]
-    if not (_is_subtracted(level, node.outs[0], _unscaled(level, _strip(u, _PASS)))
-            or _shift_cancels(level, node, u, axes)):
+    root = _strip(u, _PASS)
+    if not any(_is_subtracted(level, node.outs[0], r) for r in _roots(level, root)) and not any(
+        _shift_cancels(level, node, u, axes, r) for r in _roots(level, _strip(u, ("identity",)))):
       continue
     key = (u, tuple(axes))
     if key in sites:
@@ -699,15 +700,22 @@ _CANCEL_STEPS = 64
 _CANCEL_DEPTH = 12
 
 
-def _shift_cancels(level: Level, reduce: Node, u: Val, axes: tuple) -> bool:
+def _roots(level: Level, root: Any) -> tuple:
+  """``root``, then the value it scales by a known constant where it does."""
+  un = _unscaled(level, root)
+  return (root,) if un is root else (root, un)
+
+
+def _shift_cancels(level: Level, reduce: Node, u: Val, axes: tuple, root: Any) -> bool:
   """Whether a shift of ``u`` constant along ``axes``, carried through this
   sum, cancels against the shift ``u`` carries directly within a few steps.
 
   That is what makes a sum a norm's mean whatever the spelling: ``h - m``,
   ``E[h²] - m²``, ``h*inv - m*inv`` (Keras) all cancel; a mean pooling or an
   RMS statistic does not. Detection only: soundness is proved per site.
+  The shift is seeded at ``root`` (``u`` itself, or what ``u`` scales by a
+  known constant: ``jnp.average``'s ``h·w``).
   """
-  root = _unscaled(level, _strip(u, ("identity",)))
   seed = root if isinstance(root, Val) and root.shape == u.shape else u
   consumers = level.program.consumers
   # The seed must reach the cancelling node along two paths: a value read
