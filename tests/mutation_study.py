@@ -60,6 +60,7 @@ TESTS = (
     "tests/test_jaxfold/test_shapes.py",
     "tests/test_jaxfold/test_adversarial.py",
     "tests/test_jaxfold/test_adversarial_defer.py",
+    "tests/test_jaxfold/test_adversarial_spellings.py::test_shard_map_four_devices",
 )
 TESTS_FUSE = (
     "tests/test_jaxfold/test_mutants.py",
@@ -248,6 +249,8 @@ MUTANTS = [
     "  if i < nc + ncar:  # a carry changes across iterations: only randomness is known\n"
     "    return Facts(f.const | base.const, f.value, random)",
     "scan facts: a carry inherits its initial value's facts (a zero initial carry stays 'zero')"),
+  M("K11", CTL, "    out.append(None if p is None else A.pure(p.dims))", "    out.append(p)",
+    "psum: the sum of the shards' shifts taken as one shard's shift (a mean over one shard's size cancels)"),
   # -- analysis drivers ----------------------------------------------------------------------------
   M("A1", "analysis.py", "    if best is None or jnp.finfo(dt).nmant > jnp.finfo(best).nmant:",
     "    if best is None or jnp.finfo(dt).nmant < jnp.finfo(best).nmant:",

@@ -625,6 +625,7 @@ def lift(a: Expr, shape: Optional[Shape]) -> Expr:
 SQRT = ("√",)
 RSQRT = ("1/√",)
 SUM = "Σ"           # app((SUM, axes, in_shape), ...): a sum over axes
+BOXED = "≡"         # app((BOXED,), (e,)): e itself, kept as one opaque factor (see ``boxed``)
 _DROP = ("drop size-1 dims",)
 _EXP = "e^"         # derived shift symbols of exp_of
 
@@ -637,6 +638,17 @@ def app(tag: Any, args: Sequence[Expr], shape: Shape, elementwise: bool = True,
   if commutative:
     args = tuple(sorted(args, key=_expr_order))
   return single(_factor("app", tag, shape, args, elementwise))
+
+
+def boxed(e: Expr, shape: Shape) -> Expr:
+  """``e`` as a single opaque factor keyed by ``e`` itself: an expression too
+  long to multiply out cheaply (a residual stream, a variance) stands for
+  itself, and two values with equal expressions get the same factor, so that
+  a statistic computed twice (two ``jnp.var`` calls) is one symbol. Not
+  elementwise: views, sums and products treat it as they treat an atom."""
+  if e.is_const:
+    return e
+  return app((BOXED,), (e,), shape, elementwise=False)
 
 
 def _expr_order(e: Expr):
@@ -856,7 +868,7 @@ def _nonneg_factor(fid: int) -> bool:
     tag = f.key[0]
     if (tag,) in (RSQRT, SQRT):
       return True
-    if tag in (SUM, "layout"):
+    if tag in (SUM, "layout", BOXED):
       return nonneg(f.args[0])
   return False
 

@@ -286,8 +286,14 @@ class Level:
         e = outs[k] if outs is not None else None
         # A long sum (a residual stream) stands for itself: cancellation
         # only ever needs the structure near one value, and expanding it
-        # would make products grow quadratically.
-        memo[o] = e if e is not None and len(e.terms) <= CANON_TERMS else self.atom(o)
+        # would make products grow quadratically. Boxed by its expression,
+        # not by the value: equal expressions are equal values, so a
+        # statistic the program computes twice is one symbol.
+        if e is None:
+          e = self.atom(o)
+        elif len(e.terms) > CANON_TERMS:
+          e = A.boxed(e, o.shape)
+        memo[o] = e
     return memo[a]
 
   @contextlib.contextmanager
@@ -678,7 +684,9 @@ def find_sites(level: Level) -> list:
       continue
     k, axes = summed
     u = node.ins[k]
-    if not (_is_subtracted(level, node.outs[0], _strip(u, _PASS)) or _shift_cancels(level, node, u, axes)):
+    root = _strip(u, _PASS)
+    if not any(_is_subtracted(level, node.outs[0], r) for r in _roots(level, root)) and not any(
+        _shift_cancels(level, node, u, axes, r) for r in _roots(level, _strip(u, ("identity",)))):
       continue
     key = (u, tuple(axes))
     if key in sites:
@@ -692,15 +700,22 @@ _CANCEL_STEPS = 64
 _CANCEL_DEPTH = 12
 
 
-def _shift_cancels(level: Level, reduce: Node, u: Val, axes: tuple) -> bool:
+def _roots(level: Level, root: Any) -> tuple:
+  """``root``, then the value it scales by a known constant where it does."""
+  un = _unscaled(level, root)
+  return (root,) if un is root else (root, un)
+
+
+def _shift_cancels(level: Level, reduce: Node, u: Val, axes: tuple, root: Any) -> bool:
   """Whether a shift of ``u`` constant along ``axes``, carried through this
   sum, cancels against the shift ``u`` carries directly within a few steps.
 
   That is what makes a sum a norm's mean whatever the spelling: ``h - m``,
   ``E[h²] - m²``, ``h*inv - m*inv`` (Keras) all cancel; a mean pooling or an
   RMS statistic does not. Detection only: soundness is proved per site.
+  The shift is seeded at ``root`` (``u`` itself, or what ``u`` scales by a
+  known constant: ``jnp.average``'s ``h·w``).
   """
-  root = _strip(u, ("identity",))
   seed = root if isinstance(root, Val) and root.shape == u.shape else u
   consumers = level.program.consumers
   # The seed must reach the cancelling node along two paths: a value read
@@ -763,6 +778,21 @@ def _strip(v: Any, kinds: tuple) -> Any:
       v = node.ins[0]
     else:
       break
+  return v
+
+
+def _unscaled(level: Level, v: Any) -> Any:
+  """``x`` where ``v = x * k`` with ``k`` a known non-zero constant of any shape
+  (``jnp.average``'s weights of ones, summed as ``Σ h·w / Σ w``), else ``v``.
+  Detection only: the site's input stays ``v``, whose zero sum the walk proves."""
+  node = v.producer if isinstance(v, Val) else None
+  if node is None or rule_for(node.prim).arith != "*" or len(node.ins) != 2:
+    return v
+  for i in (0, 1):
+    x, k = node.ins[i], node.ins[1 - i]
+    value = level.facts(k).value
+    if isinstance(x, Val) and x.shape == v.shape and value is not None and value != 0:
+      return _strip(x, _PASS)
   return v
 
 

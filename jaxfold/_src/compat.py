@@ -413,6 +413,83 @@ def is_while(eqn: Any) -> bool:
   return eqn.primitive is prims()["while"]
 
 
+# ----------------------------------------------------------------------------
+# shard_map: the primitive lives in jax._src.shard_map (jax >= 0.6; before, in
+# jax.experimental.shard_map, with ``in_names``/``check_rep`` params, which we
+# do not model: there the equation stays opaque).
+
+
+@functools.lru_cache(maxsize=1)
+def shard_map_prims() -> tuple:
+  """The shard_map primitive where this jax defines one."""
+  for name in ("jax._src.shard_map", "jax.experimental.shard_map"):
+    try:
+      import importlib
+      mod = importlib.import_module(name)
+    except ImportError:  # pragma: no cover - another layout
+      continue
+    p = getattr(mod, "shard_map_p", None)
+    if p is not None:
+      return (p,)
+  return ()  # pragma: no cover
+
+
+def vary_prims() -> tuple:
+  """``pvary`` (and ``pcast`` where defined): inside a shard_map with the
+  replication check, marks a value as varying across mesh axes; the identity
+  on values (jax._src.core in jax 0.10)."""
+  out = []
+  for mod in ("jax._src.core", "jax._src.lax.parallel"):
+    try:
+      import importlib
+      m = importlib.import_module(mod)
+    except ImportError:  # pragma: no cover
+      continue
+    for name in ("pvary_p", "pcast_p"):
+      p = getattr(m, name, None)
+      if p is not None and p not in out:
+        out.append(p)
+  return tuple(out)
+
+
+def psum_prims() -> tuple:
+  """The cross-shard sums: ``psum`` and, under shard_map's replication check
+  (jax 0.10), ``psum_invariant``."""
+  out = []
+  for name in ("jax._src.lax.parallel",):
+    try:
+      import importlib
+      m = importlib.import_module(name)
+    except ImportError:  # pragma: no cover
+      continue
+    for pname in ("psum_p", "psum_invariant_p"):
+      p = getattr(m, pname, None)
+      if p is not None and p not in out:
+        out.append(p)
+  return tuple(out)
+
+
+def shard_map_body(params: dict) -> Any:
+  """The per-shard body of a shard_map equation, or None where its params
+  are not the ones :func:`shard_map_rebind` rebuilds (then it stays opaque)."""
+  if not {"jaxpr", "mesh", "in_specs", "out_specs"} <= set(params) or not hasattr(jax, "shard_map"):
+    return None
+  return params["jaxpr"]
+
+
+def shard_map_rebind(params: dict, body: Any, invals: Sequence[Any]) -> list[Any]:
+  """``jax.shard_map(body, ...)(*invals)`` with the equation's mesh, specs,
+  manual axes and replication check; ``body(*local values) -> list``."""
+  mesh = params["mesh"]
+  kw = dict(mesh=mesh, in_specs=tuple(params["in_specs"]), out_specs=tuple(params["out_specs"]))
+  if "check_vma" in params:
+    kw["check_vma"] = params["check_vma"]
+  manual = params.get("newly_manual_axes")
+  if manual is not None and set(manual) != set(mesh.axis_names):
+    kw["axis_names"] = set(manual)
+  return list(jax.shard_map(lambda *a: tuple(body(*a)), **kw)(*invals))
+
+
 def reduce_precision_p() -> Any:
   return getattr(lax, "reduce_precision_p", None)
 

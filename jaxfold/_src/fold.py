@@ -454,9 +454,14 @@ def _host_center(x, spec: dict, out: Optional[np.ndarray] = None, pairwise: Opti
 
 
 def _adopt(y, like):
-  """``y`` (a centered NumPy or jax array) as a jax array placed like ``like``."""
+  """``y`` (a centered NumPy or jax array) as a jax array placed like ``like``:
+  on its sharding where it is committed to one, else uncommitted as ``like``
+  is (committed to device 0, it refused a ``jit`` whose ``shard_map`` spans
+  several devices: "incompatible devices")."""
   sharding = getattr(like, "sharding", None) if isinstance(like, jax.Array) else None
-  return jax.device_put(y, sharding) if sharding is not None else jnp.asarray(y)
+  if sharding is None or not getattr(like, "committed", True):
+    return jnp.asarray(y)
+  return jax.device_put(y, sharding)
 
 
 def _center_leaf(x, spec):

@@ -711,6 +711,42 @@ def _sharding(g, sc, st):
             st.T, st.D)
 
 
+_MESH1 = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+_PS = jax.sharding.PartitionSpec
+
+
+def _smap(fn, in_specs, out_specs):
+  """A shard_map over a one-device mesh (the four-device cases: test_adversarial_spellings)."""
+  return jax.shard_map(fn, mesh=_MESH1, in_specs=in_specs, out_specs=out_specs)
+
+
+@op(("shard_map", "normalized axis local"), ("pvary", ""))
+def _shard_map_norm(g, sc, st):
+  pg, pb = sc.param("g", (st.D,)), sc.param("b", (st.D,))
+  norm = g.choice([ln_two_pass, ln_jnp_var])
+  body = _smap(lambda h, gg, bb: norm(h, gg, bb), (_PS("x"), _PS(), _PS()), _PS("x"))
+  return Op(f"shard_map({norm.__name__}(h), batch sharded)", lambda P, h, E: body(h, P[pg], P[pb]), st.T, st.D,
+            frozenset({("pvary", ""), ("shard_map", "normalized axis local")}))
+
+
+@op(("shard_map", "normalized axis sharded"))
+def _shard_map_sharded_norm(g, sc, st):
+  # a mean over a sharded axis without a psum is a mean per shard (here one shard: the whole axis)
+  pg, pb = sc.param("g", (st.D,)), sc.param("b", (st.D,))
+  spec = _PS(None, None, "x")
+  body = _smap(lambda h, gg, bb: ln_two_pass(h, gg, bb), (spec, _PS("x"), _PS("x")), spec)
+  return Op("shard_map(ln(h), features sharded)", lambda P, h, E: body(h, P[pg], P[pb]), st.T, st.D,
+            frozenset({("pvary", "")}))
+
+
+@op(("shard_map", "replicated output"), ("psum", ""))
+def _shard_map_psum(g, sc, st):
+  ps = sc.param("s", ())
+  body = _smap(lambda h, s: lax.psum(h * s, "x") + jnp.tanh(s), (_PS(), _PS()), _PS())
+  return Op("shard_map(psum(s*h) + tanh(s))", lambda P, h, E: body(h, P[ps]), st.T, st.D,
+            frozenset({("psum", ""), ("shard_map", "replicated output")}))
+
+
 @op(("stop_gradient", ""))
 def _stopgrad(g, sc, st):
   if g.coin():

@@ -123,7 +123,10 @@ class _Unsupported(Exception):
 def _fallback(eqn, ins: list) -> list:
   _FALLBACKS[eqn.primitive.name] = _FALLBACKS.get(eqn.primitive.name, 0) + 1
   args = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in ins]
-  outs = eqn.primitive.bind(*args, **eqn.params)
+  # (a primitive with a sub-jaxpr, e.g. shard_map, binds it as a function: get_bind_params)
+  bp = eqn.primitive.get_bind_params(eqn.params)
+  subfuns, params = bp if isinstance(bp, tuple) else ((), bp)
+  outs = eqn.primitive.bind(*subfuns, *args, **params)
   if not eqn.primitive.multiple_results:
     outs = [outs]
   return [_np(o) for o in outs]

@@ -241,5 +241,21 @@ def standardize_style(h, g, b, eps=1e-5):
   return jax.nn.standardize(h, axis=-1, epsilon=eps) * g + b
 
 
+def two_moments_style(h, g, b, eps=1e-5):
+  """The mean and the variance recomputed for each term of the distributed
+  form (no common subexpression): ``h*inv(var(h)) - mean(h)*inv(var(h))``."""
+  inv = lambda: jax.lax.rsqrt(jnp.var(h, axis=-1, keepdims=True) + eps)
+  return (h * inv() - jnp.mean(h, axis=-1, keepdims=True) * inv()) * g + b
+
+
+def average_style(h, g, b, eps=1e-5):
+  """``jnp.average`` with uniform weights for both moments: ``Σ h·w / Σ w``."""
+  w = jnp.ones(h.shape[-1], h.dtype)
+  mean = jnp.average(h, axis=-1, weights=w, keepdims=True)
+  var = jnp.average(jnp.square(h - mean), axis=-1, weights=w, keepdims=True)
+  return (h - mean) * jax.lax.rsqrt(var + eps) * g + b
+
+
 LIBRARY_FORMS = {"haiku": haiku_style, "equinox": equinox_style, "torch": torch_style,
-                 "penzai": penzai_style, "keras": keras_style, "standardize": standardize_style}
+                 "penzai": penzai_style, "keras": keras_style, "standardize": standardize_style,
+                 "two_moments": two_moments_style, "average": average_style}

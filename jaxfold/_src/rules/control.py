@@ -33,7 +33,7 @@ from jax import lax
 from jaxfold._src import algebra as A
 from jaxfold._src import compat
 from jaxfold._src.rules.base import Block, Facts, Inline, Need, Rule, freeze, register
-from jaxfold._src.rules.elementwise import _prims
+from jaxfold._src.rules.elementwise import _prims, ctx_zero
 
 # ----------------------------------------------------------------------------
 # Operand layout.
@@ -396,6 +396,138 @@ def _call_rebind(eqn, invals, run) -> list:
   return run(body, invals)
 
 
+# ----------------------------------------------------------------------------
+# shard_map: the body runs once per shard, on each operand's local block (a
+# dim split over n devices is n contiguous chunks of L = size / n elements;
+# the body's invars and outvars have the local shapes). Collectives inside
+# the body (psum, ...) have no rule: a shift reaching one blocks.
+
+
+def _sizes(*shapes) -> None:
+  for shape in shapes:
+    if not all(type(n) is int for n in shape):
+      raise Block("a `shard_map` at symbolic shapes")
+
+
+def _local_dims(dims: tuple, local: tuple) -> tuple:
+  """A shift's pattern on one shard's block: a shift piecewise constant on
+  aligned blocks of b is so on each chunk (starting at a multiple of L) on
+  blocks of gcd(b, L)."""
+  out = []
+  for e, n in zip(dims, local):
+    b = None if e is None else math.gcd(e[1], n)
+    out.append(None if b is None or b == n else (None, b))   # one block: constant along it
+  return tuple(out)
+
+
+def _global_dims(dims: tuple, local: tuple, shape: tuple) -> tuple:
+  """A shard's output shift seen in the whole output: every shard computed its
+  own (the body's shift is arbitrary per shard), so a dim split into chunks
+  of L varies at least from chunk to chunk."""
+  out = []
+  for e, n, g in zip(dims, local, shape):
+    if n == g:
+      out.append(e)
+    else:
+      out.append((None, n if e is None else math.gcd(e[1], n)))
+  return tuple(out)
+
+
+def _shard_map_shift(node, ins: list, ctx, inner: Optional[dict] = None) -> list:
+  """Pure shifts through a shard_map: each operand's shift, restricted to a
+  shard, seeds the body (an arbitrary shift of the local pattern: sound for
+  every shard at once); a body output's shift leaves as an arbitrary shift."""
+  if not node.subs:
+    raise Block("this jax's `shard_map` is opaque to jaxfold")
+  body = ctx.body(node, 0)
+  binv = body.program.invars
+  seeds = {}
+  for i, p in enumerate(ins):
+    if p is None:
+      continue
+    if not p.is_pure:
+      raise Block("a nonlinear function of the shift enters a `shard_map`")
+    _sizes(binv[i].shape, node.ins[i].shape)
+    seeds[binv[i]] = A.pure(_local_dims(p.dims, binv[i].shape))
+  seeds.update((inner or {}).get(body, {}))
+  try:
+    outs = body.collect(seeds)
+  except Block as e:
+    raise Block(f"inside the `shard_map`: {e}") from e
+  result = []
+  for k, o in enumerate(node.outs):
+    q = outs.get(k)
+    if q is None:
+      result.append(None)
+      continue
+    if not q.is_pure:
+      raise Block(f"a `shard_map` returns a nonlinear function of the shift (output #{k})")
+    local = body.program.outvars[k].shape
+    _sizes(local, o.shape)
+    result.append(A.pure(_global_dims(q.dims, local, o.shape)))
+  return result
+
+
+def _shard_map_zero_sum(node, k, spec, ctx) -> list:
+  """Output ``k`` is zero-sum over blocks that no shard boundary splits when
+  every shard's output is (a replicated output: the one all shards hold)."""
+  if not node.subs:
+    raise Block("this jax's `shard_map` is opaque to jaxfold")
+  sub = node.subs[0]
+  ov = sub.outvars[k]
+  _sizes(ov.shape, node.outs[k].shape)
+  for d, b in spec:
+    if ov.shape[d] % b:
+      raise Block(f"a zero-sum block of {b} along dim {d} spans the shards of a `shard_map` "
+                  f"({ov.shape[d]} elements each)")
+  return [_fresh(ov, spec, sub)]
+
+
+def _shard_map_body_zero_sum(node, k, i, spec, outer) -> list:
+  """A body input is zero-sum over blocks of ``spec`` in every shard when the
+  operand is over the same blocks: they tile each shard's chunk (spec's blocks
+  divide the local sizes, and chunks start at multiples of them)."""
+  return [_fresh(node.ins[i], spec)]
+
+
+def _shard_map_body_facts(node, k, i, outer, base):
+  f = outer.facts(node.ins[i])   # constant along a dim: so is every chunk of it
+  return Facts(f.const | base.const, f.value, f.random or base.random)
+
+
+def _shard_map_bodies(eqn) -> tuple:
+  body = compat.shard_map_body(eqn.params)
+  return () if body is None else (body,)
+
+
+def _shard_map_rebind(eqn, invals, run) -> list:
+  (body,) = _shard_map_bodies(eqn)
+  return compat.shard_map_rebind(eqn.params, lambda *a: run(body, a, 0), invals)
+
+
+def _psum_shift(node, ins: list, ctx) -> list:
+  """``psum(x + k*c) = psum(x) + k*Σ_shards c``: every shard's shift has the
+  same pattern (the body is one program), so their sum has it too; it is a
+  new arbitrary shift (the shards' shifts need not be equal: a mean over a
+  sharded axis, ``psum(Σ h) / n``, does not cancel a per-shard shift)."""
+  out = []
+  for p in ins[:len(node.outs)]:
+    if p is not None and not p.is_pure:
+      raise Block(f"a nonlinear function of the shift is summed across shards by `{node.prim.name}`")
+    out.append(None if p is None else A.pure(p.dims))
+  return out
+
+
+def _psum_facts(node, ins, ctx):
+  return [Facts(f.const, None, f.random) for f in ins[:len(node.outs)]]
+
+
+def _psum_simplify(node, zeros):
+  if any(zeros):
+    return lambda ins: [ctx_zero(o) if z else x for o, z, x in zip(node.outs, zeros, ins)]
+  return None
+
+
 register(Rule("scan", _prims("scan_p"), shift=_scan_shift, shift_inside=_scan_shift,
               zero_sum=_scan_zero_sum, body_facts=_scan_body_facts, body_zero_sum=_scan_body_zero_sum,
               bodies=_scan_bodies, rebind=_scan_rebind,
@@ -409,3 +541,10 @@ register(Rule("while", _prims("while_p"), shift=_while_shift, shift_inside=_whil
               bodies=_while_bodies, rebind=_while_rebind,
               variants=("fixed trip count", "fori traced bounds", "stream predicate", "false at entry")))
 register(Rule("call", compat.call_prims(), inline=_call_inline, bodies=_call_bodies, rebind=_call_rebind))
+register(Rule("shard_map", compat.shard_map_prims(), shift=_shard_map_shift, shift_inside=_shard_map_shift,
+              zero_sum=_shard_map_zero_sum, body_facts=_shard_map_body_facts,
+              body_zero_sum=_shard_map_body_zero_sum, bodies=_shard_map_bodies, rebind=_shard_map_rebind,
+              variants=("normalized axis local", "normalized axis sharded", "replicated output")))
+# a sum of zero-sum values is zero-sum: each shard's operand over the same blocks
+register(Rule("psum", compat.psum_prims(), facts=_psum_facts, shift=_psum_shift,
+              zero_sum=lambda node, k, spec, ctx: [Need(k, spec)], simplify=_psum_simplify))

@@ -681,6 +681,8 @@ def _identity_rule(name, prims, differentiable=True, reindex=""):
 _identity_rule("copy", _prims("copy_p"), reindex="move")
 _identity_rule("optimization_barrier", _prims("optimization_barrier_p"))
 _identity_rule("sharding_constraint", _prims("sharding_constraint_p"))
+# shard_map's replication check marks values (a literal 8.0 in a mean) as varying across mesh axes
+_identity_rule("pvary", compat.vary_prims())
 _identity_rule("stop_gradient", _prims("stop_gradient_p"), differentiable=False)
 
 

@@ -299,7 +299,7 @@ def _prims(*names) -> list:
   return [p for r in all_rules() if r.name in names for p in r.primitives if p is not None]
 
 
-set_facets(_prims("copy", "optimization_barrier", "sharding_constraint", "stop_gradient", "neg",
+set_facets(_prims("copy", "optimization_barrier", "sharding_constraint", "pvary", "stop_gradient", "neg",
                   "convert_element_type", "reduce_precision"), rotate=_identity)
 set_facets(_prims("add", "sub"), rotate=_sum)
 set_facets(_prims("mul"), rotate=_mul)
