@@ -363,8 +363,25 @@ def _readers(level: Level, aff: _Affine) -> list:
         if leaf in (aff.gamma, aff.beta) or not jnp.issubdtype(prog.invars[leaf].dtype,
                                                                 jnp.inexact):
           raise Block("a contraction with γ, β or a non-float parameter" + where)
+        # The kernel's own casts in the program (fake quantization, a bf16 matmul) round
+        # γ ⊙ W where the original rounded W: a quantizer blocks, as on the norm's side,
+        # and a real cast is reported with the others.
+        kcasts = ()
+        for c in chain:
+          cast = rule_for(c.prim).cast
+          if cast is None:
+            continue
+          bits = cast(c.params, c.ins[0].dtype, c.outs[0].dtype)
+          kept = bits[0] if bits is not None else 0
+          dst = np.dtype(c.outs[0].dtype).name
+          label = dst if dst != np.dtype(c.ins[0].dtype).name else f"{kept} mantissa bits"
+          if not _real_cast(c):
+            raise Block(f"the kernel is cast to {label}, which quantizes it: γ would move across "
+                        "the quantizer" + where)
+          if kept < jnp.finfo(c.ins[0].dtype).nmant:     # (a widening is exact)
+            kcasts += (label,)
         out.append(_Reader(node, 1 - k, leaf, e, chain, _single_use(level, leaf, chain,
-                                                                    (node, 1 - k)), d, casts))
+                                                                    (node, 1 - k)), d, casts + kcasts))
       else:
         if rule.cast is not None and not _real_cast(node):
           raise Block(f"a cast to {np.dtype(node.outs[0].dtype).name} quantizes it: γ would move "
