@@ -168,6 +168,7 @@ class Ctx:
   point: Point
   params: Params
   pname: str            # parameter prefix for this mutation
+  flags: set = dataclasses.field(default_factory=set)   # shared by a program's mutations
 
   @property
   def d(self) -> int:
@@ -537,6 +538,105 @@ def _stat_scale(c: Ctx):
   return lambda h, P, m: h * lax.rsqrt((h * h).mean(-1, keepdims=True) + 1.0)
 
 
+@mutation("gate_from_stream")
+def _gate(c: Ctx):
+  w = c.param("w", (c.d, 1))
+  return lambda h, P, m: h * jax.nn.sigmoid(h @ get(P, w))
+
+
+@mutation("fori_loop")
+def _fori(c: Ctx):
+  b = c.param("b", (c.d,))
+  n = int(c.rng.integers(0, 3))
+  return lambda h, P, m: lax.fori_loop(0, n, lambda i, t: 0.5 * t + get(P, b), h)
+
+
+@mutation("while_traced")
+def _while(c: Ctx):
+  s = c.vec("g")
+  c.flags.add("no reverse mode")
+
+  def f(h, P, m):
+    def body(st):
+      i, t = st
+      return i + 1, t * jnp.asarray(s, t.dtype)
+    return lax.while_loop(lambda st: st[0] < 2, body, (jnp.asarray(0), h))[1]
+  return f
+
+
+@mutation("vmap_batch")
+def _vmap(c: Ctx):
+  g, b = c.param("g", (c.d,)), c.param("b", (c.d,))
+  return lambda h, P, m: jax.vmap(lambda t, gg, bb: t * gg + bb, (0, None, None))(h, get(P, g), get(P, b))
+
+
+@mutation("dynamic_update_feature")
+def _dus(c: Ctx):
+  def f(h, P, m):
+    i = jnp.argmax(h[(0,) * (h.ndim - 1)]).astype(jnp.int32)
+    upd = jnp.zeros(h.shape[:-1] + (1,), h.dtype) + 0.25
+    return lax.dynamic_update_slice_in_dim(h, upd, i, h.ndim - 1)
+  return f
+
+
+@mutation("emit_argmax", needs_emit=True)
+def _emit_argmax(c: Ctx):
+  def f(h, P, m):
+    m.emit(jnp.argmax(h, -1))
+    return h
+  return f
+
+
+@mutation("softmax_feature")
+def _softmax_feat(c: Ctx):
+  k = int(c.rng.integers(3))
+  return lambda h, P, m: (jax.nn.softmax(h, -1) * c.d if k == 0 else jax.nn.log_softmax(h, -1) if k == 1
+                          else h - lax.stop_gradient(h.max(-1, keepdims=True)))
+
+
+@mutation("round_quantize")
+def _round(c: Ctx):
+  return lambda h, P, m: jnp.round(h * 8.0) / 8.0
+
+
+@mutation("sort_feature")
+def _sort(c: Ctx):
+  return lambda h, P, m: jnp.sort(h, -1)
+
+
+@mutation("inner_jit")
+def _inner_jit(c: Ctx):
+  g = c.param("g", (c.d,))
+  return lambda h, P, m: jax.jit(lambda t, gg: t * gg - 0.5 * t)(h, get(P, g))
+
+
+@mutation("named_scope")
+def _named(c: Ctx):
+  b = c.param("b", (c.d,))
+
+  def f(h, P, m):
+    with jax.named_scope("mutated"):
+      return jax.named_call(lambda t, bb: t + bb, name="mut_block")(h, get(P, b))
+  return f
+
+
+@mutation("chain2", weight=2.0)
+def _chain2(c: Ctx):
+  names = [n for n, (_, e, q, _w) in MUTATIONS.items()
+           if n != "chain2" and (not e or c.point.emit) and (not q or c.point.seq)]
+  fs = []
+  for _ in range(2):
+    fn = MUTATIONS[names[int(c.rng.integers(len(names)))]][0](c)
+    if fn is not None:
+      fs.append(fn)
+
+  def f(h, P, m):
+    for fn in fs:
+      h = fn(h, P, m)
+    return h
+  return f
+
+
 # ============================================================================
 # Parameter mutations: applied to one of the architecture's leaves where the
 # program reads it (build(rng, shape, params) -> fn(w, P) keeping the shape).
@@ -672,6 +772,9 @@ class ParamView:
   def __contains__(self, k):
     return k in self.P
 
+  def materialize(self) -> dict:
+    return {k: (self[k].materialize() if isinstance(self[k], ParamView) else self[k]) for k in self.P}
+
 
 # ============================================================================
 # The mutator an architecture calls.
@@ -683,6 +786,7 @@ class Recorder:
   def __init__(self):
     self.points: dict = {}
     self.other = None
+    self.P = None
 
   def __call__(self, name, h, kind, other=None, emit=True):
     if name not in self.points:
@@ -750,6 +854,10 @@ class Arch:
 
   def opt(self, name, p=0.5):
     self.opts[name] = bool(self.rng.random() < p)
+    return self.opts[name]
+
+  def choice(self, name, xs):
+    self.opts[name] = xs[int(self.rng.integers(len(xs)))]
     return self.opts[name]
 
   def ln(self, P, pre, h):
@@ -822,17 +930,52 @@ def arch_gpt(A: Arch):
   if not tie_head:
     A.prm("head", "w", (D, V))
 
+  wrap = A.choice("wrap", ("none", "none", "checkpoint", "jit", "custom_vjp", "custom_jvp"))
+
+  def block(P, h, i, m, emit):
+    n1 = m(f"h{i}.n1", A.ln(P, f"h{i}/ln1", m(f"h{i}.s1", h, "s", emit=emit)), "n", emit=emit)
+    a = A.attn(P, f"h{i}/attn", n1, tie=tie_o)[0]
+    h = h + m(f"h{i}.wa", a, "w", other=h, emit=emit)
+    n2 = m(f"h{i}.n2", A.ln(P, f"h{i}/ln2", m(f"h{i}.s2", h, "s", emit=emit)), "n", emit=emit)
+    f = A.mlp(P, f"h{i}/mlp", n2, tie_mlp)
+    return h + m(f"h{i}.wm", f, "w", other=h, emit=emit)
+
   def apply(P, ids, m):
     T = ids.shape[1]
     h = m("emb", P["wte"][ids], "w") + P["wpe"][:T]
     for i in range(L):
-      a = A.attn(P, f"h{i}/attn", m(f"h{i}.n1", A.ln(P, f"h{i}/ln1", m(f"h{i}.s1", h, "s")), "n"), tie=tie_o)[0]
-      h = h + m(f"h{i}.wa", a, "w", other=h)
-      f = A.mlp(P, f"h{i}/mlp", m(f"h{i}.n2", A.ln(P, f"h{i}/ln2", m(f"h{i}.s2", h, "s")), "n"), tie_mlp)
-      h = h + m(f"h{i}.wm", f, "w", other=h)
+      h = run_block(wrap, block, P, h, i, m)
     y = m("nf", A.ln(P, "lnf", m("sf", h, "s")), "n")
     return y @ (P["wte"].T if tie_head else P["head"])
   return apply, lambda b, t, rng: (_ids(rng, b, t),)
+
+
+def run_block(wrap: str, block: Callable, P, h, i: int, m):
+  """``block(P, h, i, m, emit)`` called as real code calls a residual block: plainly, or
+  under ``jax.checkpoint`` / ``jax.jit`` / a ``custom_vjp`` or ``custom_jvp`` whose rule
+  is the true derivative. A wrapped block takes the whole parameter dict (the mutated
+  leaves materialised), and its points may not emit."""
+  if wrap == "none":
+    return block(P, h, i, m, True)
+  Pd = P.materialize() if isinstance(P, ParamView) else P
+
+  def fn(Pw, h):
+    saved, m.P = m.P, Pw      # the mutations' own parameters are read from the argument too
+    try:
+      return block(Pw, h, i, m, False)
+    finally:
+      m.P = saved
+  if wrap == "checkpoint":
+    return jax.checkpoint(fn)(Pd, h)
+  if wrap == "jit":
+    return jax.jit(fn)(Pd, h)
+  if wrap == "custom_vjp":
+    f = jax.custom_vjp(fn)
+    f.defvjp(lambda Pw, h: jax.vjp(fn, Pw, h), lambda vjp, g: vjp(g))
+    return f(Pd, h)
+  f = jax.custom_jvp(fn)
+  f.defjvp(lambda primals, tangents: jax.jvp(fn, primals, tangents))
+  return f(Pd, h)
 
 
 def arch_post_ln(A: Arch):
@@ -1106,6 +1249,7 @@ class Program:
   args: list            # argument tuples: the example first
   shapes: list          # (batch, length) of each argument tuple
   fold_kwargs: dict = dataclasses.field(default_factory=dict)
+  differentiable: bool = True    # False with a lax.while_loop (no reverse mode)
 
   def describe(self) -> str:
     muts = ", ".join(f"{p}[{k}] <- {n}" for p, k, n in self.mutations) or "none"
@@ -1170,11 +1314,12 @@ def make_program(seed: int, n_mut: Optional[int] = None, arch: Optional[str] = N
     chosen = [(by_name[p], mname) for p, mname in mutations]
   plan = {}
   done = []
+  flags: set = set()
   for k, (pt, mname) in enumerate(chosen):
     build, needs_emit, needs_seq, _ = MUTATIONS[mname]
     if (needs_emit and not pt.emit) or (needs_seq and not pt.seq):
       continue
-    fn = build(Ctx(rng, pt, A.prm, f"mut/{k}"))
+    fn = build(Ctx(rng, pt, A.prm, f"mut/{k}", flags))
     if fn is None:
       continue
     plan[pt.name] = fn
@@ -1206,4 +1351,5 @@ def make_program(seed: int, n_mut: Optional[int] = None, arch: Optional[str] = N
   params = jax.tree_util.tree_map(lambda v: jnp.asarray(v, F64), A.prm.values(np.random.default_rng([seed, 1])))
   other = jax.tree_util.tree_map(lambda v: jnp.asarray(v, F64), A.prm.values(np.random.default_rng([seed, 2])))
   kw = fold_options(np.random.default_rng([seed, 3])) if fold_kwargs is None else fold_kwargs
-  return Program(seed, arch, A.norm_name, dict(A.opts), done, apply, params, other, args, shapes, kw)
+  return Program(seed, arch, A.norm_name, dict(A.opts), done, apply, params, other, args, shapes, kw,
+                 "no reverse mode" not in flags)

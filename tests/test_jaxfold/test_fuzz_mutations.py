@@ -73,7 +73,7 @@ def _check_transformed(prog, args, fold_refuses) -> list:
     try:
       got = np_eval.run(f.apply_fn, f.params, *a)
     except jaxfold.JaxfoldError as e:
-      if v and (v in fold_refuses or fc._needs_other_plan(e)):
+      if v and (v in fold_refuses or fc._needs_other_plan(e) or "again for them" in str(e)):
         continue
       out.append(f"(b) transformed apply_fn raised at argument set {v}: {type(e).__name__}: {e}\n{fc._exc(e)}")
       continue
@@ -106,7 +106,8 @@ def check(seed: int, full: bool = None, prog=None):
         args.append(a)
         keep.append(s)
     kw = {k: v for k, v in prog.fold_kwargs.items() if k not in ("fuse_affine", "defer_norms")}
-    res = fc.check_fold(prog.apply, prog.params, args, prog.other_params, cbwc=full, grads=full, fold_kwargs=kw)
+    res = fc.check_fold(prog.apply, prog.params, args, prog.other_params, cbwc=full, grads=full and prog.differentiable,
+                        fold_kwargs=kw)
     if kw != prog.fold_kwargs and res.fold_report is not None:
       res.failures += _check_transformed(prog, args, res.other_plan)
   fails = [f for f in res.failures if not _clear_refusal(f)]
@@ -230,3 +231,26 @@ def test_fuse_affine_reports_a_kernel_cast(x64, dtype):
   f = jaxfold.fold(p32, lambda q, x: _ln(x @ q["w1"] + q["b1"], q["g"], q["be"]) @ q["w2"].astype(jnp.float64)
                    + q["b2"], *fc.x_args(0)[0], fuse_affine=True)
   assert f.report.num_fused == 1 and "through a cast" not in str(f.report), str(f.report)
+
+
+@pytest.mark.parametrize("which", ["beta", "stream"])
+def test_fuse_affine_reports_a_cast_of_beta(x64, which):
+  """Found by seed 300 (``β.astype(f32).astype(f64)`` in a ViT block, defer_norms):
+  fuse_affine matches γ ⊙ K + β through real casts (by design), but a cast of β itself
+  was not reported, so the fused result (β·W rounded at another point: 5e-4 off with
+  bfloat16) looked exact. ``stream``: a widening cast back to float64 after the norm's
+  bf16 round trip is no longer listed as a cast (only the rounding one is)."""
+  import jax.numpy as jnp
+
+  def apply(p, x):
+    be = p["be"].astype(jnp.bfloat16).astype(p["be"].dtype) if which == "beta" else p["be"]
+    n = _ln(x @ p["w1"] + p["b1"], p["g"], be)
+    if which == "stream":
+      n = n.astype(jnp.bfloat16).astype(n.dtype)
+    return n @ p["w2"] + p["b2"]
+  p = fc.make_params(0, w1=(fc.DIN, 8), b1=(8,), g=(8,), be=(8,), w2=(8, 3), b2=(3,))
+  f = jaxfold.fold(p, apply, *fc.x_args(0)[0], fuse_affine=True)
+  assert f.report.num_fused == 1, str(f.report)
+  assert "(through a cast to bfloat16: exact in real arithmetic" in f.report.sites[0].reason, str(f.report)
+  for a in fc.x_args(1):
+    assert fc.rel_err(apply(p, *a), f.apply_fn(f.params, *a)) < 3e-2
