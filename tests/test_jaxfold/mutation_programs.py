@@ -24,6 +24,13 @@ size, and reuses of one of the model's own parameters (a kernel along the other
 axis, a γ as a bias, ...). Architectures also tie weights (an LM head that is
 the embedding, an MLP whose second kernel is the first transposed).
 
+``PARAM_MUTATIONS`` perturb 0-2 of the architecture's own leaves where the
+program reads them (an ``.at[]`` update of a column, a permutation or gather, a
+mask, a symmetrised or transposed square kernel, a cast, a tie to another leaf
+of the same shape, a nonlinearity, a mean already subtracted along either
+axis); ``fold_options`` draws ``jaxfold.fold``'s options (``fuse_affine`` and
+``defer_norms`` included) and the example is one of the shapes at random.
+
 Every value is float64 with non-uniform γ, β and biases; every program expects
 ``jax_enable_x64``. ``Program.shapes`` lists (batch, length) pairs: the first is
 the example, the others are where the fold must still be exact (batch 1/2/3,

@@ -2,25 +2,37 @@
 
 Each program is a transformer or conv architecture written like model code
 (pre-/post-LN, parallel blocks, ViT, GroupNorm conv, top-k MoE, cross-attention,
-a KV-cache decode step, a scan over layers) with 1-3 random perturbations
-between the residual writers and the norms or between the norms and their
-readers. Per program, in float64 (``fold_checks.check_fold``): fold at the
-example (batch 2, length 4), then the folded program must equal the original
-(rel err < 1e-9) there and at batch 1/3 and length 1/5, where a FoldError
-saying the shape needs other folded parameters is a refusal; nothing may raise
-(a FoldError at fold time naming what to do is a refusal too). Every 4th seed
+a KV-cache decode step, a scan over layers; blocks plain or under checkpoint, jit,
+custom_vjp, custom_jvp) with 1-3 random perturbations between the residual
+writers and the norms or between the norms and their readers, 0-2 perturbations
+of parameters where the program reads them, random ``jaxfold.fold`` options
+(auxiliary centering, tied weights, generic shapes, ``fuse_affine``,
+``defer_norms``) and an example shape drawn from (batch, length) ∈ {(2, 4),
+(1, 4), (3, 5), (2, 1), (1, 1)}. Per program, in float64
+(``fold_checks.check_fold``): fold at the example, then the folded program must
+equal the original (rel err < 1e-9) there and at the four other shapes, where a
+FoldError saying the shape needs other folded parameters is a refusal; nothing
+may raise (a FoldError/FuseError at fold time is a refusal too). Every 4th seed
 also runs CBWC at other parameters, its gradients and the invisibility of each
-in-place centering.
+in-place centering. With ``fuse_affine``/``defer_norms`` the checks run on the
+plain fold and the transformed result is compared too (to the precision of a
+float cast the report says γ/β were moved across, by design).
 
-Classification (``python tests/test_jaxfold/test_fuzz_mutations.py [N | A-B | SEED ...]``
-prints it): ``folded`` (at least one site folded, exact), ``refused``
-(nothing folded, or a clear FoldError), ``WRONG`` (rel err > 1e-9: the worst bug),
-``crash`` (any other exception from jaxfold).
+Classification (``python tests/test_jaxfold/test_fuzz_mutations.py [N | A-B | SEED ...]``,
+with ``tests`` and ``tests/test_jaxfold`` on ``PYTHONPATH``, prints it): ``folded``
+(at least one site folded, exact), ``refused`` (nothing folded, or a clear
+FoldError), ``WRONG`` (rel err > 1e-9: the worst bug), ``crash`` (any other
+exception from jaxfold). ``FULL=1`` prints tracebacks.
 
-Default tier: ``N_DEFAULT`` seeds (``JAXFOLD_MUTFUZZ_SEEDS`` overrides);
-``pytest -m slow`` runs seeds ``N_DEFAULT..N_SLOW-1``. A failure prints the
-program (architecture, norm spelling, mutations) and its seed; rerun it with
-``-k "[SEED]"`` or ``mutation_programs.make_program(SEED)``.
+Default tier: seeds ``0..N_DEFAULT-1`` (100; ``JAXFOLD_MUTFUZZ_SEEDS`` overrides);
+``pytest -m slow`` runs seeds ``N_DEFAULT..N_SLOW-1`` (2500;
+``JAXFOLD_MUTFUZZ_SLOW_SEEDS``). A failure prints the program (architecture,
+options, norm spelling, mutations, shapes, fold options) and its seed; rerun it
+with ``-k "[SEED]"`` or ``mutation_programs.make_program(SEED)``, and minimise it
+with ``make_program(SEED, mutations=[(point, name)], param_mutations=[(leaf, name)],
+fold_kwargs={...}, example=i)``.
+
+The pinned regressions at the end are what this fuzzer found, minimised.
 """
 
 from __future__ import annotations
