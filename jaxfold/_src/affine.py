@@ -222,6 +222,31 @@ def _real_cast(node) -> bool:
   return bits is not None and bits[0] >= _MIN_BITS and bits[1] >= _MIN_EXPONENT_BITS
 
 
+def _cast_label(node) -> str:
+  """The format a cast node rounds to: its dtype, or the bits a `reduce_precision` keeps."""
+  src, dst = np.dtype(node.ins[0].dtype).name, np.dtype(node.outs[0].dtype).name
+  bits = rule_for(node.prim).cast(node.params, node.ins[0].dtype, node.outs[0].dtype)
+  return dst if dst != src or bits is None else f"{bits[0]} mantissa bits"
+
+
+def _narrows(node) -> bool:
+  """A float cast that rounds (a widening is exact)."""
+  bits = rule_for(node.prim).cast(node.params, node.ins[0].dtype, node.outs[0].dtype)
+  return bits is not None and bits[0] < jnp.finfo(node.ins[0].dtype).nmant
+
+
+def _affine_casts(level: Level, leaves: list, stops: set) -> tuple:
+  """The rounding casts on the way from γ and β to the readers' operands: the program
+  rounds γ, β (or γ ⊙ K + β) there, the fused program rounds γ ⊙ W and β·W instead."""
+  out = set()
+  for i in leaves:
+    for v in _reach(level, level.program.invars[i], stops) or ():
+      node = v.producer
+      if node is not None and rule_for(node.prim).cast is not None and _narrows(node):
+        out.add(_cast_label(node))
+  return tuple(sorted(out))
+
+
 def _expr(level: Level, v: Any, depth: int = 4) -> A.Expr:
   """``v``'s canonical form in real arithmetic, recomputed through its last
   ``depth`` producers: so that the analysis's size cap on long sums does not
@@ -363,8 +388,20 @@ def _readers(level: Level, aff: _Affine) -> list:
         if leaf in (aff.gamma, aff.beta) or not jnp.issubdtype(prog.invars[leaf].dtype,
                                                                 jnp.inexact):
           raise Block("a contraction with γ, β or a non-float parameter" + where)
+        # The kernel's own casts in the program (fake quantization, a bf16 matmul) round
+        # γ ⊙ W where the original rounded W: a quantizer blocks, as on the norm's side,
+        # and a real cast is reported with the others.
+        kcasts = ()
+        for c in chain:
+          if rule_for(c.prim).cast is None:
+            continue
+          label = _cast_label(c)
+          if not _real_cast(c):
+            raise Block(f"the kernel is cast to {label}, which quantizes it: γ would move across "
+                        "the quantizer" + where)
+          kcasts += (label,) if _narrows(c) else ()
         out.append(_Reader(node, 1 - k, leaf, e, chain, _single_use(level, leaf, chain,
-                                                                    (node, 1 - k)), d, casts))
+                                                                    (node, 1 - k)), d, casts + kcasts))
       else:
         if rule.cast is not None and not _real_cast(node):
           raise Block(f"a cast to {np.dtype(node.outs[0].dtype).name} quantizes it: γ would move "
@@ -379,7 +416,7 @@ def _readers(level: Level, aff: _Affine) -> list:
         # A float cast on the way (a bf16 model's f32 norm output cast for its
         # matmul) is the identity in real arithmetic: the matmul's operand is
         # still γ ⊙ K + β, checked below on its canonical form.
-        step = (np.dtype(node.outs[0].dtype).name,) if _real_cast(node) else ()
+        step = (_cast_label(node),) if _real_cast(node) and _narrows(node) else ()
         for o, st in zip(node.outs, outs):
           if st is not None:
             if not isinstance(st, Lin) or len(st.dims) != 1:
@@ -477,7 +514,9 @@ def analyse(fn: Callable, params: Any, args: tuple, defer: bool = False) -> Fuse
           param_label(names[r.leaf]) + ("" if r.in_place else " (untied copy)") for r in readers)
       if aff.beta is not None:
         reason += "; β·W into new biases"
-      casts = sorted({c for r in readers for c in r.casts})
+      stops = {r.node.ins[1 - r.w_side] for r in readers}
+      leaves = [aff.gamma] + ([aff.beta] if aff.beta is not None else [])
+      casts = sorted({c for r in readers for c in r.casts} | set(_affine_casts(level, leaves, stops)))
       if casts:
         reason += (f" (through a cast to {', '.join(casts)}: exact in real arithmetic, rounded at "
                    "another point)")
@@ -674,7 +713,8 @@ class FusedApply(PipelineApply):
     if an.key != self._base.key:
       raise FuseError(f"{self._differing(call)} defer differently from the example defer_norms was "
                       "given (the report would not hold for them): "
-                      + _defer_diff(self._base.report.deferred, an.report.deferred))
+                      + _defer_diff(self._base.report.deferred, an.report.deferred)
+                      + "; call defer_norms again for them")
     return an
 
   def _differing(self, call: Call) -> str:
