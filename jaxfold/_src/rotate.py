@@ -135,7 +135,7 @@ def _leaf_dims(level: Level, a: Any, dims: frozenset) -> Optional[tuple]:
   return i, frozenset(out)
 
 
-def _writers(level: Level, a: Any, dims: frozenset, depth: int = 12) -> Optional[dict]:
+def _writers(level: Level, a: Any, dims: frozenset, depth: int = 12, memo: Optional[dict] = None) -> Optional[dict]:
   """``{leaf index: dims}``: parameters whose rotation would make ``a`` rotated
   along ``dims`` (``Lin(dims)``), found backwards: ``a`` is a parameter seen
   through re-indexing, or a node whose own rotation facet, given one operand
@@ -148,6 +148,14 @@ def _writers(level: Level, a: Any, dims: frozenset, depth: int = 12) -> Optional
   node = getattr(a, "producer", None)
   if node is None or depth == 0 or len(dims) != 1:
     return None
+  memo = {} if memo is None else memo   # (a residual chain with T == d would branch at every add)
+  if (a, dims) not in memo:
+    memo[(a, dims)] = None              # (a cycle through it proposes nothing)
+    memo[(a, dims)] = _writers_of(level, node, a, dims, depth, memo)
+  return memo[(a, dims)]
+
+
+def _writers_of(level: Level, node: Any, a: Any, dims: frozenset, depth: int, memo: dict) -> Optional[dict]:
   size = a.shape[next(iter(dims))]
   rule = rule_for(node.prim)
   for k, b in enumerate(node.ins):
@@ -170,14 +178,13 @@ def _writers(level: Level, a: Any, dims: frozenset, depth: int = 12) -> Optional
           break
         if outs[a.index] != Lin(dims):
           break
-        found: dict = {}
+        found: dict = {}   # every rotated operand's writers, agreeing on shared leaves
         for j, st in enumerate(states):
-          sub = None if st is None else _writers(level, node.ins[j], st.dims, depth - 1)
+          sub = None if st is None else _writers(level, node.ins[j], st.dims, depth - 1, memo)
           if st is not None and (sub is None or any(found.get(i, q) != q for i, q in sub.items())):
-            found = None
             break
           found.update(sub or {})
-        if found:
+        else:
           return found
         break
   return None

@@ -120,13 +120,17 @@ def squares_dot_weights(p, h):    # Σ_d v_d h_d²: not invariant
   return (h * h) @ p["v"]
 
 
+def squares_masked_ones(p, h):   # Σ_{d<4} h_d²: a constant vector that is not constant along d
+  return (h * h) @ jnp.where(jnp.arange(D) < 4, 1.0, 0.0)
+
+
 def squares_keep_dim(p, h):       # h² contracted over tokens, keeping d: not invariant
   return jnp.einsum("btd,t->bd", h * h, jnp.ones((h.shape[1],)))
 
 
 @pytest.mark.parametrize("read, refusal", [
     (squares_dot_ones, None), (squares_einsum_const, None),
-    (squares_dot_weights, "weights that vary along it"),
+    (squares_dot_weights, "weights that vary along it"), (squares_masked_ones, "weights that vary along it"),
     (squares_keep_dim, "keeps its dim")], ids=lambda r: getattr(r, "__name__", ""))
 def test_rotate_sum_of_squares_contracted(x64, read, refusal):
   p = named_params(**P)
