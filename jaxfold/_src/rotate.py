@@ -67,10 +67,15 @@ def _norm_inputs(level: Level, n: int) -> list:
   """``(x, axis)`` for every sum over an axis of size n (a ``reduce_sum`` or a
   contraction with a constant, the fold's mean spellings: the rules' ``sums``)
   of what the rotation facets show to be a sum of squares of ``x`` (the RMS of
-  ``x``), where the summing node's own facet shows its output unchanged."""
+  ``x``), where the summing node's own facet shows its output unchanged, and
+  for every contraction of ``x`` with itself over such an axis."""
   out = []
   for node in level.program.nodes:
     rule = rule_for(node.prim)
+    gram = _self_contraction(node, level, n)
+    if gram is not None:
+      out.append(gram)
+      continue
     try:
       summed = rule.sums(node, level)
     except Block:
@@ -95,6 +100,25 @@ def _norm_inputs(level: Level, n: int) -> list:
         out.append((x, axis))
         break
   return out
+
+
+def _self_contraction(node: Any, level: Level, n: int) -> Optional[tuple]:
+  """``(x, axis)`` where ``node`` contracts ``x`` with itself over one axis of
+  size n, row by row (a variance as ``einsum('...d,...d->...', x, x)``:
+  ``<xQ, xQ> = <x, x>``), as its rotate facet shows; else None."""
+  dd = rule_for(node.prim).contraction(node)
+  if dd is None or len(node.ins) != 2 or node.ins[0] is not node.ins[1] or not isinstance(node.ins[0], Val):
+    return None
+  if len(dd.lc) != 1 or tuple(dd.lc) != tuple(dd.rc) or node.ins[0].shape[dd.lc[0]] != n:
+    return None
+  if tuple(dd.lb) != tuple(dd.rb) or len(dd.lb) + 1 != len(node.ins[0].shape):
+    return None   # (row by row only: a Gram matrix x·xᵀ is no norm)
+  lin = Lin(frozenset({dd.lc[0]}))
+  try:
+    outs = rule_for(node.prim).rotate(node, [lin, lin], level)
+  except Block:
+    return None
+  return (node.ins[0], dd.lc[0]) if all(s is None for s in outs) else None
 
 
 def _leaf_dims(level: Level, a: Any, dims: frozenset) -> Optional[tuple]:

@@ -97,6 +97,25 @@ def test_rotate_mean_as_contraction_with_ones(x64, spelling):
     _same(fn, p, r)
 
 
+def _ln_var_einsum(h, g, b, eps=1e-5):   # the variance as a contraction of h - m with itself
+  c = h - h.mean(-1, keepdims=True)
+  return c * lax.rsqrt(jnp.einsum("...d,...d->...", c, c)[..., None] / h.shape[-1] + eps) * g + b
+
+
+def test_rotate_variance_as_self_contraction(x64):
+  def fn(p, x):
+    h = _stem(p, x)
+    h = h + _mlp(p, _ln_var_einsum(h, p["g"], p["beta"]))
+    return _ln_var_einsum(h, p["g2"], p["beta2"]) @ p["w2"] + p["b2"]
+
+  p = named_params(**P)
+  fu = jaxfold.fuse_affine(jaxfold.fold(p, fn, _x(*SHAPES[0])))
+  assert fu.report.num_fused == 2, fu.report
+  r = jaxfold.rotate(fu, _orth())    # (was: "no sum of squares over an axis of size 8")
+  assert r.report.norms == 2, r.report
+  _same(fn, p, r)
+
+
 def _side(read):
   """A pre-LN block whose stream is also read by ``read`` (centered first, so
   that the fold folds both norms and read sees the folded stream)."""
@@ -116,6 +135,10 @@ def squares_einsum_const(p, h):   # ... with a constant vector, as einsum
   return jnp.einsum("btd,d->bt", jnp.square(h), jnp.full((D,), 0.5))
 
 
+def gram_rows(p, h):              # a Gram matrix over d: invariant, but no norm
+  return jnp.einsum("btd,bsd->bts", h, h)
+
+
 def squares_dot_weights(p, h):    # Σ_d v_d h_d²: not invariant
   return (h * h) @ p["v"]
 
@@ -129,7 +152,7 @@ def squares_keep_dim(p, h):       # h² contracted over tokens, keeping d: not i
 
 
 @pytest.mark.parametrize("read, refusal", [
-    (squares_dot_ones, None), (squares_einsum_const, None),
+    (squares_dot_ones, None), (squares_einsum_const, None), (gram_rows, None),
     (squares_dot_weights, "weights that vary along it"), (squares_masked_ones, "weights that vary along it"),
     (squares_keep_dim, "keeps its dim")], ids=lambda r: getattr(r, "__name__", ""))
 def test_rotate_sum_of_squares_contracted(x64, read, refusal):
@@ -141,7 +164,9 @@ def test_rotate_sum_of_squares_contracted(x64, read, refusal):
     with pytest.raises(jaxfold.RotateError, match=f"not provably exact: .*{refusal}"):
       jaxfold.rotate(fu, _orth())
     return
-  _same(fn, p, jaxfold.rotate(fu, _orth()))
+  r = jaxfold.rotate(fu, _orth())
+  assert r.report.norms == 2 + (read is not gram_rows), r.report   # (the side read: ||h||² is one)
+  _same(fn, p, r)
 
 
 # ----------------------------------------------------------------------------
