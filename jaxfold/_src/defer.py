@@ -55,7 +55,10 @@ def defer_norms(model: Any, *example_args: Any) -> Any:
                            "pass the same example_args")
   # The new biases were made at fuse_affine's example; the deferred apply takes
   # them as laid out at this one (its base), which may have another rank.
+  # (At the same rank nothing moves and the parameters stay the fused model's own.)
   params = model.params
   if isinstance(params, affine.FusedParams):
-    params = affine.FusedParams(params.base, affine._relayout(params.extras, fn._base, an))
+    extras = affine._relayout(params.extras, fn._base, an)
+    if any(extras[k] is not x for k, x in params.extras.items()):
+      params = affine.FusedParams(params.base, extras)
   return affine.Fused(params, affine.FusedApply(fn._inner, fn._params, an, args, kwargs), an.report)
