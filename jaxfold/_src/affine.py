@@ -157,6 +157,18 @@ class FuseAnalysis:
       key += (tuple((s.readers, s.deferred) for s in self.report.deferred),)
     return key
 
+  @property
+  def call_key(self) -> tuple:
+    """What another call's analysis must share with the example's to run with its
+    parameters: ``key`` without the side each bias's W sits on. A bias's values
+    are β·W whichever side W is on; the side orders its axes (W's free axes
+    before or after the size-1 ones for the norm output's), which ``_relayout``
+    redoes: ``einsum("dk,...d->...k", W, y)`` puts W on the left at rank 1 and on
+    the right at higher ranks. ``key`` itself, which saved folds record a digest
+    of, keeps the side (a save re-analyses at its own example)."""
+    key = self.key
+    return key[:3] + (tuple(b[:3] + b[4:] for b in key[3]),) + key[4:]
+
 
 def _mentions(e: A.Expr, banned: set, memo: dict) -> bool:
   return any(_factor_mentions(f, banned, memo) for m in e.terms for f in m)
@@ -707,10 +719,10 @@ class FusedApply(PipelineApply):
 
   def _analyse(self, call: Call) -> FuseAnalysis:
     an = analyse(call.fn, self._params, call.abstract_args(FuseError), self._base.defer)
-    if an.key[:4] != self._base.key[:4]:
+    if an.call_key[:4] != self._base.call_key[:4]:
       raise FuseError(f"{self._differing(call)} fuse differently from the example fuse_affine was "
                       "given; call fuse_affine again for them")
-    if an.key != self._base.key:
+    if an.call_key != self._base.call_key:
       raise FuseError(f"{self._differing(call)} defer differently from the example defer_norms was "
                       "given (the report would not hold for them): "
                       + _defer_diff(self._base.report.deferred, an.report.deferred)
@@ -763,11 +775,13 @@ def _relayout(extras: dict, base: FuseAnalysis, an: FuseAnalysis) -> dict:
   made = {b[0]: b for b in base.biases}
   out = dict(extras)
   for b in an.biases:
-    name, side = b[0], b[3]
+    name, side, was = b[0], b[3], made[b[0]][3]
     old, new = _y_axes(made[name]), _y_axes(b)
-    if old != new and name in out:
+    if (old, was) != (new, side) and name in out:
+      # W's free axes, in W's order whichever side W is on: before the size-1
+      # axes with W on the left (side 0), after them with W on the right.
       x = out[name]
-      w_axes = x.shape[old:] if side == 1 else x.shape[:x.ndim - old]
+      w_axes = x.shape[old:] if was == 1 else x.shape[:x.ndim - old]
       out[name] = jnp.reshape(x, (1,) * new + w_axes if side == 1 else w_axes + (1,) * new)
   return out
 

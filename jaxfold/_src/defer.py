@@ -50,7 +50,15 @@ def defer_norms(model: Any, *example_args: Any) -> Any:
   kwargs = pipeline.model_kwargs(model, example_args)
   call = fn.bind(args, kwargs)
   an = affine.analyse(call.fn, fn._params, call.abstract_args(affine.FuseError), defer=True)
-  if an.key[:4] != fn._base.key[:4]:
+  if an.call_key[:4] != fn._base.call_key[:4]:
     raise affine.FuseError("these inputs fuse differently from the example fuse_affine was given; "
                            "pass the same example_args")
-  return affine.Fused(model.params, affine.FusedApply(fn._inner, fn._params, an, args, kwargs), an.report)
+  # The new biases were made at fuse_affine's example; the deferred apply takes
+  # them as laid out at this one (its base), which may have another rank.
+  # (At the same rank nothing moves and the parameters stay the fused model's own.)
+  params = model.params
+  if isinstance(params, affine.FusedParams):
+    extras = affine._relayout(params.extras, fn._base, an)
+    if any(extras[k] is not x for k, x in params.extras.items()):
+      params = affine.FusedParams(params.base, extras)
+  return affine.Fused(params, affine.FusedApply(fn._inner, fn._params, an, args, kwargs), an.report)

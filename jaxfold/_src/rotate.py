@@ -64,15 +64,26 @@ class Rotated(NamedTuple):
 
 
 def _norm_inputs(level: Level, n: int) -> list:
-  """``(x, axis)`` for every sum over an axis of size n of what the rotation
-  facets show to be a sum of squares of ``x`` (the RMS of ``x``)."""
+  """``(x, axis)`` for every sum over an axis of size n (a ``reduce_sum`` or a
+  contraction with a constant, the fold's mean spellings: the rules' ``sums``)
+  of what the rotation facets show to be a sum of squares of ``x`` (the RMS of
+  ``x``), where the summing node's own facet shows its output unchanged, and
+  for every contraction of ``x`` with itself over such an axis."""
   out = []
   for node in level.program.nodes:
-    axes = rule_for(node.prim).sum_axes(node)
-    if axes is None or len(axes) != 1:
+    rule = rule_for(node.prim)
+    gram = _self_contraction(node, level, n)
+    if gram is not None:
+      out.append(gram)
       continue
-    v = node.ins[0]
-    axis = axes[0]
+    try:
+      summed = rule.sums(node, level)
+    except Block:
+      continue
+    if summed is None or len(summed[1]) != 1:
+      continue
+    k, (axis,) = summed
+    v = node.ins[k]
     if not isinstance(v, Val) or v.producer is None or v.shape[axis] != n:
       continue
     pn = v.producer
@@ -80,12 +91,34 @@ def _norm_inputs(level: Level, n: int) -> list:
       lin = Lin(frozenset({axis}))
       try:
         outs = rule_for(pn.prim).rotate(pn, [lin if a is x else None for a in pn.ins], level)
+        if outs[v.index] != Quad(axis):
+          continue
+        summed_states = rule.rotate(node, [Quad(axis) if j == k else None for j in range(len(node.ins))], level)
       except Block:
         continue
-      if outs[v.index] == Quad(axis):
+      if all(s is None for s in summed_states):
         out.append((x, axis))
         break
   return out
+
+
+def _self_contraction(node: Any, level: Level, n: int) -> Optional[tuple]:
+  """``(x, axis)`` where ``node`` contracts ``x`` with itself over one axis of
+  size n, row by row (a variance as ``einsum('...d,...d->...', x, x)``:
+  ``<xQ, xQ> = <x, x>``), as its rotate facet shows; else None."""
+  dd = rule_for(node.prim).contraction(node)
+  if dd is None or len(node.ins) != 2 or node.ins[0] is not node.ins[1] or not isinstance(node.ins[0], Val):
+    return None
+  if len(dd.lc) != 1 or tuple(dd.lc) != tuple(dd.rc) or node.ins[0].shape[dd.lc[0]] != n:
+    return None
+  if tuple(dd.lb) != tuple(dd.rb) or len(dd.lb) + 1 != len(node.ins[0].shape):
+    return None   # (row by row only: a Gram matrix x·xᵀ is no norm)
+  lin = Lin(frozenset({dd.lc[0]}))
+  try:
+    outs = rule_for(node.prim).rotate(node, [lin, lin], level)
+  except Block:
+    return None
+  return (node.ins[0], dd.lc[0]) if all(s is None for s in outs) else None
 
 
 def _leaf_dims(level: Level, a: Any, dims: frozenset) -> Optional[tuple]:
@@ -124,6 +157,61 @@ def _leaf_dims(level: Level, a: Any, dims: frozenset) -> Optional[tuple]:
       return None
     out.append(k)
   return i, frozenset(out)
+
+
+def _writers(level: Level, a: Any, dims: frozenset, depth: int = 12, memo: Optional[dict] = None) -> Optional[dict]:
+  """``{leaf index: dims}``: parameters whose rotation would make ``a`` rotated
+  along ``dims`` (``Lin(dims)``), found backwards: ``a`` is a parameter seen
+  through re-indexing, or a node whose own rotation facet, given one operand
+  rotated (and every operand it then asks for, ``Want``), outputs ``a`` so
+  rotated (a writer ``o @ Wo + b`` however ``o`` was computed, an embedding
+  lookup plus a position table). A proposal only: the forward pass proves."""
+  hit = _leaf_dims(level, a, dims)
+  if hit is not None:
+    return {hit[0]: hit[1]}
+  node = getattr(a, "producer", None)
+  if node is None or depth == 0 or len(dims) != 1:
+    return None
+  memo = {} if memo is None else memo   # (a residual chain with T == d would branch at every add)
+  if (a, dims) not in memo:
+    memo[(a, dims)] = None              # (a cycle through it proposes nothing)
+    memo[(a, dims)] = _writers_of(level, node, a, dims, depth, memo)
+  return memo[(a, dims)]
+
+
+def _writers_of(level: Level, node: Any, a: Any, dims: frozenset, depth: int, memo: dict) -> Optional[dict]:
+  size = a.shape[next(iter(dims))]
+  rule = rule_for(node.prim)
+  for k, b in enumerate(node.ins):
+    if not isinstance(b, Val) or level.facts(b).value == 0:
+      continue
+    for d in range(len(b.shape)):
+      if b.shape[d] != size:
+        continue
+      states = [None] * len(node.ins)
+      states[k] = Lin(frozenset({d}))
+      for _ in range(len(node.ins)):
+        try:
+          outs = rule.rotate(node, states, level)
+        except Want as w:
+          if states[w.operand] is not None or not isinstance(node.ins[w.operand], Val):
+            break
+          states[w.operand] = Lin(w.dims)
+          continue
+        except Block:
+          break
+        if outs[a.index] != Lin(dims):
+          break
+        found: dict = {}   # every rotated operand's writers, agreeing on shared leaves
+        for j, st in enumerate(states):
+          sub = None if st is None else _writers(level, node.ins[j], st.dims, depth - 1, memo)
+          if st is not None and (sub is None or any(found.get(i, q) != q for i, q in sub.items())):
+            break
+          found.update(sub or {})
+        else:
+          return found
+        break
+  return None
 
 
 def _propagate(level: Level, seeds: dict):
@@ -185,16 +273,19 @@ def _solve(fn: Callable, params: Any, args: tuple, n: int):
         raise RotateError(f"the rotation is not provably exact: {res}")
       want, node = res
       a = node.ins[want.operand]
-      hit = _leaf_dims(level, a, want.dims)
-      if hit is None:
+      hits = _writers(level, a, want.dims)
+      if not hits:
         src = f"the output of `{a.producer.prim.name}`" if getattr(a, "producer", None) else "it"
-        raise RotateError(f"the rotation is not provably exact: {want} and {src} is not a "
-                          f"parameter seen through re-indexing [at {node.where()}]")
-      i, dims = hit
-      if i in seeds and seeds[i] != set(dims):
-        raise RotateError(f"{param_label(names[i])} would have to be rotated along dims {sorted(seeds[i])} "
-                          f"and {sorted(dims)} [at {node.where()}]")
-      seeds[i] = set(dims)
+        raise RotateError(f"the rotation is not provably exact: {want} and {src} is neither a "
+                          f"parameter seen through re-indexing nor written by parameters that a "
+                          f"rotation would rotate [at {node.where()}]")
+      if all(set(d) <= seeds.get(i, set()) for i, d in hits.items()):
+        raise RotateError(f"the rotation is not provably exact: {want} [at {node.where()}]")
+      for i, dims in hits.items():
+        # A weight that both reads and writes the stream (a square W in
+        # h + f(h) @ W ... read along one dim, written along the other) is
+        # rotated along both: Qᵀ·W·Q; the forward pass proves the whole.
+        seeds.setdefault(i, set()).update(dims)
     else:
       raise RotateError("the rotation did not settle on a set of parameters")
     norms = sum(1 for x, axis in sites if res.get(x) == Lin(frozenset({axis})))
@@ -220,6 +311,14 @@ def _hints(model: Any) -> str:
       hints.append(f"the fold has {report.num_auxiliary} auxiliary centering(s) (a mean over the "
                    "stream, e.g. of a tied embedding): fold with tied_weights=\"copy\" (or "
                    "auxiliary_centering=False) before fuse_affine and rotate")
+    unfolded = [s for s in report.sites if not s.folded and not s.auxiliary]
+    if unfolded:   # a LayerNorm the fold kept still subtracts a mean over the stream
+      hints.append(f"the fold left {len(unfolded)} of {len(report.sites)} norm site(s) unfolded (they "
+                   f"keep a mean over the stream), e.g. {unfolded[0].where}: {unfolded[0].reason}")
+  kept = [s for s in getattr(getattr(model, "report", None), "sites", ()) if getattr(s, "fused", True) is False]
+  if kept:         # a norm fuse_affine kept still multiplies the stream by γ
+    hints.append(f"fuse_affine kept {len(kept)} norm(s) with their γ/β, e.g. {kept[0].where}: "
+                 f"{kept[0].reason}")
   return "".join(f"\n  hint: {h}" for h in hints)
 
 

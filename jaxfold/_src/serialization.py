@@ -235,7 +235,12 @@ def _transforms_info(chain: list) -> list:
   for name, fn in chain[1:]:
     if name == "fuse_affine":
       an = fn._base
-      out.append({"name": name, "num_fused": an.report.num_fused, "key_sha256": _key_digest(an.key)})
+      out.append({"name": name, "num_fused": an.report.num_fused, "key_sha256": _key_digest(an.key),
+                  # The step's own example: its key, and the layout of its new biases (size-1
+                  # axes for the norm output's free axes), are those of this rank, which may not
+                  # be the fold's (defer_norms(fused, x) / fuse_affine(folded, x) with x of another
+                  # rank). Load redoes the step there (absent in older saves: the fold's example).
+                  "example_args": _encode_args(tuple(fn.example_args))})
       if an.defer:  # defer_norms: redone on load (an older jaxfold ignores it: same function)
         out[-1]["defer_norms"] = True
     else:
@@ -794,9 +799,14 @@ def _load_chain(copy: str, directory: str, apply_fn: Callable, info: dict, args:
     if not steps:
       raise ValueError("no transforms")
     rotated = {}   # step -> its rotated (leaf, dims) pairs, as rotate's key spells them
+    step_examples = {}   # fuse step -> the example it was made at, where recorded
     for k, step in enumerate(steps):   # well-formed steps (a fold loaded with integrity=False)
       if not isinstance(step, dict):
         raise TypeError(f"transform {k} is a {type(step).__name__}, not an object")
+      if step.get("name") == "fuse_affine" and "example_args" in step:
+        step_examples[k] = _decode_args(step["example_args"])
+        if not isinstance(step_examples[k], tuple):
+          raise TypeError(f"transform {k}'s example_args is a {type(step_examples[k]).__name__}")
       if step.get("name") == "rotate":
         int(step["size"])
         rotated[k] = tuple((int(i), tuple(int(d) for d in dims)) for i, dims in step["rotated"])
@@ -825,13 +835,15 @@ def _load_chain(copy: str, directory: str, apply_fn: Callable, info: dict, args:
     name = step.get("name")
     call = pipeline.bind(fn, tuple(args), kwargs, FoldError)   # at the fold's keyword arguments
     if name == "fuse_affine":
+      step_args = tuple(step_examples[k]) if k in step_examples else tuple(args)
+      call = pipeline.bind(fn, step_args, kwargs, FoldError)
       an = affine.analyse(call.fn, struct, call.abstract_args(FoldError),
                           defer=bool(step.get("defer_norms")))
       if verify and (_key_digest(an.key) != step.get("key_sha256")
                      or an.report.num_fused != step.get("num_fused")):
         raise refuse(f"fuse_affine ({an.report.num_fused} sites fused now, {step.get('num_fused')} "
                      "when saved)")
-      fn, report = affine.FusedApply(fn, struct, an, tuple(args), kwargs), an.report
+      fn, report = affine.FusedApply(fn, struct, an, step_args, kwargs), an.report
       treedef = _fused_treedef(an, struct)
     elif name == "rotate":
       if treedef is None:

@@ -246,7 +246,10 @@ def test_fuzz_transforms_slow(seed):
 def test_fuzz_transforms_stream(seed):
   run = check_transforms(seed, stream=True)
   _fail(run)
-  if seed == 0:      # keeps rotate exercised (fused and deferred, D=8)
+  # Keeps rotate exercised (fused and deferred). Seed 3's final norm takes its mean
+  # as a contraction with ones (rotate refused it: the writer before it was not
+  # proposed); seed 2 has an auxiliary centering (a tied head), which rotate refuses.
+  if seed in (0, 1, 3):
     assert run.rotated == 2, run.refusals
 
 

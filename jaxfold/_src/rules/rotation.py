@@ -166,9 +166,9 @@ def _reduce_sum(node, ins, ctx):
 
 
 def _dot(node, ins, ctx):
-  if any(isinstance(s, Quad) for s in ins if s is not None):
-    raise Block("a contraction of a sum of squares")
   dd = D.DotDims(node.params, node.ins[0].shape, node.ins[1].shape)
+  if any(isinstance(s, Quad) for s in ins if s is not None):
+    return _dot_quad(node, ins, ctx, dd)
   rot = [s.dims if s is not None else frozenset() for s in ins]
   batch = (set(dd.lb), set(dd.rb))
   for side in (0, 1):
@@ -185,6 +185,24 @@ def _dot(node, ins, ctx):
                    "a contraction over the rotated dim reads an unrotated operand")
   out = frozenset(o for o, (side, d) in dd.owner.items() if d in rot[side])
   return [Lin(out) if out else None]
+
+
+def _dot_quad(node, ins, ctx, dd):
+  """A sum of squares contracted over its dim with weights constant along it
+  (a mean written ``x² @ ones / n`` or ``einsum('...d,d', x², ones / n)``):
+  ``Σ_d q[.., d, e] w[e]`` for w independent of d is a weighted sum over the
+  other dims of unchanged sums over d, so it is unchanged."""
+  rot = _rotated(ins)
+  if len(rot) != 1:
+    raise Block("a contraction of a sum of squares with a rotated value")
+  (side, s), = rot
+  mine, other = dd.contracting(side), dd.contracting(1 - side)
+  if s.dim not in mine:
+    raise Block("a contraction of a sum of squares that keeps its dim")
+  paired = other[mine.index(s.dim)]
+  if not ctx.constant_along(node.ins[1 - side], (paired,), node.ins[1 - side].shape):
+    raise Block("a sum of squares contracted over its dim with weights that vary along it")
+  return [None]
 
 
 def _conv(node, ins, ctx):
