@@ -261,9 +261,11 @@ def test_inputs_that_rotate_other_parameters_are_refused(x64):
     rot.apply_fn(rot.params, _x(2, 6, 5))
 
 
-def test_a_parameter_needed_along_two_dims_is_named(x64):
+def test_a_parameter_rotated_along_both_dims_and_sliced_is_refused(x64):
   """A square parameter that both reads the stream (dim 0) and writes it
-  (dim 1): no single rotation of it is exact, and the refusal names it."""
+  (dim 1) is rotated along both (Qᵀ·m·Q, test_adversarial_rotate); its row
+  ``m[0]`` added to the stream is then a slice of a rotated dim: refused,
+  at the line that slices it."""
   r = np.random.default_rng(2)
   params = {"w_in": jnp.asarray(r.normal(size=(5, D))), "m": jnp.asarray(r.normal(size=(D, D))),
             "w_out": jnp.asarray(r.normal(size=(D, 3)))}
@@ -272,5 +274,5 @@ def test_a_parameter_needed_along_two_dims_is_named(x64):
     h = x @ p["w_in"]
     h = h + h @ p["m"] + p["m"][0]
     return _rms(h) @ p["w_out"]
-  with pytest.raises(jaxfold.FuseError, match=r"\bm would have to be rotated along dims"):
+  with pytest.raises(jaxfold.FuseError, match=r"a slice of the rotated dim \[at .*test_rotate.py"):
     jaxfold.rotate(_Model(params, apply), random_orthogonal(D, 5), _x(2, 4, 5))
