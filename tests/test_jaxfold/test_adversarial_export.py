@@ -240,3 +240,36 @@ def test_a_position_table_falls_back_to_a_symbolic_batch_not_to_concrete_shapes(
   assert exported_signature(fn)[0] == (("batch", 4, 8), "float64")
   for b in (1, 5):
     assert rel_err(np_eval.run(_positioned, p, _x(b, 4), pos), fn(_x(b, 4), pos)) < 1e-9
+
+
+# ----------------------------------------------------------------------------
+# The size probes behind the comparison detector: a size looked up in a dict
+# (hash first, so no symbolic `==` is ever made) is decided by the symbolic
+# trace as "not 1"; only running the artifact at size 1 shows that the program
+# differs there.
+
+_SCALE_BY_BATCH = {1: 2.0}
+
+
+def _twice_at_batch_1_by_lookup(p, x):
+  return _block(p, x) * _SCALE_BY_BATCH.get(x.shape[0], 1.0)
+
+
+def test_a_size_decided_without_a_comparison_is_caught_by_the_size_probes(x64):
+  p = _params()
+  r = jaxfold.fold(p, _twice_at_batch_1_by_lookup, _x(2, 4))
+  # (were a dim's hash ever to equal 1's, the dict would compare them: the detector's warning)
+  with pytest.warns(ExportWarning, match="differs from folded.apply_fn|compares symbolic sizes"):
+    fn = load_exported(jaxfold.export(r, _x(2, 4)))
+  assert exported_signature(fn)[0][0][0] == 2      # the batch is not symbolic
+  for b, t in [(2, 4), (2, 1), (2, 6)] if exported_signature(fn)[0][0][1] == "seq" else [(2, 4)]:
+    assert rel_err(np_eval.run(_twice_at_batch_1_by_lookup, p, _x(b, t)), fn(_x(b, t))) < 1e-9
+
+
+def test_max_rel_diff_counts_a_non_finite_mismatch_as_a_difference():
+  from jaxfold._src.export import _max_rel_diff
+  w = np.array([1.0, 2.0, np.nan, np.inf])
+  assert _max_rel_diff([w], [w]) == 0.0                        # the program's own NaN/inf: no difference
+  assert _max_rel_diff([np.array([1.0, np.nan, np.nan, np.inf])], [w]) == np.inf
+  assert _max_rel_diff([np.array([1.0, 2.0, np.nan, -np.inf])], [w]) == np.inf
+  assert _max_rel_diff([np.array([1.0, 2.5, np.nan, np.inf])], [w]) == pytest.approx(0.25)
