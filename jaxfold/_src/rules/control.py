@@ -103,6 +103,19 @@ def _passed_body_facts(node, k, i, outer, base):
 # Obligation 1: the shift through loops and conditionals.
 
 
+def _pure_seeds(ins: list, invars: list, where: str, dims_of) -> dict:
+  """The body seeds of operands carrying a shift: each must be pure (a linear
+  map of the shift), seen in the body with ``dims_of(operand index, dims)``."""
+  seeds = {}
+  for i, p in enumerate(ins):
+    if p is None:
+      continue
+    if not p.is_pure:
+      raise Block(f"a nonlinear function of the shift enters {where}")
+    seeds[invars[i]] = A.pure(dims_of(i, p.dims))
+  return seeds
+
+
 def _scan_shift(node, ins: list, ctx, inner: Optional[dict] = None) -> list:
   """Pure shifts through a scan, with a fixed point on the carries.
 
@@ -112,14 +125,7 @@ def _scan_shift(node, ins: list, ctx, inner: Optional[dict] = None) -> list:
   body = ctx.body(node, 0)
   extra = (inner or {}).get(body, {})
   binv = body.program.invars
-  seeds = {}
-  for i, p in enumerate(ins):
-    if p is None:
-      continue
-    if not p.is_pure:
-      raise Block("a nonlinear function of the shift enters a scan")
-    dims = p.dims if i < nc + ncar else p.dims[1:]
-    seeds[binv[i]] = A.pure(dims)
+  seeds = _pure_seeds(ins, binv, "a scan", lambda i, dims: dims if i < nc + ncar else dims[1:])
   outs: dict = {}
   for _ in range(2 + 2 * max((len(v.shape) for v in binv), default=0)):
     outs = body.collect({**seeds, **extra})
@@ -441,14 +447,11 @@ def _shard_map_shift(node, ins: list, ctx, inner: Optional[dict] = None) -> list
     raise Block("this jax's `shard_map` is opaque to jaxfold")
   body = ctx.body(node, 0)
   binv = body.program.invars
-  seeds = {}
-  for i, p in enumerate(ins):
-    if p is None:
-      continue
-    if not p.is_pure:
-      raise Block("a nonlinear function of the shift enters a `shard_map`")
+
+  def local(i, dims):
     _sizes(binv[i].shape, node.ins[i].shape)
-    seeds[binv[i]] = A.pure(_local_dims(p.dims, binv[i].shape))
+    return _local_dims(dims, binv[i].shape)
+  seeds = _pure_seeds(ins, binv, "a `shard_map`", local)
   seeds.update((inner or {}).get(body, {}))
   try:
     outs = body.collect(seeds)
