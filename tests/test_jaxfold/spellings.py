@@ -256,6 +256,20 @@ def average_style(h, g, b, eps=1e-5):
   return (h - mean) * jax.lax.rsqrt(var + eps) * g + b
 
 
+def welford_style(h, g, b, eps=1e-5):
+  """Welford's running mean and M2 in a ``lax.scan`` over the features (not
+  recognised as a mean: no site, no fold; kept out of LIBRARY_FORMS)."""
+  def body(c, xi):
+    n, m, m2 = c
+    n = n + 1
+    d = xi - m
+    m = m + d / n
+    return (n, m, m2 + d * (xi - m)), None
+  zeros = jnp.zeros(h.shape[:-1])
+  (n, m, m2), _ = jax.lax.scan(body, (0.0, zeros, zeros), jnp.moveaxis(h, -1, 0))
+  return (h - m[..., None]) * jax.lax.rsqrt(m2[..., None] / n + eps) * g + b
+
+
 LIBRARY_FORMS = {"haiku": haiku_style, "equinox": equinox_style, "torch": torch_style,
                  "penzai": penzai_style, "keras": keras_style, "standardize": standardize_style,
                  "two_moments": two_moments_style, "average": average_style}

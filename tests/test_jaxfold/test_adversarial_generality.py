@@ -68,6 +68,7 @@ import jax.numpy as jnp
 import np_eval
 import numpy as np
 import pytest
+import spellings
 from fold_checks import make_params, rel_err
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
@@ -281,17 +282,6 @@ def _pure_callback_side_output(p, x):
   return ln(h, p["g"], p["be"]) @ p["v"], s
 
 
-def _welford(h, g, b):
-  def body(c, xi):
-    n, m, m2 = c
-    n = n + 1
-    d = xi - m
-    m = m + d / n
-    return (n, m, m2 + d * (xi - m)), None
-  (n, m, m2), _ = lax.scan(body, (0.0, jnp.zeros(h.shape[:-1]), jnp.zeros(h.shape[:-1])), jnp.moveaxis(h, -1, 0))
-  return (h - m[..., None]) * lax.rsqrt(m2[..., None] / n + 1e-5) * g + b
-
-
 def _last_two_axes(h, g, b):
   r = h.reshape(h.shape[:-1] + (2, D // 2))
   n = (r - r.mean((-2, -1), keepdims=True)) * lax.rsqrt(jnp.var(r, (-2, -1), keepdims=True) + 1e-5)
@@ -436,7 +426,7 @@ CASES = {
     "a side output through shard_map": (_shard_map_side_output, BASE, lambda: (xs(1, 1, 4),),
                                         lambda: _tok((3, 7, 4)), 0, ()),
     # not recognised (the variance is a scan's carry): nothing folds
-    "a Welford scan": (_spelled(_welford), BASE, lambda: (xs(1, 1, 4),), lambda: _tok((3, 7, 4)), 0, ()),
+    "a Welford scan": (_spelled(spellings.welford_style), BASE, lambda: (xs(1, 1, 4),), lambda: _tok((3, 7, 4)), 0, ()),
     # two computations of one variance are one symbol (see the docstring)
     "the variance computed twice": (_spelled(_var_twice), BASE, lambda: (xs(2, 3, 4),),
                                     lambda: _tok((3, 7, 4)), 1, ()),

@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import spellings
 from fold_checks import assert_sound, make_params, rel_err, x_args
 from jax import lax
 from jax.sharding import Mesh
@@ -176,17 +177,6 @@ def _mean_wrong_axis(h, g, b):
   return c * rs(mean(c * c)) * g + b
 
 
-def _welford(h, g, b):
-  def body(c, xi):
-    n, m, m2 = c
-    n = n + 1
-    d = xi - m
-    m = m + d / n
-    return (n, m, m2 + d * (xi - m)), None
-  (n, m, m2), _ = lax.scan(body, (0.0, jnp.zeros(h.shape[:-1]), jnp.zeros(h.shape[:-1])), jnp.moveaxis(h, -1, 0))
-  return (h - m[..., None]) * rs(m2[..., None] / n) * g + b
-
-
 def _strided_groups(h, g, b):
   r = h.reshape(h.shape[:-1] + (D // 2, 2))     # groups {0, 2, 4, 6} and {1, 3, 5, 7}
   c = r - r.mean(-2, keepdims=True)
@@ -198,7 +188,7 @@ REFUSED = {
     "jnp.average, non-uniform weights": _weighted_nonuniform,
     "a dot with almost uniform weights": _almost_uniform_dot,
     "a mean over the wrong axis": _mean_wrong_axis,
-    "a Welford scan (not recognised)": _welford,
+    "a Welford scan (not recognised)": spellings.welford_style,
     "strided groups (not a block spec)": _strided_groups,
 }
 
