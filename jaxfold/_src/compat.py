@@ -419,54 +419,40 @@ def is_while(eqn: Any) -> bool:
 # do not model: there the equation stays opaque).
 
 
-@functools.lru_cache(maxsize=1)
-def shard_map_prims() -> tuple:
-  """The shard_map primitive where this jax defines one."""
-  for name in ("jax._src.shard_map", "jax.experimental.shard_map"):
+def _prims_in(modules: tuple, names: tuple) -> tuple:
+  """The distinct primitives called ``names`` in those of ``modules`` that this
+  jax has, in that order (modules and primitives move between versions)."""
+  import importlib
+  out = []
+  for mod in modules:
     try:
-      import importlib
-      mod = importlib.import_module(name)
+      m = importlib.import_module(mod)
     except ImportError:  # pragma: no cover - another layout
       continue
-    p = getattr(mod, "shard_map_p", None)
-    if p is not None:
-      return (p,)
-  return ()  # pragma: no cover
-
-
-def vary_prims() -> tuple:
-  """``pvary`` (and ``pcast`` where defined): inside a shard_map with the
-  replication check, marks a value as varying across mesh axes; the identity
-  on values (jax._src.core in jax 0.10)."""
-  out = []
-  for mod in ("jax._src.core", "jax._src.lax.parallel"):
-    try:
-      import importlib
-      m = importlib.import_module(mod)
-    except ImportError:  # pragma: no cover
-      continue
-    for name in ("pvary_p", "pcast_p"):
+    for name in names:
       p = getattr(m, name, None)
       if p is not None and p not in out:
         out.append(p)
   return tuple(out)
 
 
+@functools.lru_cache(maxsize=1)
+def shard_map_prims() -> tuple:
+  """The shard_map primitive where this jax defines one."""
+  return _prims_in(("jax._src.shard_map", "jax.experimental.shard_map"), ("shard_map_p",))[:1]
+
+
+def vary_prims() -> tuple:
+  """``pvary`` (and ``pcast`` where defined): inside a shard_map with the
+  replication check, marks a value as varying across mesh axes; the identity
+  on values (jax._src.core in jax 0.10)."""
+  return _prims_in(("jax._src.core", "jax._src.lax.parallel"), ("pvary_p", "pcast_p"))
+
+
 def psum_prims() -> tuple:
   """The cross-shard sums: ``psum`` and, under shard_map's replication check
   (jax 0.10), ``psum_invariant``."""
-  out = []
-  for name in ("jax._src.lax.parallel",):
-    try:
-      import importlib
-      m = importlib.import_module(name)
-    except ImportError:  # pragma: no cover
-      continue
-    for pname in ("psum_p", "psum_invariant_p"):
-      p = getattr(m, pname, None)
-      if p is not None and p not in out:
-        out.append(p)
-  return tuple(out)
+  return _prims_in(("jax._src.lax.parallel",), ("psum_p", "psum_invariant_p"))
 
 
 def shard_map_body(params: dict) -> Any:
