@@ -25,6 +25,7 @@ re-checked with plain JAX before it is reported.
 from __future__ import annotations
 
 import dataclasses
+import re
 import traceback
 from typing import Any, Callable, Optional
 
@@ -132,6 +133,26 @@ def in_place_centerings(*reports) -> list:
         if c.mode == "in place" and (c.param, tuple(c.spec)) not in seen:
           seen.append((c.param, tuple(c.spec)))
   return seen
+
+
+# fuse_affine moves γ/β through float casts by design ("exact in real
+# arithmetic, rounded at another point"): outputs then match to the precision
+# of the narrowest such cast. A label this table does not know gets no
+# allowance (a default of 1.0 once switched a fuzzer's output check off).
+_CAST_TOLS = {"float64": 1e-9, "float32": 1e-5, "float16": 3e-2, "bfloat16": 3e-2}
+
+
+def _one_cast_tol(label: str) -> float:
+  if label in _CAST_TOLS:
+    return _CAST_TOLS[label]
+  m = re.fullmatch(r"(\d+) mantissa bits", label)   # lax.reduce_precision
+  return 2.0 ** (5 - int(m.group(1))) if m else 0.0
+
+
+def cast_tol(report, floor: float = 0.0) -> float:
+  """The tolerance a fused result's report allows for the casts it names."""
+  casts = [r.split(":")[0] for site in report.sites for r in site.reason.split("through a cast to ")[1:]]
+  return max([_one_cast_tol(c.strip()) for cast in casts for c in cast.split(",")] + [floor])
 
 
 def _exc(e: BaseException) -> str:

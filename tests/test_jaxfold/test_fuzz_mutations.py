@@ -61,16 +61,6 @@ def _clear_refusal(msg: str) -> bool:
              for f in ("fold", "cbwc") for e in ("FoldError", "FuseError", "RotateError"))
 
 
-# fuse_affine moves γ/β through float casts by design (exact in real arithmetic, rounded at
-# another point): the outputs then match to the precision of the narrowest such cast.
-_CAST_TOLS = {"float64": 1e-9, "float32": 1e-5, "float16": 3e-2, "bfloat16": 3e-2}
-
-
-def _cast_tol(report) -> float:
-  casts = [r.split(":")[0] for site in report.sites for r in site.reason.split("through a cast to ")[1:]]
-  return max([_CAST_TOLS.get(c.strip(), 1.0) for cast in casts for c in cast.split(",")] + [1e-9])
-
-
 def _check_transformed(prog, args, fold_refuses) -> list:
   """``jaxfold.fold(..., fuse_affine=/defer_norms=)`` equals the original at every argument set."""
   try:
@@ -79,7 +69,7 @@ def _check_transformed(prog, args, fold_refuses) -> list:
     return [f"(a) jaxfold.fold raised {type(e).__name__}: {e}"]
   except Exception as e:  # noqa: BLE001
     return [f"(a) jaxfold.fold({prog.fold_kwargs}) raised {type(e).__name__}: {e}\n{fc._exc(e)}"]
-  tol = _cast_tol(f.report)
+  tol = fc.cast_tol(f.report, floor=1e-9)
   out = []
   for v, a in enumerate(args):
     try:

@@ -30,7 +30,6 @@ for tracebacks).
 from __future__ import annotations
 
 import os
-import re
 import sys
 import tempfile
 import traceback
@@ -57,25 +56,6 @@ N_SLOW_BATCH_ONE = int(os.environ.get("JAXFOLD_FUZZX_N_SLOW_BATCH_ONE", "150"))
 DEFAULT_SEEDS = [(37 * i) % len(fp.KEYS) for i in range(N_DEFAULT)]
 # Candidate residual-stream sizes: the fuzz programs' hidden and input widths.
 STREAM_SIZES = sorted(set(fp.HIDDEN) | {fp.DIN})
-
-
-# fuse_affine moves γ/β through float casts by design ("exact in real
-# arithmetic, rounded at another point"): the outputs then match to the
-# precision of the narrowest such cast. A label this table does not know gets
-# no allowance (it used to get 1.0, which switched the check off).
-_CAST_TOLS = {"float32": 1e-5, "float16": 3e-2, "bfloat16": 3e-2}
-
-
-def _one_cast_tol(label: str) -> float:
-  if label in _CAST_TOLS:
-    return _CAST_TOLS[label]
-  m = re.fullmatch(r"(\d+) mantissa bits", label)   # lax.reduce_precision
-  return 2.0 ** (5 - int(m.group(1))) if m else 0.0
-
-
-def _cast_tol(report) -> float:
-  casts = [r.split(":")[0] for site in report.sites for r in site.reason.split("through a cast to ")[1:]]
-  return max([_one_cast_tol(c.strip()) for cast in casts for c in cast.split(",")] + [0.0])
 
 
 def _orthogonal(n: int, seed: int) -> np.ndarray:
@@ -204,7 +184,7 @@ def check_transforms(seed: int, export: bool = True, stream: bool = False,
     fused = run.call("fuse_affine", lambda: jaxfold.fuse_affine(folded), ok_refuse=True)
     if fused is not None:
       results.append(("fused", fused))
-      run.tol = max(run.tol, _cast_tol(fused.report))
+      run.tol = max(run.tol, fc.cast_tol(fused.report))
       deferred = run.call("defer_norms", lambda: jaxfold.defer_norms(fused), ok_refuse=True)
       if deferred is not None:
         results.append(("deferred", deferred))
