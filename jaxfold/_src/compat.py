@@ -449,6 +449,13 @@ def vary_prims() -> tuple:
   return _prims_in(("jax._src.core", "jax._src.lax.parallel"), ("pvary_p", "pcast_p"))
 
 
+def checkpoint_name_prims() -> tuple:
+  """``name`` (``jax.ad_checkpoint.checkpoint_name``): tags a value for a remat policy
+  (``save_only_these_names``, MaxText's ``checkpoint_name(x, "mlpwo")``); the identity on
+  values and derivatives (jax._src.ad_checkpoint in jax 0.10)."""
+  return _prims_in(("jax._src.ad_checkpoint",), ("name_p",))
+
+
 def psum_prims() -> tuple:
   """The cross-shard sums: ``psum`` and, under shard_map's replication check
   (jax 0.10), ``psum_invariant``."""

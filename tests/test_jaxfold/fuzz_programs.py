@@ -703,6 +703,12 @@ def _copy(g, sc, st):
   return Op("jnp.copy(h)", lambda P, h, E: jnp.copy(h), st.T, st.D)
 
 
+@op(("checkpoint_name", ""))
+def _checkpoint_name(g, sc, st):
+  from jax.ad_checkpoint import checkpoint_name
+  return Op("checkpoint_name(h, 'h')", lambda P, h, E: checkpoint_name(h, "h"), st.T, st.D)
+
+
 @op(("sharding_constraint", ""))
 def _sharding(g, sc, st):
   dev = jax.devices("cpu")[0]

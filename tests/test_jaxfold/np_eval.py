@@ -357,7 +357,7 @@ def _barrier(eqn, *xs):
   return list(xs)
 
 
-@_h("sharding_constraint", "stop_gradient")
+@_h("sharding_constraint", "stop_gradient", "name")
 def _identity(eqn, x):
   return x
 

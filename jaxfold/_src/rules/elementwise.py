@@ -683,6 +683,9 @@ _identity_rule("optimization_barrier", _prims("optimization_barrier_p"))
 _identity_rule("sharding_constraint", _prims("sharding_constraint_p"))
 # shard_map's replication check marks values (a literal 8.0 in a mean) as varying across mesh axes
 _identity_rule("pvary", compat.vary_prims())
+# remat policies read these tags, not values: a value passes unchanged (MaxText tags every
+# projection output, so without it no norm of such a model folds)
+_identity_rule("checkpoint_name", compat.checkpoint_name_prims())
 _identity_rule("stop_gradient", _prims("stop_gradient_p"), differentiable=False)
 
 

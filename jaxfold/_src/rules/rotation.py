@@ -317,8 +317,8 @@ def _prims(*names) -> list:
   return [p for r in all_rules() if r.name in names for p in r.primitives if p is not None]
 
 
-set_facets(_prims("copy", "optimization_barrier", "sharding_constraint", "pvary", "stop_gradient", "neg",
-                  "convert_element_type", "reduce_precision"), rotate=_identity)
+set_facets(_prims("copy", "optimization_barrier", "sharding_constraint", "pvary", "checkpoint_name",
+                  "stop_gradient", "neg", "convert_element_type", "reduce_precision"), rotate=_identity)
 set_facets(_prims("add", "sub"), rotate=_sum)
 set_facets(_prims("mul"), rotate=_mul)
 set_facets(_prims("div"), rotate=_div)

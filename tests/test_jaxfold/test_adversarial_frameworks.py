@@ -1,0 +1,784 @@
+"""How real JAX frameworks spell normalizations and call models (adversarial campaign).
+
+Flax linen and NNX modules with their less common options (``use_fast_variance=False``,
+``reduction_axes``/``feature_axes`` that differ, ``GroupNorm(group_size=)`` with odd group
+sizes, per token and on NHWC), layers stacked with ``nn.scan``/``nnx.scan`` and rematerialised
+with policies and ``checkpoint_name`` (MaxText), per-example models ``jax.vmap``-ed over the
+batch (Equinox style), apply functions with dict/tuple inputs, keyword flags
+(``deterministic``, ``train``), a mutable ``batch_stats`` collection and an ``rngs`` key,
+hand-written norms as T5X/MaxText/GPT-J/NeoX write them, parallel attention + MLP blocks,
+rotary embeddings, tied embeddings, learned positions and top-k MoE routing between norms.
+
+Each program is folded at its first argument set (batch 1 or one token among them) and
+checked with ``fold_checks.assert_sound`` in float64 with random non-uniform γ, β and biases
+at every argument set (folded == original, CBWC == original at unseen parameters and in its
+gradients, every in-place centering invisible); the folded count a careful reader expects is
+pinned, so that a coverage regression shows and a near miss (a variant that must not fold)
+stays refused.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import x64_context
+from fold_checks import assert_sound, rel_err
+from jax import lax
+
+import jaxfold
+
+F64 = jnp.float64
+D = 8
+FF = 16
+HEADS = 2
+DIN = 5
+EPS = 1e-5
+
+
+def xs(*shape, seed=0):
+  return jnp.asarray(np.random.default_rng([seed, *shape]).standard_normal(shape), F64)
+
+
+def tok_args(*shapes, din=DIN):
+  return lambda: [(xs(b, t, din),) for b, t in shapes]
+
+
+TOKENS = tok_args((1, 1), (2, 4), (4, 7))      # folded at batch 1 × one token
+TOKENS_B2 = tok_args((2, 4), (1, 1), (4, 3))   # folded at batch 2 × 4 tokens
+
+
+def img_args(*shapes, c=3):
+  return lambda: [(xs(b, h, w, c),) for b, h, w in shapes]
+
+
+def draw_like(shapes, seed):
+  """Random non-uniform values for a variable tree, each leaf in its own dtype: γ (``scale``)
+  1 + 0.5 N, β and biases 0.3 + 0.5 N, kernels N / sqrt(fan-in), running variances positive."""
+  rng = np.random.default_rng(seed)
+
+  def draw(path, leaf):
+    name = jax.tree_util.keystr(path)
+    n = rng.standard_normal(leaf.shape)
+    if "scale" in name:
+      v = 1.0 + 0.5 * n
+    elif "var" in name:
+      v = 0.5 + np.abs(n)
+    elif "bias" in name or "mean" in name:
+      v = 0.3 + 0.5 * n
+    elif "kernel" in name or "embedding" in name:
+      v = n / np.sqrt(max(1, int(np.prod(leaf.shape[:-1]))))
+    else:
+      v = 0.7 * n
+    return jnp.asarray(v, leaf.dtype)
+  return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+def linen(module, args_fn, **apply_kw):
+  """(apply, init) of a linen module: ``init(seed)`` draws random variables."""
+  init_kw = {k: v for k, v in apply_kw.items() if k != "mutable"}
+
+  def init(seed):
+    shapes = jax.eval_shape(functools.partial(module.init, **init_kw), jax.random.PRNGKey(0),
+                            *args_fn()[0])
+    return draw_like(shapes, seed)
+  return functools.partial(module.apply, **apply_kw), init
+
+
+PROGRAMS: dict = {}
+
+
+def prog(name, folded, args=TOKENS, slow=False):
+  """Registers ``make() -> (apply, init)``; ``init`` a function seed -> params."""
+  def deco(make):
+    PROGRAMS[name] = (make, args, folded, slow)
+    return make
+  return deco
+
+
+def dense(features, **kw):
+  return nn.Dense(features, param_dtype=F64, **kw)
+
+
+def layer_norm(**kw):
+  return nn.LayerNorm(epsilon=EPS, param_dtype=F64, **kw)
+
+
+# ----------------------------------------------------------------------------
+# Flax linen LayerNorm / GroupNorm options.
+
+class DenseNorm(nn.Module):
+  """x -> Dense(shape) -> norm."""
+  norm: callable
+  shape: tuple = (D,)
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.DenseGeneral(self.shape, param_dtype=F64)(x)
+    return self.norm()(h)
+
+
+def _dense_norm(name, folded, norm, shape=(D,), args=TOKENS):
+  prog(name, folded, args)(lambda: linen(DenseNorm(norm, shape), args))
+
+
+_dense_norm("linen_ln_two_pass", 1, lambda: layer_norm(use_fast_variance=False))
+_dense_norm("linen_ln_two_pass_no_scale_no_bias", 1,
+            lambda: layer_norm(use_fast_variance=False, use_scale=False, use_bias=False))
+# reduce over (heads, head_dim), γ/β per head_dim only (shared by the heads)
+_dense_norm("linen_ln_reduce_two_axes_features_last", 1,
+            lambda: layer_norm(reduction_axes=(-2, -1), feature_axes=-1), shape=(2, 4))
+# reduce over head_dim only, γ/β per (head, head_dim): a per-head LayerNorm
+_dense_norm("linen_ln_reduce_last_features_two_axes", 1,
+            lambda: layer_norm(reduction_axes=-1, feature_axes=(-2, -1)), shape=(2, 4))
+# reduce over three axes (a QK-norm over (heads, head_dim) after a 3-d DenseGeneral)
+_dense_norm("linen_ln_reduce_three_axes", 1,
+            lambda: layer_norm(reduction_axes=(-3, -2, -1), feature_axes=(-3, -2, -1),
+                               use_fast_variance=False), shape=(3, 2, 2))
+# group_size instead of num_groups, per token: 3 groups of 2, 2 groups of 3, 1 group of 6
+for _gs in (2, 3, 6):
+  _dense_norm(f"linen_gn_group_size_{_gs}_per_token", 1,
+              lambda _gs=_gs: nn.GroupNorm(num_groups=None, group_size=_gs, reduction_axes=-1,
+                                           epsilon=EPS, param_dtype=F64), shape=(6,))
+_dense_norm("linen_gn_group_size_3_two_pass_per_token", 1,
+            lambda: nn.GroupNorm(num_groups=None, group_size=3, reduction_axes=-1, epsilon=EPS,
+                                 use_fast_variance=False, param_dtype=F64), shape=(9,))
+# a GroupNorm whose groups are single channels has a zero variance: not a site that folds
+_dense_norm("linen_gn_group_size_1_per_token", 0,
+            lambda: nn.GroupNorm(num_groups=None, group_size=1, reduction_axes=-1, epsilon=EPS,
+                                 param_dtype=F64), shape=(6,))
+# the default GroupNorm on tokens reduces over (tokens, C/G): the shift varies by token
+_dense_norm("linen_gn_group_size_3_over_tokens", 0,
+            lambda: nn.GroupNorm(num_groups=None, group_size=3, epsilon=EPS, param_dtype=F64), shape=(6,))
+
+
+class ConvGroupNorm(nn.Module):
+  group_size: int
+  channels: int = 9
+  per_position: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Conv(self.channels, (3, 3), param_dtype=F64)(x)
+    axes = {"reduction_axes": -1} if self.per_position else {}
+    h = nn.GroupNorm(num_groups=None, group_size=self.group_size, epsilon=EPS, param_dtype=F64, **axes)(h)
+    return nn.Conv(4, (1, 1), param_dtype=F64)(jax.nn.silu(h))
+
+
+IMGS = img_args((1, 1, 1), (2, 5, 6), (3, 4, 4))
+# standard GroupNorm over (H, W, C/G) of a conv: the centering's shift varies over (H, W)
+prog("linen_gn_nhwc_group_size_3", 0, IMGS)(lambda: linen(ConvGroupNorm(3), IMGS))
+prog("linen_gn_nhwc_per_position_group_size_3", 1, IMGS)(lambda: linen(ConvGroupNorm(3, per_position=True), IMGS))
+
+
+# ----------------------------------------------------------------------------
+# Transformer blocks as frameworks write them.
+
+class Attention(nn.Module):
+  rotary: bool = False
+
+  @nn.compact
+  def __call__(self, x, mask=None):
+    b, t, _ = x.shape
+    q = nn.DenseGeneral((HEADS, D // HEADS), param_dtype=F64, name="q")(x)
+    k = nn.DenseGeneral((HEADS, D // HEADS), use_bias=False, param_dtype=F64, name="k")(x)
+    v = nn.DenseGeneral((HEADS, D // HEADS), param_dtype=F64, name="v")(x)
+    if self.rotary:
+      q, k = rope(q), rope(k)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D // HEADS)
+    if mask is not None:
+      s = jnp.where(mask, s, -1e9)
+    o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+    return nn.DenseGeneral(D, axis=(-2, -1), param_dtype=F64, name="out")(o)
+
+
+def rope(x):
+  """GPT-NeoX rotary embedding on (b, t, h, d): rotate halves by position-dependent angles."""
+  t, d = x.shape[1], x.shape[-1]
+  inv = 1.0 / (10000 ** (jnp.arange(0, d, 2, dtype=x.dtype) / d))
+  ang = jnp.arange(t, dtype=x.dtype)[:, None] * inv[None]
+  cos, sin = jnp.cos(ang)[None, :, None], jnp.sin(ang)[None, :, None]
+  x1, x2 = jnp.split(x, 2, -1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+class Mlp(nn.Module):
+  @nn.compact
+  def __call__(self, x, deterministic=True):
+    h = jax.nn.gelu(dense(FF)(x))
+    h = nn.Dropout(0.5, deterministic=deterministic)(h)
+    return dense(D)(h)
+
+
+class PreLN(nn.Module):
+  parallel: bool = False      # GPT-J: one LN feeds attention and MLP
+  neox: bool = False          # GPT-NeoX: parallel, two LNs
+  rotary: bool = False
+
+  @nn.compact
+  def __call__(self, h, deterministic=True):
+    if self.parallel:
+      a = layer_norm(name="ln_1")(h)
+      m = layer_norm(name="ln_2")(h) if self.neox else a
+      return h + Attention(self.rotary)(a) + Mlp()(m, deterministic)
+    h = h + Attention(self.rotary)(layer_norm(name="ln_1")(h))
+    return h + Mlp()(layer_norm(name="ln_2")(h), deterministic)
+
+
+class ScanBlock(nn.Module):
+  """A block with nn.scan's (carry, x) -> (carry, y) signature."""
+  @nn.compact
+  def __call__(self, h, _):
+    return PreLN()(h), None
+
+
+class Decoder(nn.Module):
+  """Embedding (Dense of features, or ids with tied head) + positions, stacked pre-LN blocks,
+  final LN; ``stack``: 'loop', 'scan', 'remat_scan' (MaxText style) or 'remat'."""
+  layers: int = 2
+  stack: str = "loop"
+  tied: bool = False
+  vocab: int = 11
+  positions: bool = True
+  block: dict = None
+
+  @nn.compact
+  def __call__(self, x, deterministic=True):
+    if self.tied:
+      emb = nn.Embed(self.vocab, D, param_dtype=F64, name="wte")
+      h = emb(x)
+    else:
+      h = dense(D, name="embed")(x)
+    if self.positions:
+      h = h + nn.Embed(16, D, param_dtype=F64, name="wpe")(jnp.arange(x.shape[1]))[None]
+    kw = dict(self.block or {})
+    if self.stack in ("scan", "remat_scan"):
+      blk = ScanBlock
+      if self.stack == "remat_scan":
+        blk = nn.remat(blk, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+      h, _ = nn.scan(blk, variable_axes={"params": 0}, split_rngs={"params": True},
+                     length=self.layers)(name="layers")(h, None)
+    else:
+      blk = nn.remat(PreLN, static_argnums=(2,)) if self.stack == "remat" else PreLN
+      for i in range(self.layers):
+        h = blk(name=f"layers_{i}", **kw)(h, deterministic)
+    h = layer_norm(name="ln_f")(h)
+    return emb.attend(h) if self.tied else dense(3, name="head")(h)
+
+
+def ids_args(*shapes, vocab=11):
+  def make():
+    out = []
+    for b, t in shapes:
+      rng = np.random.default_rng([3, b, t])
+      out.append((jnp.asarray(rng.integers(0, vocab, (b, t)), jnp.int32),))
+    return out
+  return make
+
+
+IDS = ids_args((1, 1), (2, 4), (4, 7))
+# 2 layers × (ln_1, ln_2) + ln_f: every LN of a pre-LN stream that starts at centered
+# producers (embedding kernel, bias, positions) folds.
+prog("linen_decoder_loop", 5)(lambda: linen(Decoder(), TOKENS))
+prog("linen_decoder_remat_static_argnums", 5)(lambda: linen(Decoder(stack="remat"), TOKENS))
+prog("linen_decoder_gptj_parallel_rotary", 3)(
+    lambda: linen(Decoder(block=dict(parallel=True, rotary=True)), TOKENS))
+# ln_1 and ln_2 read the same h: their means are one canonical value, one site (5 means removed)
+prog("linen_decoder_neox_parallel_two_lns", 3)(
+    lambda: linen(Decoder(block=dict(parallel=True, neox=True, rotary=True), positions=False), TOKENS))
+# nn.scan over layers: one body, its two LNs are two sites that fold for every layer
+prog("linen_decoder_nn_scan", 3)(lambda: linen(Decoder(stack="scan", layers=3), TOKENS))
+prog("linen_decoder_nn_scan_remat_nothing_saveable", 3)(
+    lambda: linen(Decoder(stack="remat_scan", layers=3), TOKENS))
+# tied embeddings: the lookup's table is untied (or the stream auxiliary-centered); the head
+# reads the original
+prog("linen_decoder_tied_embeddings", 5, IDS)(lambda: linen(Decoder(tied=True), IDS))
+
+
+
+class BatchNormNet(nn.Module):
+  """Dense -> BatchNorm -> gelu -> Dense -> LayerNorm (a ``batch_stats`` collection)."""
+  @nn.compact
+  def __call__(self, x, train=False):
+    h = nn.BatchNorm(use_running_average=not train, momentum=0.9, param_dtype=F64)(dense(FF)(x))
+    return layer_norm()(dense(D)(jax.nn.gelu(h)))
+
+
+# eval: BatchNorm is affine per channel; train with mutable batch_stats: statistics over
+# (batch, tokens) per channel, and the updated running stats are outputs. The LN folds either
+# way (its producer is the last Dense).
+prog("linen_batchnorm_eval", 1)(lambda: linen(BatchNormNet(), TOKENS, train=False))
+prog("linen_batchnorm_train_mutable_batch_stats", 1, TOKENS_B2)(
+    lambda: linen(BatchNormNet(), TOKENS_B2, train=True, mutable=["batch_stats"]))
+
+
+class BatchNormAfterDense(nn.Module):
+  """Dense -> LayerNorm -> BatchNorm(train): the LN's output feeds batch statistics."""
+  @nn.compact
+  def __call__(self, x):
+    h = layer_norm()(dense(D)(x))
+    return nn.BatchNorm(use_running_average=False, param_dtype=F64)(h)
+
+
+prog("linen_ln_then_batchnorm_train", 1, TOKENS_B2)(
+    lambda: linen(BatchNormAfterDense(), TOKENS_B2, mutable=["batch_stats"]))
+
+
+# ----------------------------------------------------------------------------
+# Remat with names and policies (MaxText), per-example models vmapped over the batch.
+
+from jax.ad_checkpoint import checkpoint_name  # noqa: E402
+
+
+def ln(h, g, b, eps=EPS):
+  mu = h.mean(-1, keepdims=True)
+  return (h - mu) * lax.rsqrt(((h - mu) ** 2).mean(-1, keepdims=True) + eps) * g + b
+
+
+def plain(shapes):
+  """(apply, init) helpers for plain-dict programs: ``init(seed)`` as fold_checks.make_params."""
+  from fold_checks import make_params
+  return lambda seed: make_params(seed, **shapes)
+
+
+MLP_P = dict(w=(DIN, D), b=(D,), g=(D,), be=(D,), w1=(D, FF), b1=(FF,), w2=(FF, D), b2=(D,),
+             g2=(D,), be2=(D,))
+
+
+def _named_block(p, x):
+  h = checkpoint_name(x @ p["w"] + p["b"], "embed")
+  y = checkpoint_name(ln(h, p["g"], p["be"]), "ln_out")
+  y = checkpoint_name(jax.nn.gelu(y @ p["w1"] + p["b1"]), "mlpwi")
+  h = h + checkpoint_name(y @ p["w2"] + p["b2"], "mlpwo")
+  return ln(h, p["g2"], p["be2"])
+
+
+@prog("checkpoint_name_inside_remat_save_only_these_names", 2)
+def _():
+  policy = jax.checkpoint_policies.save_only_these_names("mlpwo", "ln_out")
+  return jax.checkpoint(_named_block, policy=policy), plain(MLP_P)
+
+
+@prog("checkpoint_name_without_remat", 2)
+def _():
+  return _named_block, plain(MLP_P)
+
+
+@prog("checkpoint_name_offload_policy", 2)
+def _():
+  policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+      names_which_can_be_saved=["ln_out"], names_which_can_be_offloaded=[],
+      offload_src="device", offload_dst="pinned_host")
+  return jax.checkpoint(_named_block, policy=policy), plain(MLP_P)
+
+
+def _eqx_ln(x, g, b, eps=EPS):
+  """Equinox's LayerNorm on ONE vector (shape (D,)), vmapped by the user over tokens."""
+  mean = jnp.mean(x, keepdims=True)
+  var = jnp.maximum(0.0, jnp.var(x, keepdims=True))
+  return (x - mean) * lax.rsqrt(var + eps) * g + b
+
+
+def _eqx_model(p, x):
+  """One example (T, DIN): an Equinox model is written per example."""
+  h = jax.vmap(lambda t: p["w"].T @ t + p["b"])(x)
+  y = jax.vmap(_eqx_ln, (0, None, None))(h, p["g"], p["be"])
+  h = h + jax.vmap(lambda t: p["w2"].T @ jax.nn.gelu(p["w1"].T @ t + p["b1"]) + p["b2"])(y)
+  return jax.vmap(_eqx_ln, (0, None, None))(h, p["g2"], p["be2"])
+
+
+prog("equinox_style_per_example_vmapped", 2)(lambda: (jax.vmap(_eqx_model, (None, 0)), plain(MLP_P)))
+prog("equinox_style_jit_of_vmap_filter_jit_like", 2)(
+    lambda: (jax.jit(jax.vmap(_eqx_model, (None, 0))), plain(MLP_P)))
+# vmapped over the batch with the batch as axis 1 (in_axes=1, out_axes=1)
+prog("equinox_style_vmapped_over_axis_1", 2)(
+    lambda: (lambda p, x: jax.vmap(_eqx_model, (None, 1), 1)(p, x), plain(MLP_P)))
+
+
+@prog("equinox_style_vmapped_norm_over_tokens_is_not_per_token", 0)
+def _():
+  # a norm vmapped over FEATURES normalizes each feature over tokens: the shift of a
+  # centering varies by token, so nothing folds (and nothing may)
+  def model(p, x):
+    h = x @ p["w"] + p["b"]
+    return jax.vmap(_eqx_ln, (1, 0, 0), 1)(h, p["g2"][0] + p["g"], p["be"])
+  return jax.vmap(model, (None, 0)), plain(MLP_P)
+
+
+# ----------------------------------------------------------------------------
+# Hand-written norms as T5X / MaxText / GPT-J write them.
+
+def _t5x_ln(x, g, b, eps=1e-6):
+  """Compute in float32 (here float64 from float32), cast back."""
+  dt = x.dtype
+  x = x.astype(F64)
+  mean = jnp.mean(x, axis=-1)[..., None]
+  var = jnp.mean(lax.square(x - mean), axis=-1)[..., None]
+  y = (x - mean) * lax.rsqrt(var + eps)
+  return (y * g.astype(F64) + b.astype(F64)).astype(dt)
+
+
+SPELLINGS = {
+    "var_ddof0_eps_inside": lambda h: (h - h.mean(-1, keepdims=True))
+    / jnp.sqrt(jnp.var(h, -1, ddof=0, keepdims=True) + EPS),
+    "std_eps_outside": lambda h: (h - jnp.mean(h, axis=-1)[..., None]) / (jnp.std(h, -1)[..., None] + EPS),
+    "expand_dims_mean": lambda h: (lambda m: (h - m) * lax.rsqrt(jnp.mean((h - m) ** 2, -1, keepdims=True) + EPS))(
+        jnp.expand_dims(jnp.mean(h, axis=-1), -1)),
+    "e_x2_minus_mu2_clipped": lambda h: (h - h.mean(-1, keepdims=True)) * lax.rsqrt(
+        jnp.maximum(jnp.mean(h * h, -1, keepdims=True) - h.mean(-1, keepdims=True) ** 2, 0.0) + EPS),
+    "sum_over_shape": lambda h: (lambda m: (h - m) / jnp.sqrt(jnp.sum((h - m) ** 2, -1, keepdims=True) / h.shape[-1]
+                                                              + EPS))(jnp.sum(h, -1, keepdims=True) / h.shape[-1]),
+    "einsum_mean": lambda h: (lambda m: (h - m) * lax.rsqrt(
+        jnp.einsum("btd,btd->bt", h - m, h - m)[..., None] / D + EPS))(
+        jnp.einsum("btd,d->bt", h, jnp.ones(D) / D)[..., None]),
+    "standardize_given_mean_and_variance": lambda h: jax.nn.standardize(
+        h, -1, mean=h.mean(-1, keepdims=True), variance=h.var(-1, keepdims=True), epsilon=EPS),
+    "matmul_ones_mean": lambda h: (lambda m: (h - m) * lax.rsqrt(((h - m) ** 2) @ jnp.full((D, 1), 1.0 / D) + EPS))(
+        h @ jnp.full((D, 1), 1.0 / D)),
+}
+for _name, _norm in SPELLINGS.items():
+  prog(f"spelling_{_name}", 1)(
+      lambda _norm=_norm: (lambda p, x: _norm(x @ p["w"] + p["b"]) * p["g"] + p["be"], plain(MLP_P)))
+
+
+@prog("t5x_upcast_ln_f64_params_cast_to_f32_inside", 0)
+def _():
+  # float64 parameters cast to float32 by the program: a centered float64 kernel is not
+  # zero-sum once rounded to float32, so no mean may be removed (refused: "a cast to float32
+  # does not keep a zero sum"); the float32-stored model folds (test_t5x_low_precision_model)
+  def apply(p, x):
+    p = jax.tree_util.tree_map(lambda v: v.astype(jnp.float32), p)
+    h = x.astype(jnp.float32) @ p["w"] + p["b"]
+    h = h + jax.nn.gelu(_t5x_ln(h, p["g"], p["be"]) @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+    return _t5x_ln(h, p["g2"], p["be2"]).astype(F64)
+  return apply, plain(MLP_P)
+
+
+@prog("t5x_upcast_ln_in_f64_model", 2)
+def _():
+  def apply(p, x):
+    h = x @ p["w"] + p["b"]
+    h = h + jax.nn.gelu(_t5x_ln(h, p["g"], p["be"]) @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+    return _t5x_ln(h, p["g2"], p["be2"])
+  return apply, plain(MLP_P)
+
+
+@prog("mixed_param_dtypes_f32_gamma_f64_kernels", 2)
+def _():
+  def apply(p, x):
+    h = x @ p["w"] + p["b"]
+    h = h + jax.nn.gelu(ln(h, p["g"].astype(jnp.float32), p["be"]) @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+    return ln(h, p["g2"], p["be2"].astype(jnp.float32))
+  return apply, plain(MLP_P)
+
+
+# ----------------------------------------------------------------------------
+# Inputs as dict/tuple, post-LN, MoE routing.
+
+def dict_args(*shapes):
+  def make():
+    out = []
+    for b, t in shapes:
+      rng = np.random.default_rng([5, b, t])
+      mask = jnp.asarray(rng.random((b, 1, 1, t)) < 0.8) | jnp.eye(t, dtype=bool)[None, None]
+      out.append(({"x": xs(b, t, DIN), "mask": mask},))
+    return out
+  return make
+
+
+DICT = dict_args((1, 1), (2, 4), (3, 6))
+
+
+class DictInputModel(nn.Module):
+  @nn.compact
+  def __call__(self, batch):
+    h = dense(D)(batch["x"])
+    h = h + Attention()(layer_norm()(h), batch["mask"])
+    return {"out": layer_norm()(h), "pooled": h.mean(1)}
+
+
+# the pooled un-normalized stream is an output: the first LN folds by centering the
+# embedding only if the shift it leaves in h were invisible at "pooled" -- it is not
+prog("linen_dict_input_dict_output_pooled_stream", 0, DICT)(lambda: linen(DictInputModel(), DICT))
+
+
+class DictInputModelNormed(nn.Module):
+  @nn.compact
+  def __call__(self, batch):
+    h = dense(D)(batch["x"])
+    h = h + Attention()(layer_norm()(h), batch["mask"])
+    out = layer_norm()(h)
+    return {"out": out, "pooled": out.mean(1)}
+
+
+prog("linen_dict_input_dict_output", 2, DICT)(lambda: linen(DictInputModelNormed(), DICT))
+
+
+def tuple_args(*shapes):
+  return lambda: [((xs(b, t, DIN), xs(b, t, DIN, seed=1)),) for b, t in shapes]
+
+
+TUPLE = tuple_args((1, 1), (2, 4), (3, 5))
+
+
+class TupleInputModel(nn.Module):
+  """Encoder-decoder-ish: two streams from a tuple, cross attention."""
+  @nn.compact
+  def __call__(self, pair):
+    src, tgt = pair
+    e = layer_norm()(dense(D)(src))
+    d = dense(D)(tgt)
+    q = layer_norm()(d)
+    a = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", dense(D)(q), dense(D)(e)) / np.sqrt(D), -1)
+    d = d + dense(D)(jnp.einsum("bqk,bkd->bqd", a, e))
+    return layer_norm()(d)
+
+
+prog("linen_tuple_input_cross_attention", 3, TUPLE)(lambda: linen(TupleInputModel(), TUPLE))
+
+
+class PostLN(nn.Module):
+  @nn.compact
+  def __call__(self, h):
+    h = layer_norm()(h + Attention()(h))
+    return layer_norm()(h + Mlp()(h))
+
+
+class Bert(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = dense(D)(x) + nn.Embed(16, D, param_dtype=F64)(jnp.arange(x.shape[1]))[None]
+    h = layer_norm(name="emb_ln")(h)
+    for i in range(2):
+      h = PostLN(name=f"layer_{i}")(h)
+    return h
+
+
+# post-LN with trained γ: only the embedding LN folds (the paper's 24/25 is wrong)
+prog("linen_bert_post_ln", 1)(lambda: linen(Bert(), TOKENS))
+
+
+class MoE(nn.Module):
+  """Mixtral-style top-2 routing: experts gathered per token, weighted by softmax of top-k."""
+  experts: int = 4
+  k: int = 2
+  dispatch: str = "gather"
+
+  @nn.compact
+  def __call__(self, x):
+    e, k = self.experts, self.k
+    logits = nn.Dense(e, use_bias=False, param_dtype=F64, name="router")(x)
+    vals, idx = lax.top_k(logits, k)
+    w = jax.nn.softmax(vals, -1)
+    init = nn.initializers.lecun_normal()
+    w1 = self.param("w1", init, (e, D, FF), F64)
+    w2 = self.param("w2", init, (e, FF, D), F64)
+    b2 = self.param("b2", nn.initializers.zeros, (e, D), F64)
+    if self.dispatch == "gather":
+      h = jax.nn.gelu(jnp.einsum("btd,btkdf->btkf", x, w1[idx]))
+      y = jnp.einsum("btkf,btkfd->btkd", h, w2[idx]) + b2[idx]
+      return jnp.einsum("btkd,btk->btd", y, w)
+    gate = jnp.einsum("btk,btke->bte", w, jax.nn.one_hot(idx, e, dtype=x.dtype))
+    h = jax.nn.gelu(jnp.einsum("btd,edf->btef", x, w1))
+    y = jnp.einsum("btef,efd->bted", h, w2) + b2
+    return jnp.einsum("bted,bte->btd", y, gate)
+
+
+class MoEDecoder(nn.Module):
+  dispatch: str = "gather"
+
+  @nn.compact
+  def __call__(self, x):
+    h = dense(D)(x)
+    for _ in range(2):
+      h = h + Attention(rotary=True)(layer_norm()(h))
+      h = h + MoE(dispatch=self.dispatch)(layer_norm()(h))
+    return layer_norm()(h)
+
+
+prog("linen_moe_top2_gather", 5)(lambda: linen(MoEDecoder(), TOKENS))
+prog("linen_moe_top2_one_hot_dispatch", 5)(lambda: linen(MoEDecoder("one_hot"), TOKENS))
+
+
+
+
+class QKNormBlock(nn.Module):
+  """Flax's own MultiHeadDotProductAttention with ``normalize_qk=True`` (a LayerNorm without
+  bias over each head's q and k, ViT-22B style) in a pre-LN block."""
+  @nn.compact
+  def __call__(self, h, deterministic=True):
+    a = nn.MultiHeadDotProductAttention(HEADS, param_dtype=F64, normalize_qk=True, deterministic=deterministic)
+    h = h + a(layer_norm(name="ln_1")(h))
+    return h + Mlp()(layer_norm(name="ln_2")(h), deterministic)
+
+
+class QKNormModel(nn.Module):
+  @nn.compact
+  def __call__(self, x, deterministic=True):
+    h = dense(D)(x)
+    for i in range(2):
+      h = QKNormBlock(name=f"block_{i}")(h, deterministic)
+    return layer_norm(name="ln_f")(h)
+
+
+# per block ln_1, ln_2 and the q and k norms (over head_dim of a DenseGeneral), plus ln_f
+prog("linen_mhdpa_normalize_qk", 9)(lambda: linen(QKNormModel(), TOKENS, deterministic=True))
+
+
+class SharedScan(nn.Module):
+  """ALBERT-style: one block's parameters broadcast to every scanned layer."""
+  length: int = 3
+  unroll: int = 1
+  reverse: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    h = dense(D)(x)
+    h, _ = nn.scan(ScanBlock, variable_broadcast="params", split_rngs={"params": False}, length=self.length,
+                   unroll=self.unroll, reverse=self.reverse)(name="shared")(h, None)
+    return layer_norm(name="ln_f")(h)
+
+
+prog("linen_scan_variable_broadcast_shared_layers", 3)(lambda: linen(SharedScan(), TOKENS))
+prog("linen_scan_length_1", 3)(lambda: linen(SharedScan(length=1), TOKENS))
+prog("linen_scan_unroll_2_reverse", 3)(lambda: linen(SharedScan(length=3, unroll=2, reverse=True), TOKENS))
+
+
+class Sown(nn.Module):
+  """A pre-LN decoder that sows a value per block into ``intermediates``."""
+  what: str = "stream"
+
+  @nn.compact
+  def __call__(self, x):
+    h = dense(D)(x)
+    for i in range(2):
+      y = layer_norm(name=f"ln_{i}")(h)
+      self.sow("intermediates", f"v{i}", h if self.what == "stream" else y)
+      h = h + Mlp(name=f"mlp_{i}")(y)
+    return layer_norm(name="ln_f")(h)
+
+
+# sown normalized values are outputs that a centering does not touch: all fold; the sown
+# un-normalized stream is an output the shift would reach: nothing may fold
+prog("linen_sow_normalized_intermediates", 3)(lambda: linen(Sown("normed"), TOKENS, mutable=["intermediates"]))
+prog("linen_sow_residual_stream", 0)(lambda: linen(Sown("stream"), TOKENS, mutable=["intermediates"]))
+# capture_intermediates returns every submodule's output (Dense outputs included)
+prog("linen_capture_intermediates", 0)(lambda: linen(Sown("normed"), TOKENS, capture_intermediates=True,
+                                                      mutable=["intermediates"]))
+
+
+class VmappedPerExample(nn.Module):
+  """Flax linen ``nn.vmap`` of a per-example module (parameters shared over the batch)."""
+  @nn.compact
+  def __call__(self, x):
+    per = nn.vmap(Sown, in_axes=0, out_axes=0, variable_axes={"params": None}, split_rngs={"params": False})
+    return per("normed", name="per")(x[:, None])[:, 0]
+
+
+prog("linen_nn_vmap_per_example", 3)(lambda: linen(VmappedPerExample(), TOKENS))
+
+
+# ----------------------------------------------------------------------------
+# Flax NNX: layers created with nnx.vmap, run with nnx.scan, rematerialised with nnx.remat;
+# a per-example model nnx.vmap-ed over the batch.
+
+def nnx_model(build, args_fn):
+  """(apply, init) of an NNX module: ``apply(state, *args)`` merges the state into the graph."""
+  from flax import nnx
+  model = build(nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+
+  def apply(st, *a):
+    return nnx.merge(graphdef, st)(*a)
+  return apply, lambda seed: draw_like(state, seed)
+
+
+def _nnx_classes():
+  from flax import nnx
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.ln_1 = nnx.LayerNorm(D, epsilon=EPS, param_dtype=F64, rngs=rngs)
+      self.ln_2 = nnx.LayerNorm(D, epsilon=EPS, use_fast_variance=False, param_dtype=F64, rngs=rngs)
+      self.attn = nnx.MultiHeadAttention(HEADS, D, D, decode=False, param_dtype=F64, rngs=rngs)
+      self.fc = nnx.Linear(D, FF, param_dtype=F64, rngs=rngs)
+      self.proj = nnx.Linear(FF, D, param_dtype=F64, rngs=rngs)
+
+    def __call__(self, h):
+      h = h + self.attn(self.ln_1(h))
+      return h + self.proj(jax.nn.gelu(self.fc(self.ln_2(h))))
+
+  class Stack(nnx.Module):
+    def __init__(self, rngs, layers=3, remat=False, per_example=False):
+      self.embed = nnx.Linear(DIN, D, param_dtype=F64, rngs=rngs)
+
+      @nnx.split_rngs(splits=layers)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def create(r):
+        return Block(r)
+      self.blocks = create(rngs)
+      self.ln_f = nnx.LayerNorm(D, epsilon=EPS, param_dtype=F64, rngs=rngs)
+      self.remat, self.per_example = remat, per_example
+
+    def run(self, x):
+      h = self.embed(x)
+
+      def step(h, blk):
+        return blk(h)
+      if self.remat:
+        step = nnx.remat(step, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      def body(h, blk):
+        return step(h, blk)
+      return self.ln_f(body(h, self.blocks))
+
+    def __call__(self, x):
+      if self.per_example:
+        return nnx.vmap(lambda m, t: m.run(t[None])[0], in_axes=(None, 0))(self, x)
+      return self.run(x)
+  return Stack
+
+
+# 3 scanned blocks: ln_1 and ln_2 are two sites of the scan body (each folds for every layer), ln_f
+prog("nnx_scan_over_vmap_created_layers", 3)(lambda: nnx_model(_nnx_classes(), TOKENS))
+prog("nnx_scan_remat_dots_saveable", 3)(lambda: nnx_model(lambda r: _nnx_classes()(r, remat=True), TOKENS))
+prog("nnx_vmap_per_example_over_scan", 3)(
+    lambda: nnx_model(lambda r: _nnx_classes()(r, per_example=True), TOKENS))
+
+
+# ----------------------------------------------------------------------------
+
+NAMES = sorted(PROGRAMS)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if PROGRAMS[n][3] else n
+                                  for n in NAMES])
+def test_program_sound(name):
+  make, args, folded, _ = PROGRAMS[name]
+  with x64_context():
+    apply, init = make()
+    assert_sound(apply, init, args(), expect_folded=folded)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_t5x_low_precision_model(dtype):
+  """T5X/MaxText: parameters and activations in float32 or bfloat16, each LayerNorm upcast
+  to float64 (float32 in the real models) and cast back. Both norms fold; the folded model
+  is as close to the exact (float64) result as the original is."""
+  with x64_context():
+    apply, init = PROGRAMS["t5x_upcast_ln_in_f64_model"][0]()
+    p = jax.tree_util.tree_map(lambda v: v.astype(dtype), init(0))
+    f = jaxfold.fold(p, apply, xs(1, 1, DIN).astype(dtype))
+    assert f.report.num_folded == 2, f.report
+    up = functools.partial(jax.tree_util.tree_map, lambda v: v.astype(F64))
+    for b, t in ((1, 1), (2, 4), (4, 7)):
+      x = xs(b, t, DIN).astype(dtype)
+      exact = jax.jit(apply)(up(p), x.astype(F64))
+      orig_err = rel_err(exact, jax.jit(apply)(p, x))
+      fold_err = rel_err(exact, jax.jit(f.apply_fn)(f.params, x))
+      assert fold_err <= max(2 * orig_err, float(jnp.finfo(dtype).eps)), (b, t, orig_err, fold_err)
