@@ -92,10 +92,10 @@ def linen(module, args_fn, **apply_kw):
 PROGRAMS: dict = {}
 
 
-def prog(name, folded, args=TOKENS, slow=False):
+def prog(name, folded, args=TOKENS, slow=False, **fold_kw):
   """Registers ``make() -> (apply, init)``; ``init`` a function seed -> params."""
   def deco(make):
-    PROGRAMS[name] = (make, args, folded, slow)
+    PROGRAMS[name] = (make, args, folded, slow, fold_kw)
     return make
   return deco
 
@@ -682,6 +682,129 @@ class VmappedPerExample(nn.Module):
 prog("linen_nn_vmap_per_example", 3)(lambda: linen(VmappedPerExample(), TOKENS))
 
 
+
+# ----------------------------------------------------------------------------
+# Vision and mixing architectures whose structure decides what may fold.
+
+class ConvNeXt(nn.Module):
+  """Stem conv -> LN; blocks: depthwise 3x3 conv -> LN -> Dense -> gelu -> Dense -> layer
+  scale -> residual; downsample LN -> 1x1 conv; pooled head LN. The stem LN and the head LN
+  (its input a spatial mean of the 1x1 conv's output) fold; the block LNs do not: a depthwise
+  conv of a zero-sum stream is not zero-sum (each channel has its own kernel), nor does the
+  downsample LN: the stream starts at the stem LN's output."""
+  @nn.compact
+  def __call__(self, x):
+    h = layer_norm(name="stem_ln")(nn.Conv(D, (2, 2), strides=(2, 2), padding="VALID", param_dtype=F64)(x))
+    for i in range(2):
+      y = nn.Conv(D, (3, 3), feature_group_count=D, param_dtype=F64, name=f"dw_{i}")(h)
+      y = dense(D)(jax.nn.gelu(dense(FF)(layer_norm(name=f"ln_{i}")(y))))
+      h = h + self.param(f"layer_scale_{i}", nn.initializers.constant(0.5), (D,), F64) * y
+    h = nn.Conv(D, (1, 1), param_dtype=F64, name="down")(layer_norm(name="down_ln")(h))
+    return dense(3, name="head")(layer_norm(name="head_ln")(h.mean((1, 2))))
+
+
+IMGS_EVEN = img_args((1, 2, 2), (2, 4, 6), (3, 6, 4))
+prog("linen_convnext_depthwise", 2, IMGS_EVEN)(lambda: linen(ConvNeXt(), IMGS_EVEN))
+
+
+class DepthwiseThenLN(nn.Module):
+  """A depthwise conv with channel multiplier 2 straight into an LN over channels: the
+  kernel's columns are per (input channel, multiplier), so no centering makes it zero-sum."""
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Conv(6, (3, 3), feature_group_count=3, param_dtype=F64)(x)
+    return layer_norm()(h)
+
+
+prog("linen_depthwise_multiplier_then_ln", 0, IMGS)(lambda: linen(DepthwiseThenLN(), IMGS))
+
+
+class GroupedConvThenPerGroupNorm(nn.Module):
+  """A grouped conv (2 groups) whose output channels are normalized per group and per pixel:
+  each group's kernel block can be centered along its own output channels."""
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Conv(8, (3, 3), feature_group_count=2, param_dtype=F64)(x)
+    return nn.GroupNorm(num_groups=2, reduction_axes=-1, epsilon=EPS, param_dtype=F64)(h)
+
+
+IMGS4 = img_args((1, 1, 1), (2, 5, 6), (3, 4, 4), c=4)
+prog("linen_grouped_conv_per_group_norm", 1, IMGS4)(lambda: linen(GroupedConvThenPerGroupNorm(), IMGS4))
+
+
+class Mixer(nn.Module):
+  """MLP-Mixer: token mixing is a Dense over the token axis (transpose, Dense, transpose).
+  Its output is not zero-sum over channels and nothing in it can be centered along them: one
+  auxiliary centering of each token mix's output (over channels) lets every later LN fold."""
+  tokens: int = 4
+
+  @nn.compact
+  def __call__(self, x):
+    h = dense(D, name="stem")(x)
+    for i in range(2):
+      y = jnp.swapaxes(layer_norm(name=f"ln_tok_{i}")(h), 1, 2)
+      y = dense(self.tokens, name=f"tok_out_{i}")(jax.nn.gelu(dense(6, name=f"tok_in_{i}")(y)))
+      h = h + jnp.swapaxes(y, 1, 2)
+      h = h + dense(D)(jax.nn.gelu(dense(FF)(layer_norm(name=f"ln_ch_{i}")(h))))
+    return dense(3)(layer_norm(name="ln_f")(h).mean(1))
+
+
+MIX = tok_args((1, 4), (2, 4), (3, 4))
+prog("linen_mlp_mixer", 5, MIX)(lambda: linen(Mixer(), MIX))
+prog("linen_mlp_mixer_no_auxiliary", 1, MIX, auxiliary_centering=False)(lambda: linen(Mixer(), MIX))
+
+
+class Perceiver(nn.Module):
+  """Learned latents (a parameter tiled over the batch) cross-attend to the inputs."""
+  @nn.compact
+  def __call__(self, x):
+    lat = self.param("latents", nn.initializers.normal(1.0), (3, D), F64)
+    lat = jnp.broadcast_to(lat, (x.shape[0],) + lat.shape)
+    kv = layer_norm(name="ln_in")(dense(D, name="embed")(x))
+    q = layer_norm(name="ln_lat")(lat)
+    a = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", dense(D)(q), dense(D)(kv)) / np.sqrt(D), -1)
+    lat = lat + dense(D)(jnp.einsum("bqk,bkd->bqd", a, dense(D)(kv)))
+    return layer_norm(name="ln_out")(lat)
+
+
+prog("linen_perceiver_latents", 3)(lambda: linen(Perceiver(), TOKENS))
+
+
+
+class CachedDecoder(nn.Module):
+  """Autoregressive decoding with flax's attention cache (``decode=True``): the cached keys
+  and values are inputs (variables) and outputs (the mutable ``cache`` collection)."""
+  qk_norm: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    h = dense(D, name="embed")(x)
+    for i in range(2):
+      a = nn.MultiHeadDotProductAttention(HEADS, param_dtype=F64, decode=True, normalize_qk=self.qk_norm,
+                                          name=f"attn_{i}")
+      h = h + a(layer_norm(name=f"ln_1_{i}")(h))
+      h = h + Mlp(name=f"mlp_{i}")(layer_norm(name=f"ln_2_{i}")(h))
+    return layer_norm(name="ln_f")(h)
+
+
+def _decoder_init(model, batch=2, max_len=5):
+  def init(seed):
+    shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((batch, max_len, DIN), F64))
+    v = draw_like(shapes, seed)
+    # two positions already decoded
+    v["cache"] = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: jnp.full(leaf.shape, 2, jnp.int32) if "index" in jax.tree_util.keystr(path) else leaf,
+        v["cache"])
+    return v
+  return functools.partial(model.apply, mutable=["cache"]), init
+
+
+ONE_TOKEN = lambda: [(xs(2, 1, DIN, seed=s),) for s in (0, 1)]   # noqa: E731
+# (the int32 cache index has no gradient: CBWC gradients are not compared)
+prog("linen_decode_with_kv_cache", 5, ONE_TOKEN, grads=False)(lambda: _decoder_init(CachedDecoder()))
+prog("linen_decode_with_kv_cache_qk_norm", 9, ONE_TOKEN, grads=False)(lambda: _decoder_init(CachedDecoder(qk_norm=True)))
+
+
 # ----------------------------------------------------------------------------
 # Flax NNX: layers created with nnx.vmap, run with nnx.scan, rematerialised with nnx.remat;
 # a per-example model nnx.vmap-ed over the batch.
@@ -759,10 +882,10 @@ NAMES = sorted(PROGRAMS)
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if PROGRAMS[n][3] else n
                                   for n in NAMES])
 def test_program_sound(name):
-  make, args, folded, _ = PROGRAMS[name]
+  make, args, folded, _, fold_kw = PROGRAMS[name]
   with x64_context():
     apply, init = make()
-    assert_sound(apply, init, args(), expect_folded=folded)
+    assert_sound(apply, init, args(), expect_folded=folded, **fold_kw)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -782,3 +905,34 @@ def test_t5x_low_precision_model(dtype):
       orig_err = rel_err(exact, jax.jit(apply)(p, x))
       fold_err = rel_err(exact, jax.jit(f.apply_fn)(f.params, x))
       assert fold_err <= max(2 * orig_err, float(jnp.finfo(dtype).eps)), (b, t, orig_err, fold_err)
+
+
+def test_equinox_style_folded_per_example_then_vmapped():
+  """Equinox users fold the per-example function (one sequence, at one token or four) and
+  ``jax.vmap``/``jax.jit`` the FOLDED function over the batch themselves."""
+  with x64_context():
+    p = plain(MLP_P)(0)
+    batched = jax.jit(jax.vmap(_eqx_model, (None, 0)))
+    for t in (1, 4):
+      f = jaxfold.fold(p, _eqx_model, xs(t, DIN))
+      assert f.report.num_folded == 2, f.report
+      run = jax.jit(jax.vmap(f.apply_fn, (None, 0)))
+      for b, tt in ((1, 1), (3, 5), (2, 4)):
+        x = xs(b, tt, DIN)
+        assert rel_err(batched(p, x), run(f.params, x)) < 1e-12, (t, b, tt)
+
+
+def test_checkpoint_name_through_fuse_defer_and_rotate():
+  """``checkpoint_name`` tags (MaxText) pass fuse_affine, defer_norms and rotate."""
+  with x64_context():
+    p = dict(plain(MLP_P)(0), wh=xs(D, 3))
+    policy = jax.checkpoint_policies.save_only_these_names("mlpwo")
+    fn = jax.checkpoint(lambda p, x: _named_block(p, x) @ p["wh"], policy=policy)
+    x, x2 = xs(2, 4, DIN), xs(3, 6, DIN)
+    q = np.linalg.qr(np.random.default_rng(0).normal(size=(D, D)))[0]
+    ref = jax.jit(fn)(p, x2)
+    for kw in (dict(fuse_affine=True), dict(defer_norms=True)):
+      f = jaxfold.fold(p, fn, x, **kw)
+      assert rel_err(ref, jax.jit(f.apply_fn)(f.params, x2)) < 1e-12, kw
+    r = jaxfold.rotate(jaxfold.fold(p, fn, x, fuse_affine=True), q)
+    assert rel_err(ref, jax.jit(r.apply_fn)(r.params, x2)) < 1e-12
