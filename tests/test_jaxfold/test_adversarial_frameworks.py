@@ -802,7 +802,59 @@ def _decoder_init(model, batch=2, max_len=5):
 ONE_TOKEN = lambda: [(xs(2, 1, DIN, seed=s),) for s in (0, 1)]   # noqa: E731
 # (the int32 cache index has no gradient: CBWC gradients are not compared)
 prog("linen_decode_with_kv_cache", 5, ONE_TOKEN, grads=False)(lambda: _decoder_init(CachedDecoder()))
-prog("linen_decode_with_kv_cache_qk_norm", 9, ONE_TOKEN, grads=False)(lambda: _decoder_init(CachedDecoder(qk_norm=True)))
+prog("linen_decode_with_kv_cache_qk_norm", 9, ONE_TOKEN, grads=False)(
+    lambda: _decoder_init(CachedDecoder(qk_norm=True)))
+
+
+
+# ----------------------------------------------------------------------------
+# Parameters transformed before use: weight norm, spectral norm, weight standardization,
+# LoRA, int8 kernels with float scales.
+
+class Reparam(nn.Module):
+  kind: str
+
+  @nn.compact
+  def __call__(self, x):
+    if self.kind == "weight_norm":
+      h = nn.WeightNorm(dense(D))(x)
+    elif self.kind == "spectral_norm":
+      h = nn.SpectralNorm(dense(D), n_steps=2)(x, update_stats=False)
+    elif self.kind == "lora":
+      h = dense(D)(x) + 0.5 * nn.Dense(D, use_bias=False, param_dtype=F64, name="lora_b")(
+          nn.Dense(2, use_bias=False, param_dtype=F64, name="lora_a")(x))
+    elif self.kind == "int8":
+      q = self.param("kernel_q", lambda k, s: jnp.zeros(s, jnp.int8), (x.shape[-1], D))
+      scale = self.param("kernel_scale", nn.initializers.ones, (D,), F64)
+      h = x @ (q.astype(F64) * scale) + self.param("bias", nn.initializers.zeros, (D,), F64)
+    else:   # standardized kernel (BiT's StdConv, here a Dense): per output feature over inputs
+      w = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], D), F64)
+      w = (w - w.mean(0)) / jnp.sqrt(w.var(0) + 1e-10)
+      h = x @ w + self.param("bias", nn.initializers.zeros, (D,), F64)
+    return dense(3)(layer_norm()(h))
+
+
+def _int8_init(seed):
+  v = draw_like(jax.eval_shape(Reparam("int8").init, jax.random.PRNGKey(0), jnp.zeros((1, 1, DIN), F64)), seed)
+  q = np.random.default_rng(seed).integers(-127, 128, (DIN, D))
+  v["params"]["kernel_q"] = jnp.asarray(q, jnp.int8)
+  return v
+
+
+# weight norm: W[:, d] = scale[d] · v[:, d] / |v[:, d]|: v enters nonlinearly per column and
+# bias alone cannot make h zero-sum, nothing folds
+prog("reparam_weight_norm", 0)(lambda: linen(Reparam("weight_norm"), TOKENS))
+# spectral norm: W / σ(W), σ by power iteration on W itself. The kernel is untied: a centered
+# copy for x @ (W / σ) (P W / σ = P (W / σ)), the original for σ
+prog("reparam_spectral_norm", 1)(lambda: linen(Reparam("spectral_norm"), TOKENS))
+# standardized kernel (W − mean) / std per output: itself a norm over the kernel's input dim,
+# which folds by centering the kernel along dim 0; h is not zero-sum over features, so the LN
+# after it does not
+prog("reparam_standardized_kernel", 1)(lambda: linen(Reparam("standardized"), TOKENS))
+# LoRA: the base kernel and lora_b are centered, lora_a is not needed
+prog("reparam_lora", 1)(lambda: linen(Reparam("lora"), TOKENS))
+# int8 kernel times a float scale per output feature: nothing can center an int8 tensor
+prog("reparam_int8_kernel_float_scale", 0, grads=False)(lambda: (Reparam("int8").apply, _int8_init))
 
 
 # ----------------------------------------------------------------------------
@@ -936,3 +988,24 @@ def test_checkpoint_name_through_fuse_defer_and_rotate():
       assert rel_err(ref, jax.jit(f.apply_fn)(f.params, x2)) < 1e-12, kw
     r = jaxfold.rotate(jaxfold.fold(p, fn, x, fuse_affine=True), q)
     assert rel_err(ref, jax.jit(r.apply_fn)(r.params, x2)) < 1e-12
+
+
+def test_dropout_rngs_and_deterministic_through_example_kwargs():
+  """A linen decoder called as users do in training: ``deterministic=False`` and
+  ``rngs={"dropout": key}`` as keyword arguments of the folded apply_fn (dropout sits
+  before the MLP's output Dense, so every LN still folds), jitted, at other shapes."""
+  with x64_context():
+    apply, init = linen(Decoder(), TOKENS)
+    p = init(0)
+    key = jax.random.PRNGKey(3)
+    kw = {"deterministic": False, "rngs": {"dropout": key}}
+    f = jaxfold.fold(p, apply, xs(1, 1, DIN), example_kwargs=kw)
+    assert f.report.num_folded == 5, f.report
+    run = jax.jit(f.apply_fn, static_argnames="deterministic")
+    ref = jax.jit(apply, static_argnames="deterministic")
+    for b, t in ((1, 1), (2, 4), (4, 7)):
+      x = xs(b, t, DIN)
+      for k in (key, jax.random.PRNGKey(4)):
+        want = ref(p, x, deterministic=False, rngs={"dropout": k})
+        assert rel_err(want, run(f.params, x, deterministic=False, rngs={"dropout": k})) < 1e-12, (b, t)
+      assert rel_err(ref(p, x, deterministic=True), run(f.params, x, deterministic=True)) < 1e-12
