@@ -807,6 +807,140 @@ prog("linen_decode_with_kv_cache_qk_norm", 9, ONE_TOKEN, grads=False)(
 
 
 
+
+class HeadsFirst(nn.Module):
+  """q as (b, heads, t, head_dim): an LN over the non-adjacent (heads, head_dim) axes (1, 3),
+  γ of shape (heads, 1, head_dim); or (near miss) over (tokens, head_dim) (2, 3)."""
+  axes: tuple = (1, 3)
+
+  @nn.compact
+  def __call__(self, x):
+    q = jnp.transpose(nn.DenseGeneral((HEADS, D // HEADS), param_dtype=F64)(x), (0, 2, 1, 3))
+    g = self.param("scale", nn.initializers.ones, (HEADS, 1, D // HEADS), F64)
+    b = self.param("bias", nn.initializers.zeros, (HEADS, 1, D // HEADS), F64)
+    mu = q.mean(self.axes, keepdims=True)
+    var = jnp.square(q - mu).mean(self.axes, keepdims=True)
+    return (q - mu) * lax.rsqrt(var + EPS) * g + b
+
+
+prog("ln_over_non_adjacent_heads_and_head_dim", 1)(lambda: linen(HeadsFirst(), TOKENS))
+prog("ln_over_tokens_and_head_dim_near_miss", 0)(lambda: linen(HeadsFirst((2, 3)), TOKENS))
+
+
+class ChannelsFirstLN(nn.Module):
+  """A torch-port ConvNeXt stem: NCHW conv, then ``LayerNorm(data_format="channels_first")``
+  over axis 1 with weight[:, None, None]."""
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("kernel", nn.initializers.lecun_normal(), (D, 3, 2, 2), F64)
+    h = lax.conv_general_dilated(jnp.transpose(x, (0, 3, 1, 2)), w, (1, 1), "SAME",
+                                 dimension_numbers=("NCHW", "OIHW", "NCHW"))
+    h = h + self.param("bias", nn.initializers.zeros, (D,), F64)[:, None, None]
+    u = h.mean(1, keepdims=True)
+    s = ((h - u) ** 2).mean(1, keepdims=True)
+    h = (h - u) / jnp.sqrt(s + 1e-6)
+    g = self.param("scale", nn.initializers.ones, (D,), F64)
+    return g[:, None, None] * h + self.param("ln_bias", nn.initializers.zeros, (D,), F64)[:, None, None]
+
+
+prog("ln_channels_first_nchw_conv", 1, IMGS)(lambda: linen(ChannelsFirstLN(), IMGS))
+
+
+class Sandwich(nn.Module):
+  """Sandwich norm (Gemma 2, CogView): h + LN_post(f(LN_pre(h))) for attention and MLP."""
+  @nn.compact
+  def __call__(self, x):
+    h = dense(D, name="embed")(x)
+    for i in range(2):
+      h = h + layer_norm(name=f"post_att_{i}")(Attention(name=f"att_{i}")(layer_norm(name=f"pre_att_{i}")(h)))
+      h = h + layer_norm(name=f"post_mlp_{i}")(Mlp(name=f"mlp_{i}")(layer_norm(name=f"pre_mlp_{i}")(h)))
+    return layer_norm(name="ln_f")(h)
+
+
+# the first pre-norm and every post-norm fold (their inputs are centered producers); a post
+# norm's output γ ⊙ n + β enters the stream, so the later pre-norms and ln_f do not: an
+# auxiliary centering would buy one site each (not worth it)
+prog("linen_sandwich_norm", 5)(lambda: linen(Sandwich(), TOKENS))
+
+
+
+class ScanBlockYs(nn.Module):
+  """A scanned block that also emits a per-layer output (HF ``output_hidden_states``)."""
+  emit: str = "stream"
+
+  @nn.compact
+  def __call__(self, h, scale):
+    y = layer_norm(name="ln")(h)
+    h = h + scale * Mlp()(y)
+    return h, (h if self.emit == "stream" else y)
+
+
+class ScanYs(nn.Module):
+  """nn.scan with parameters stacked on axis 1 (T5X's param_scan_axis=1), a per-layer input
+  (a scale per layer, scanned) and the per-layer outputs collected as ys."""
+  emit: str = "stream"
+  axis: int = 1
+
+  @nn.compact
+  def __call__(self, x):
+    h = dense(D, name="embed")(x)
+    scales = jnp.asarray([0.5, 1.0, 2.0], F64)
+    h, ys = nn.scan(ScanBlockYs, variable_axes={"params": self.axis}, split_rngs={"params": True},
+                    in_axes=0, out_axes=0, length=3)(self.emit, name="layers")(h, scales)
+    return layer_norm(name="ln_f")(h), ys
+
+
+# the stacked un-normalized hidden states are outputs: no centering of the stream is invisible
+prog("linen_scan_param_axis_1_emits_hidden_states", 0)(lambda: linen(ScanYs("stream"), TOKENS))
+prog("linen_scan_param_axis_1_emits_normed", 2)(lambda: linen(ScanYs("normed"), TOKENS))
+prog("linen_scan_param_axis_0_emits_normed", 2)(lambda: linen(ScanYs("normed", axis=0), TOKENS))
+
+
+class CondLayer(nn.Module):
+  """linen ``nn.cond``: a block applied or skipped by a traced flag (early exit / layer drop)."""
+  @nn.compact
+  def __call__(self, x, flag):
+    h = dense(D, name="embed")(x)
+    blk = PreLN(name="blk")
+    if self.is_initializing():
+      blk(h)
+    h = nn.cond(flag, lambda m, h: m(h), lambda m, h: h, blk, h)
+    return layer_norm(name="ln_f")(h)
+
+
+def _flag_args(*shapes):
+  return lambda: [(xs(b, t, DIN), jnp.asarray(bool(i % 2 == 0))) for i, (b, t) in enumerate(shapes)]
+
+
+FLAGS = _flag_args((1, 1), (2, 4), (4, 7), (2, 3))
+prog("linen_nn_cond_layer_skip", 3, FLAGS)(lambda: linen(CondLayer(), FLAGS))
+
+
+
+class SharedDense(nn.Module):
+  """One Dense module called on two inputs: one call feeds an LN, the other is an output."""
+  @nn.compact
+  def __call__(self, x):
+    shared = dense(D, name="shared")
+    return layer_norm()(shared(x)), shared(2.0 * x[:, :1])
+
+
+prog("linen_shared_module_two_calls_one_normed", 1)(lambda: linen(SharedDense(), TOKENS))
+
+
+class TiedAutoencoder(nn.Module):
+  """Encoder W, decoder W.T (tied): LN(x W + b) W^T; centering W's columns for the LN would
+  change the decoder's contraction, so the encoder's use gets a centered copy."""
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("kernel", nn.initializers.lecun_normal(), (DIN, D), F64)
+    b = self.param("bias", nn.initializers.zeros, (D,), F64)
+    return layer_norm()(x @ w + b) @ w.T
+
+
+prog("linen_tied_autoencoder_transposed_use", 1)(lambda: linen(TiedAutoencoder(), TOKENS))
+
+
 # ----------------------------------------------------------------------------
 # Parameters transformed before use: weight norm, spectral norm, weight standardization,
 # LoRA, int8 kernels with float scales.
