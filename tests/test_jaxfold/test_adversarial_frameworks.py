@@ -376,6 +376,17 @@ def _():
   return jax.checkpoint(_named_block, policy=policy), plain(MLP_P)
 
 
+@prog("checkpoint_name_on_norm_statistics", 1)
+def _():
+  # the mean and the variance themselves tagged (a policy that saves the statistics)
+  def apply(p, x):
+    h = x @ p["w"] + p["b"]
+    mu = checkpoint_name(h.mean(-1, keepdims=True), "mean")
+    var = checkpoint_name(jnp.square(h - mu).mean(-1, keepdims=True), "var")
+    return (h - mu) * lax.rsqrt(var + EPS) * p["g"] + p["be"]
+  return jax.checkpoint(apply, policy=jax.checkpoint_policies.save_only_these_names("mean", "var")), plain(MLP_P)
+
+
 def _eqx_ln(x, g, b, eps=EPS):
   """Equinox's LayerNorm on ONE vector (shape (D,)), vmapped by the user over tokens."""
   mean = jnp.mean(x, keepdims=True)

@@ -480,14 +480,14 @@ def _fuzz_export(seed, how):
 
 @pytest.mark.parametrize("how", ["fuse", "defer"])
 def test_fuzz_program_with_kernels_exports_at_a_symbolic_batch(x64, how):
-  """Seed 49 folds with norm_impl='interpret' (seed 3 did before the fuzz key
-  table grew): the kernel proof's search bound read a symbolic operand size
+  """Seed 33 folds with norm_impl='interpret' and fuses (seeds 3 and 49 did before
+  the fuzz key table grew): the kernel proof's search bound read a symbolic operand size
   with int() and caught only TypeError (jax raises
   InconclusiveDimensionOperation), so the analysis at symbolic shapes crashed
   and the export fell back."""
   import fuzz_programs as fp
-  assert fp.make_program(49).fold_kwargs.get("norm_impl") == "interpret"
-  assert _fuzz_export(49, how) is not None
+  assert fp.make_program(33).fold_kwargs.get("norm_impl") == "interpret"
+  assert _fuzz_export(33, how) is not None
 
 
 @pytest.mark.slow
