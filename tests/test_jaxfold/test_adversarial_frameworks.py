@@ -611,6 +611,41 @@ class MoEDecoder(nn.Module):
     return layer_norm()(h)
 
 
+class SwitchScatter(nn.Module):
+  """Switch-style top-1 routing with capacity: tokens are gathered per expert (argsort by
+  expert, first ``cap`` kept), run through their expert, and scatter-added back."""
+  experts: int = 2
+
+  @nn.compact
+  def __call__(self, x):
+    b, t, _ = x.shape
+    flat = x.reshape(b * t, D)
+    logits = nn.Dense(self.experts, use_bias=False, param_dtype=F64, name="router")(flat)
+    e = jnp.argmax(logits, -1)
+    gate = jax.nn.softmax(logits, -1)[jnp.arange(b * t), e]
+    cap = max(1, (b * t) // self.experts)
+    w1 = self.param("w1", nn.initializers.lecun_normal(), (self.experts, D, FF), F64)
+    w2 = self.param("w2", nn.initializers.lecun_normal(), (self.experts, FF, D), F64)
+    out = jnp.zeros_like(flat)
+    for k in range(self.experts):
+      rank = jnp.cumsum(e == k) - 1
+      keep = (e == k) & (rank < cap)
+      slot = jnp.where(keep, rank, cap)              # dropped tokens go to a spare slot
+      buf = jnp.zeros((cap + 1, D), F64).at[slot].set(flat)
+      y = jax.nn.gelu(buf @ w1[k]) @ w2[k]
+      out = out.at[jnp.arange(b * t)].add(jnp.where(keep[:, None], y[slot] * gate[:, None], 0.0))
+    return out.reshape(b, t, D)
+
+
+class SwitchDecoder(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = dense(D)(x)
+    h = h + SwitchScatter()(layer_norm()(h))
+    return layer_norm()(h)
+
+
+prog("linen_switch_capacity_scatter_add", 2)(lambda: linen(SwitchDecoder(), TOKENS))
 prog("linen_moe_top2_gather", 5)(lambda: linen(MoEDecoder(), TOKENS))
 prog("linen_moe_top2_one_hot_dispatch", 5, slow=True)(lambda: linen(MoEDecoder("one_hot"), TOKENS))
 
