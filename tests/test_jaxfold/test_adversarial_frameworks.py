@@ -15,6 +15,16 @@ at every argument set (folded == original, CBWC == original at unseen parameters
 gradients, every in-place centering invisible); the folded count a careful reader expects is
 pinned, so that a coverage regression shows and a near miss (a variant that must not fold)
 stays refused.
+
+Findings:
+
+* ``jax.ad_checkpoint.checkpoint_name`` (MaxText tags every projection output; remat policies
+  ``save_only_these_names``/``save_and_offload_only_these_names`` read the tags) binds the
+  ``name`` primitive, which had no rule: every norm whose input passed a tag was refused ("the
+  output of `name` is not provably zero-sum") and ``rotate`` refused a tagged stream. It is now
+  an identity rule (rules/elementwise.py, its rotation facet in rules/rotation.py).
+* Not jaxfold: flax 0.12.8's ``nnx.GroupNorm(reduction_axes=-1)`` on (B, T, C) broadcasts the
+  group statistics back interleaved (it is not a GroupNorm); jaxfold rightly refuses it.
 """
 
 from __future__ import annotations
@@ -154,6 +164,19 @@ _dense_norm("linen_gn_group_size_1_per_token", 0,
 # the default GroupNorm on tokens reduces over (tokens, C/G): the shift varies by token
 _dense_norm("linen_gn_group_size_3_over_tokens", 0,
             lambda: nn.GroupNorm(num_groups=None, group_size=3, epsilon=EPS, param_dtype=F64), shape=(6,))
+
+
+class MergedHeadsGroupNorm(nn.Module):
+  """RetNet-style: per-head outputs (b, t, heads, head_dim) merged to (b, t, heads·head_dim),
+  then a GroupNorm with one group per head over each token's channels."""
+  @nn.compact
+  def __call__(self, x):
+    h = nn.DenseGeneral((2, 3), param_dtype=F64)(x)
+    h = h.reshape(h.shape[:-2] + (6,))
+    return nn.GroupNorm(num_groups=2, reduction_axes=-1, epsilon=EPS, param_dtype=F64)(h)
+
+
+prog("linen_retnet_merged_heads_groupnorm", 1)(lambda: linen(MergedHeadsGroupNorm(), TOKENS))
 
 
 class ConvGroupNorm(nn.Module):
@@ -1097,6 +1120,30 @@ def _nnx_classes():
         return nnx.vmap(lambda m, t: m.run(t[None])[0], in_axes=(None, 0))(self, x)
       return self.run(x)
   return Stack
+
+
+def _nnx_norms(kind):
+  from flax import nnx
+
+  class NnxNorms(nnx.Module):
+    def __init__(self, rngs):
+      self.proj = nnx.LinearGeneral(DIN, (2, 3), param_dtype=F64, rngs=rngs)
+      if kind == "ln_two_axes":
+        self.norm = nnx.LayerNorm(3, reduction_axes=(-2, -1), feature_axes=-1, param_dtype=F64, rngs=rngs)
+      else:
+        self.norm = nnx.GroupNorm(6, num_groups=None, group_size=3, reduction_axes=-1, param_dtype=F64, rngs=rngs)
+
+    def __call__(self, x):
+      h = self.proj(x)
+      return self.norm(h if kind == "ln_two_axes" else h.reshape(h.shape[:-2] + (6,)))
+  return NnxNorms
+
+
+prog("nnx_layernorm_reduce_two_axes_features_last", 1)(lambda: nnx_model(_nnx_norms("ln_two_axes"), TOKENS))
+# flax 0.12.8's nnx.GroupNorm(reduction_axes=-1) on (B, T, C) computes each contiguous group's
+# statistics but broadcasts them back interleaved (channel c gets group c % groups's mean: 5.0
+# off the linen GroupNorm). A per-group shift is then not annihilated: refusing is required
+prog("nnx_groupnorm_group_size_3_per_token_interleaved_stats", 0)(lambda: nnx_model(_nnx_norms("gn"), TOKENS))
 
 
 # 3 scanned blocks: ln_1 and ln_2 are two sites of the scan body (each folds for every layer), ln_f
