@@ -311,7 +311,7 @@ prog("linen_decoder_remat_static_argnums", 5, slow=True)(lambda: linen(Decoder(s
 prog("linen_decoder_gptj_parallel_rotary", 3)(
     lambda: linen(Decoder(block=dict(parallel=True, rotary=True)), TOKENS))
 # ln_1 and ln_2 read the same h: their means are one canonical value, one site (5 means removed)
-prog("linen_decoder_neox_parallel_two_lns", 3)(
+prog("linen_decoder_neox_parallel_two_lns", 3, slow=True)(
     lambda: linen(Decoder(block=dict(parallel=True, neox=True, rotary=True), positions=False), TOKENS))
 # nn.scan over layers: one body, its two LNs are two sites that fold for every layer
 prog("linen_decoder_nn_scan", 3)(lambda: linen(Decoder(stack="scan", layers=3), TOKENS))
@@ -391,7 +391,7 @@ def _():
   return _named_block, plain(MLP_P)
 
 
-@prog("checkpoint_name_offload_policy", 2)
+@prog("checkpoint_name_offload_policy", 2, slow=True)
 def _():
   policy = jax.checkpoint_policies.save_and_offload_only_these_names(
       names_which_can_be_saved=["ln_out"], names_which_can_be_offloaded=[],
@@ -426,7 +426,7 @@ def _eqx_model(p, x):
 
 
 prog("equinox_style_per_example_vmapped", 2)(lambda: (jax.vmap(_eqx_model, (None, 0)), plain(MLP_P)))
-prog("equinox_style_jit_of_vmap_filter_jit_like", 2)(
+prog("equinox_style_jit_of_vmap_filter_jit_like", 2, slow=True)(
     lambda: (jax.jit(jax.vmap(_eqx_model, (None, 0))), plain(MLP_P)))
 # vmapped over the batch with the batch as axis 1 (in_axes=1, out_axes=1)
 prog("equinox_style_vmapped_over_axis_1", 2)(
@@ -713,7 +713,7 @@ class SharedScan(nn.Module):
 
 
 prog("linen_scan_variable_broadcast_shared_layers", 3)(lambda: linen(SharedScan(), TOKENS))
-prog("linen_scan_length_1", 3)(lambda: linen(SharedScan(length=1), TOKENS))
+prog("linen_scan_length_1", 3, slow=True)(lambda: linen(SharedScan(length=1), TOKENS))
 prog("linen_scan_unroll_2_reverse", 3, slow=True)(lambda: linen(SharedScan(length=3, unroll=2, reverse=True), TOKENS))
 
 
@@ -929,7 +929,7 @@ class Sandwich(nn.Module):
 # the first pre-norm and every post-norm fold (their inputs are centered producers); a post
 # norm's output γ ⊙ n + β enters the stream, so the later pre-norms and ln_f do not: an
 # auxiliary centering would buy one site each (not worth it)
-prog("linen_sandwich_norm", 5)(lambda: linen(Sandwich(), TOKENS))
+prog("linen_sandwich_norm", 5, slow=True)(lambda: linen(Sandwich(), TOKENS))
 
 
 
