@@ -267,3 +267,16 @@ def test_kernel_epilogue_near_misses_in_float32(name):
   assert ker.report.num_folded == 1 and len(_epilogues(ker, x)) == kernels
   for xs in (x, x[:1, :2]):
     assert rel_err(apply(p, xs), ker.apply_fn(ker.params, xs)) < 1e-4
+
+
+def test_size_of_a_symbolic_operand_bounds_the_search_instead_of_raising():
+  """At symbolic shapes (export's analysis) an operand's size is no int: jax raises
+  InconclusiveDimensionOperation, which is no TypeError. The kernel proof's search
+  bound treats such an operand as larger than any concrete one (the fuzz export test
+  that once caught this no longer reaches it)."""
+  import types
+
+  from jaxfold._src import kernels
+  sym = jax.export.symbolic_shape("b, 4")
+  assert kernels._size(types.SimpleNamespace(shape=sym)) > kernels._size(types.SimpleNamespace(shape=(1 << 20, 4)))
+  assert kernels._size(types.SimpleNamespace(shape=(3, 4))) == 12
