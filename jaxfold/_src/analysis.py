@@ -541,10 +541,17 @@ class Level:
         return self._loop_input(v, spec, out, use, chain, top_var, top_spec)
       out.append(Blocker(v, spec, "a program input (not a parameter)"))
       return
+    rule = rule_for(node.prim)
+    # A sum whose terms cancel over the blocks (``h - mean(h)``, a centering the
+    # user wrote) is zero-sum whatever its operands are: decided on the exact
+    # canonical form, before the facet asks the operands for more than needed.
+    if (rule.arith == "+" or rule.epilogue == "subtract") and self.sums_to_zero(v, spec):
+      return
     try:
-      reqs = rule_for(node.prim).zero_sum(node, v.index, spec, self)
+      reqs = rule.zero_sum(node, v.index, spec, self)
     except Block as e:
-      out.append(Blocker(v, spec, f"{e} [at {node.where()}]"))
+      if not self.sums_to_zero(v, spec):
+        out.append(Blocker(v, spec, f"{e} [at {node.where()}]"))
       return
     for r in reqs:
       if r.source is not None:
@@ -555,6 +562,38 @@ class Level:
         self._walk(a, r.spec, use, chain + (node,), out, top_var, top_spec)
       else:
         self._walk(a, r.spec, (node, r.operand), (), out, v, spec)
+
+  def sums_to_zero(self, v: Val, spec: tuple) -> bool:
+    """Whether ``v``'s exact canonical form sums to zero over every block of
+    ``spec``, for all parameter and input values (an identity, so it needs
+    nothing centered). Concrete sizes only; False when it cannot tell."""
+    shape = tuple(v.shape)
+    blocks = dict(spec)
+    split, axes = [], []
+    for d, n in enumerate(shape):
+      b = blocks.get(d)
+      if not isinstance(n, int) or (b is not None and (not isinstance(b, int) or b <= 0 or n % b)):
+        return False
+      if b is None:
+        split.append(n)
+      elif b == n:
+        split.append(n)
+        axes.append(len(split) - 1)
+      else:
+        split.extend([n // b, b])
+        axes.append(len(split) - 1)
+    if not axes:
+      return False
+    split = tuple(split)
+    try:
+      e = self.canon(v)
+      if e.is_zero:
+        return True
+      if split != shape:
+        e = A.view_op(e, split, lambda view: view.reshape(split), ("zero-sum blocks", split))
+      return A.reduce_sum(e, axes, split).is_zero
+    except Exception:  # noqa: BLE001 - an expression the algebra cannot sum proves nothing
+      return False
 
   def _fresh(self, r, out) -> None:
     """A ``Need`` on a value of its own (``source``, in program ``at`` or here):

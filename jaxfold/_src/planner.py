@@ -319,7 +319,8 @@ class Planner:
     aux_vars = tuple(dict.fromkeys(a.var for a in actions if isinstance(a, AuxCenter)))
     aux = bool(aux_vars)
     reason = "input is zero-sum over the normalized axes"
-    reason += " after an auxiliary centering" if aux else (" after centering" if centered else "")
+    reason += (" after an auxiliary centering" if aux else " after centering" if centered
+               else " as written (it needs nothing centered)")
     if self._inexact:
       reason += DROPOUT_NOTE
     self.decisions[i] = Decision(True, reason, tuple(dict.fromkeys(centered)), aux,
@@ -481,38 +482,51 @@ class Planner:
             f"{', ' + src if src else ''}): γ ⊙ n + β is not zero-mean when γ is non-uniform")
 
   def _norm_output_of(self, v) -> Optional[int]:
-    """The nearest site whose elementwise epilogue produces ``v``, if any."""
+    """The nearest site whose elementwise epilogue produces ``v`` through its
+    γ or β (a product with or a sum of a parameter), if any: a value computed
+    from a mean without them (``h - mean(h)``, a rescaled mean) is not the γ
+    case, and its blocker's own reason is the true one."""
     if not isinstance(v, Val):
       return None
     best, best_d = None, 13
     for j in range(len(self.sites)):
       d = self._epilogue(j).get(v)
-      if d is not None and d < best_d:
+      if d is not None and d < best_d and v in self._affine_part(j):
         best, best_d = j, d
     return best
 
   def _epilogue(self, j: int) -> dict:
+    return self._epilogue_walk(j)[0]
+
+  def _affine_part(self, j: int) -> set:
+    """The values of site ``j``'s epilogue downstream of a γ product or β sum."""
+    return self._epilogue_walk(j)[1]
+
+  def _epilogue_walk(self, j: int) -> tuple:
     cache = self.__dict__.setdefault("_epi", {})
     if j in cache:
       return cache[j]
     site = self.sites[j]
     prog = site.level.program
-    dist, frontier = {}, collections.deque((r.outs[0], 0) for r in site.reduces)
+    dist, affine = {}, set()
+    frontier = collections.deque((r.outs[0], 0, False) for r in site.reduces)
     while frontier:
-      v, d = frontier.popleft()
-      if v in dist or d > 12:
+      v, d, aff = frontier.popleft()
+      if d > 12 or (v in affine if aff else v in dist):
         continue
-      dist[v] = d
+      dist.setdefault(v, d)
+      if aff:
+        affine.add(v)
       for node, _ in prog.consumers.get(v, ()):
         rule = rule_for(node.prim)
-        if rule.kind or rule.epilogue in ("subtract", "step") or (
-            rule.epilogue == "bias" and self._adds_param(node)):
-          frontier.append((node.outs[0], d + 1))
-    cache[j] = dist
-    return dist
+        params = self._adds_param(node)
+        if rule.kind or rule.epilogue in ("subtract", "step") or (rule.epilogue == "bias" and params):
+          frontier.append((node.outs[0], d + 1, aff or (params and rule.arith in ("+", "*"))))
+    cache[j] = (dist, affine)
+    return cache[j]
 
   def _adds_param(self, node) -> bool:
-    # γ ⊙ n + β: the β add joins a parameter, not another activation.
+    # γ ⊙ n + β: the β add (and the γ product) joins a parameter, not another activation.
     for a in node.ins:
       while isinstance(a, Val) and a.producer is not None and len(a.producer.ins) == 1:
         a = a.producer.ins[0]
