@@ -31,8 +31,7 @@ from jaxfold._src.analysis import (
 from jaxfold._src.program import Val, call_note
 from jaxfold._src.report import Auxiliary, Centering, Changes, Report, param_label
 from jaxfold._src.report import Site as ReportSite
-from jaxfold._src.rules import rule_for
-from jaxfold._src.rules.base import freeze
+from jaxfold._src.rules import Block, rule_for
 
 # ----------------------------------------------------------------------------
 # Typed actions and results.
@@ -209,8 +208,10 @@ class Planner:
       return [], [Blocker(site.input, (), f"the norm is inside {c.kind} `{c.name}` (called at "
                                           f"{c.source}); CBWC keeps its custom rule")]
     try:
-      needs = site.level.needs(site.input, freeze(layout.full_spec(site.input.shape, site.axes)),
-                               assume_aux, visited)
+      level, value, spec = site.target()
+      needs = level.needs(value, spec, assume_aux, visited)
+    except Block as e:
+      return [], [Blocker(site.input, (), str(e))]
     except Exception as e:  # noqa: BLE001 - fail closed with the cause
       return [], [Blocker(site.input, (), f"{type(e).__name__}: {e}")]
     self._inexact |= self.an.random_uses > before
@@ -348,6 +349,9 @@ class Planner:
       self._seed_fixed()
     failed, visits = {}, {}
     for i, site in enumerate(self.sites):
+      if site.unrecognised:
+        self.decisions[i] = Decision(False, site.unrecognised)
+        continue
       visits[i] = []
       actions, blockers = self.decide(site, {}, visits[i])
       if blockers:

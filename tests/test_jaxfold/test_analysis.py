@@ -198,3 +198,37 @@ def test_a_near_miss_of_an_explicit_centering_is_refused_with_the_true_reason(x6
   res = assert_sound(_centered_first(center), XSHAPES, x_args(3))
   refused = [s for s in res.fold_report.sites if not s.folded]
   assert len(refused) == 1 and why in refused[0].reason and "γ" not in refused[0].reason, res.fold_report
+
+
+# -- a mean accumulated in a loop: reported, with why it is not recognised -----------------
+
+
+def _chunked_mean(h, g, b):
+  """The mean as a sum of two halves accumulated in a fori_loop."""
+  half = XD // 2
+  acc = jax.lax.fori_loop(0, 2, lambda i, a: a + jax.lax.dynamic_slice_in_dim(h, i * half, half, -1).sum(-1),
+                          jnp.zeros(h.shape[:-1]))
+  c = h - (acc / XD)[..., None]
+  return c * jax.lax.rsqrt(_xmean(c * c) + 1e-5) * g + b
+
+
+@pytest.mark.parametrize("norm", ["welford", "chunked"])
+def test_a_mean_accumulated_in_a_loop_is_a_refused_site_that_says_why(x64, norm):
+  import spellings
+  from fold_checks import assert_sound, x_args
+  ln = spellings.welford_style if norm == "welford" else _chunked_mean
+  # (the norm after it reads a value the loop's "mean" leaves unproved: refused too)
+  res = assert_sound(_centered_first(lambda h, p: ln(h, 1.0, 0.0)), XSHAPES, x_args(3), expect_folded=0)
+  first, _ = res.fold_report.sites
+  assert not first.folded and "not recognised as a mean" in first.reason and first.axes == (2,), first
+  assert "a `scan` reading that input" in first.reason, first.reason
+
+
+def test_a_loop_output_that_does_not_read_the_value_is_no_site(x64):
+  def fn(p, x):
+    h = x @ p["w"] + p["b"]
+    s = jax.lax.fori_loop(0, 3, lambda i, a: a * 0.5 + 1.0, jnp.ones(h.shape[:-1]))
+    return h - s[..., None]
+  traced, ctx = _analyse(fn)
+  with ctx as an:
+    assert find_sites(an.top) == []
