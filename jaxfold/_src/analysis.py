@@ -580,13 +580,17 @@ class Level:
     # A sum whose terms cancel over the blocks (``h - mean(h)``, a centering the
     # user wrote) is zero-sum whatever its operands are: decided on the exact
     # canonical form, before the facet asks the operands for more than needed.
-    if (rule.arith == "+" or rule.epilogue == "subtract") and self.sums_to_zero(v, spec):
+    written = self.zero_as_written(v, spec) if (rule.arith == "+" or rule.epilogue == "subtract") else None
+    if written is not None:
+      if written is not True:
+        out.append(Blocker(v, spec, f"{written} [at {node.where()}]"))
       return
     try:
       reqs = rule.zero_sum(node, v.index, spec, self)
     except Block as e:
-      if not self.sums_to_zero(v, spec):
-        out.append(Blocker(v, spec, f"{e} [at {node.where()}]"))
+      written = self.zero_as_written(v, spec)
+      if written is not True:
+        out.append(Blocker(v, spec, f"{written or e} [at {node.where()}]"))
       return
     for r in reqs:
       if r.source is not None:
@@ -599,16 +603,23 @@ class Level:
         self._walk(a, r.spec, (node, r.operand), (), out, v, spec)
 
   def sums_to_zero(self, v: Val, spec: tuple) -> bool:
-    """Whether ``v``'s exact canonical form sums to zero over every block of
+    """Whether ``v`` sums to zero over every block of ``spec`` as written
+    (``zero_as_written``), at the precision of the program's outputs."""
+    return self.zero_as_written(v, spec) is True
+
+  def zero_as_written(self, v: Val, spec: tuple):
+    """True when ``v``'s exact canonical form sums to zero over every block of
     ``spec``, for all parameter and input values (an identity, so it needs
-    nothing centered). Concrete sizes only; False when it cannot tell."""
+    nothing centered), computed at least as precisely as the outputs; a
+    reason when it sums to zero only in real arithmetic; None when it does
+    not (or cannot tell: concrete sizes only)."""
     shape = tuple(v.shape)
     blocks = dict(spec)
     split, axes = [], []
     for d, n in enumerate(shape):
       b = blocks.get(d)
       if not isinstance(n, int) or (b is not None and (not isinstance(b, int) or b <= 0 or n % b)):
-        return False
+        return None
       if b is None:
         split.append(n)
       elif b == n:
@@ -618,17 +629,53 @@ class Level:
         split.extend([n // b, b])
         axes.append(len(split) - 1)
     if not axes:
-      return False
+      return None
     split = tuple(split)
     try:
       e = self.canon(v)
-      if e.is_zero:
-        return True
-      if split != shape:
-        e = A.view_op(e, split, lambda view: view.reshape(split), ("zero-sum blocks", split))
-      return A.reduce_sum(e, axes, split).is_zero
+      if not e.is_zero:
+        if split != shape:
+          e = A.view_op(e, split, lambda view: view.reshape(split), ("zero-sum blocks", split))
+        if not A.reduce_sum(e, axes, split).is_zero:
+          return None
     except Exception:  # noqa: BLE001 - an expression the algebra cannot sum proves nothing
-      return False
+      return None
+    coarse = self._coarse_cancellation(v)
+    if coarse is None:
+      return True
+    return (f"it sums to zero as written in real arithmetic, but `{coarse.prim.name}` computes part of it in "
+            f"{np.dtype(coarse.outs[0].dtype).name}, coarser than the program's outputs "
+            f"({np.dtype(self.tolerance).name}) [at {coarse.where()}]")
+
+  _CANCEL_CONE = 64
+
+  def _coarse_cancellation(self, v: Val) -> Optional[Node]:
+    """Whether the arithmetic that cancels in ``v``'s canonical form runs at
+    least as precisely as the program's outputs: the canonical form is real
+    arithmetic, so ``q - mean(q)`` computed in float32 inside a float64
+    program sums to float32 rounding, not to zero at the outputs' precision.
+    Walks back from ``v`` to the opaque values its form is written in (a
+    single factor: whatever rounding made it, both sides read the same one);
+    a cast is not arithmetic (a coarse one is opaque, a fine one exact)."""
+    tol = self.tolerance
+    todo, seen = [v], set()
+    while todo:
+      u = todo.pop()
+      node = u.producer
+      if u in seen or node is None or node.subs:
+        continue
+      seen.add(u)
+      if len(seen) > self._CANCEL_CONE:
+        return node
+      if u is not v:
+        e = self.canon(u)
+        if len(e.terms) == 1 and next(iter(e.terms.values())) == 1 and len(next(iter(e.terms))) == 1:
+          continue
+      if rule_for(node.prim).cast is None and any(
+          compat.is_floating(o.dtype) and not self.at_least_as_precise(o.dtype, tol) for o in node.outs):
+        return node
+      todo.extend(a for a in node.ins if isinstance(a, Val))
+    return None
 
   def _fresh(self, r, out) -> None:
     """A ``Need`` on a value of its own (``source``, in program ``at`` or here):

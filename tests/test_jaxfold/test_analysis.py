@@ -188,6 +188,10 @@ NOT_ZERO_SUM_AS_WRITTEN = {
     "h - 0.5 mean(h)": (lambda h, p: h - 0.5 * _xmean(h), "`sub` subtracts an operand broadcast"),
     "the mean of another value": (lambda h, p: h - _xmean(h * h), "`sub` subtracts an operand broadcast"),
     "h - mean(h) + an offset": (lambda h, p: h - _xmean(h) + 0.25, "`add` adds an operand broadcast"),
+    # zero-sum in real arithmetic, but to float32 rounding only: removing the next mean would change
+    # a float64 program's output by ~1e-8
+    "centered in float32": (lambda h, p: (lambda q: q - _xmean(q))(h.astype(jnp.float32)).astype(jnp.float64),
+                            "computes part of it in float32, coarser than the program's outputs (float64)"),
 }
 
 
@@ -196,8 +200,9 @@ def test_a_near_miss_of_an_explicit_centering_is_refused_with_the_true_reason(x6
   from fold_checks import assert_sound, x_args
   center, why = NOT_ZERO_SUM_AS_WRITTEN[name]
   res = assert_sound(_centered_first(center), XSHAPES, x_args(3))
-  refused = [s for s in res.fold_report.sites if not s.folded]
-  assert len(refused) == 1 and why in refused[0].reason and "γ" not in refused[0].reason, res.fold_report
+  last = res.fold_report.sites[-1]      # the LayerNorm of the near miss
+  assert not last.folded and why in last.reason, res.fold_report
+  assert not any("γ" in s.reason for s in res.fold_report.sites), res.fold_report
 
 
 # -- a mean accumulated in a loop: reported, with why it is not recognised -----------------
