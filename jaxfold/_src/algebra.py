@@ -1150,6 +1150,17 @@ def replicated(p: Poly, axes) -> bool:
   return (over == ANY_AXES or set(axes) <= over) and all(e is None or e[0] in labels for e in p.dims)
 
 
+def replication_key(p: Poly) -> Optional[tuple]:
+  """What ``replicated`` knows of ``p``, independent of its symbol and labels
+  (a memo of shift results keyed by ``p.pattern()`` must tell a shift that is
+  the same in every shard from one that is not): None when nothing."""
+  info = _DERIVED.get(("replicated", p.sym))
+  if info is None:
+    return None
+  labels, over = info
+  return (over, tuple(e is not None and e[0] in labels for e in p.dims))
+
+
 def poly_add(p: Poly, q: Poly, kq=1) -> Optional[Poly]:
   n = max(len(p.coeffs), len(q.coeffs))
   pc = list(p.coeffs) + [ZERO] * (n - len(p.coeffs))

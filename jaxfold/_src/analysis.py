@@ -416,7 +416,7 @@ class Level:
       if len(polys) == 1 and not skip and not collect:
         (v, p), = polys.items()
         if p.is_pure:
-          pat = p.pattern()
+          pat = (p.pattern(), A.replication_key(p))
           seen = memo.get((v, node.index))
           if seen is not None:
             hit = _memo_lookup(seen, pat)
@@ -718,8 +718,10 @@ def _memo_lookup(seen: dict, pat: tuple):
   """
   if pat in seen:
     return seen[pat]
-  for general, result in seen.items():
-    if result is None and _subsumes(general, pat):
+  dims, rep = pat
+  for (general, grep), result in seen.items():
+    # (a shift the same in every shard is one arbitrary shift: only the latter subsumes the former)
+    if result is None and (grep is None or grep == rep) and _subsumes(general, dims):
       return None
   return _MISS
 
