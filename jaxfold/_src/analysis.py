@@ -650,8 +650,8 @@ class Level:
   _CANCEL_CONE = 64
 
   def _coarse_cancellation(self, v: Val) -> Optional[Node]:
-    """Whether the arithmetic that cancels in ``v``'s canonical form runs at
-    least as precisely as the program's outputs: the canonical form is real
+    """A node of the arithmetic that cancels in ``v``'s canonical form that
+    runs coarser than the program's outputs, else None: the canonical form is real
     arithmetic, so ``q - mean(q)`` computed in float32 inside a float64
     program sums to float32 rounding, not to zero at the outputs' precision.
     Walks back from ``v`` to the opaque values its form is written in (a
