@@ -24,6 +24,7 @@ from jaxfold._src.analysis import (
   LeafNeed,
   Level,
   MeanSite,
+  factor_leaf,
   find_sites,
   nested_sites,
   scan_levels,
@@ -486,51 +487,67 @@ class Planner:
             f"{', ' + src if src else ''}): γ ⊙ n + β is not zero-mean when γ is non-uniform")
 
   def _norm_output_of(self, v) -> Optional[int]:
-    """The nearest site whose elementwise epilogue produces ``v`` through its
-    γ or β (a product with or a sum of a parameter), if any: a value computed
-    from a mean without them (``h - mean(h)``, a rescaled mean) is not the γ
-    case, and its blocker's own reason is the true one."""
+    """The nearest site whose elementwise epilogue produces ``v`` and puts a
+    parameter (its γ or β) in it, if any: a value computed from a mean with no
+    parameter of its own (``h - mean(h)``, a rescaled mean) is not the γ case,
+    and its blocker's own reason is the true one."""
     if not isinstance(v, Val):
       return None
     best, best_d = None, 13
     for j in range(len(self.sites)):
       d = self._epilogue(j).get(v)
-      if d is not None and d < best_d and v in self._affine_part(j):
+      if d is not None and d < best_d and self._params_in(j, v) - self._params_in(j, self.sites[j].input):
         best, best_d = j, d
     return best
 
+  def _params_in(self, j: int, v) -> frozenset:
+    """The parameter leaves ``v``'s canonical form (in site ``j``'s level) is written in."""
+    cache = self.__dict__.setdefault("_pin", {})
+    key = (j, v)
+    if key not in cache:
+      from jaxfold._src import algebra as A
+      level = self.sites[j].level
+      out, seen = set(), set()
+      stack = [f for m in level.canon(v).terms for f in m]
+      while stack and len(seen) < 1024:
+        fid = stack.pop()
+        if fid in seen:
+          continue
+        seen.add(fid)
+        lv = factor_leaf(fid, level)
+        if lv is not None:
+          out.add(lv[0])
+          continue
+        f = A.factor(fid)
+        if f.kind == "view":
+          stack.append(f.args[0])
+        elif f.kind == "app":
+          stack.extend(g for a in f.args for m in a.terms for g in m)
+      cache[key] = frozenset(out)
+    return cache[key]
+
   def _epilogue(self, j: int) -> dict:
-    return self._epilogue_walk(j)[0]
-
-  def _affine_part(self, j: int) -> set:
-    """The values of site ``j``'s epilogue downstream of a γ product or β sum."""
-    return self._epilogue_walk(j)[1]
-
-  def _epilogue_walk(self, j: int) -> tuple:
     cache = self.__dict__.setdefault("_epi", {})
     if j in cache:
       return cache[j]
     site = self.sites[j]
     prog = site.level.program
-    dist, affine = {}, set()
-    frontier = collections.deque((r.outs[0], 0, False) for r in site.reduces)
+    dist, frontier = {}, collections.deque((r.outs[0], 0) for r in site.reduces)
     while frontier:
-      v, d, aff = frontier.popleft()
-      if d > 12 or (v in affine if aff else v in dist):
+      v, d = frontier.popleft()
+      if v in dist or d > 12:
         continue
-      dist.setdefault(v, d)
-      if aff:
-        affine.add(v)
+      dist[v] = d
       for node, _ in prog.consumers.get(v, ()):
         rule = rule_for(node.prim)
-        params = self._adds_param(node)
-        if rule.kind or rule.epilogue in ("subtract", "step") or (rule.epilogue == "bias" and params):
-          frontier.append((node.outs[0], d + 1, aff or (params and rule.arith in ("+", "*"))))
-    cache[j] = (dist, affine)
-    return cache[j]
+        if rule.kind or rule.epilogue in ("subtract", "step") or (
+            rule.epilogue == "bias" and self._adds_param(node)):
+          frontier.append((node.outs[0], d + 1))
+    cache[j] = dist
+    return dist
 
   def _adds_param(self, node) -> bool:
-    # γ ⊙ n + β: the β add (and the γ product) joins a parameter, not another activation.
+    # γ ⊙ n + β: the β add joins a parameter, not another activation.
     for a in node.ins:
       while isinstance(a, Val) and a.producer is not None and len(a.producer.ins) == 1:
         a = a.producer.ins[0]
