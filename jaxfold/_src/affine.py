@@ -129,6 +129,7 @@ class _Affine:
   dim: int
   gamma: int
   beta: Optional[int]
+  quantizer: str = ""   # a quantizing cast on γ's or β's way to y (matched only to be named)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +235,13 @@ def _real_cast(node) -> bool:
   return bits is not None and bits[0] >= _MIN_BITS and bits[1] >= _MIN_EXPONENT_BITS
 
 
+def _float_cast(node) -> bool:
+  """A float-to-float cast (a Node), quantizing or not."""
+  cast = rule_for(node.prim).cast
+  return (cast is not None and len(node.ins) == 1
+          and cast(node.params, node.ins[0].dtype, node.outs[0].dtype) is not None)
+
+
 def _cast_label(node) -> str:
   """The format a cast node rounds to: its dtype, or the bits a `reduce_precision` keeps."""
   src, dst = np.dtype(node.ins[0].dtype).name, np.dtype(node.outs[0].dtype).name
@@ -259,29 +267,32 @@ def _affine_casts(level: Level, leaves: list, stops: set) -> tuple:
   return tuple(sorted(out))
 
 
-def _expr(level: Level, v: Any, depth: int = 4) -> A.Expr:
+def _expr(level: Level, v: Any, depth: int = 4, quant: bool = False) -> A.Expr:
   """``v``'s canonical form in real arithmetic, recomputed through its last
   ``depth`` producers: so that the analysis's size cap on long sums does not
   hide γ and β, and a float cast is the identity even where the analysis
   keeps it opaque (a cast coarser than the program's outputs: the fold's
-  tolerance, not this transform's)."""
+  tolerance, not this transform's). Casts do not count against ``depth``: a
+  γ rounded to bfloat16 and promoted back (``g.astype(bf16)`` in a float32
+  program) is two of them. ``quant``: quantizing casts are the identity too
+  (only to find the affine they block and name them; never to fuse)."""
   if depth == 0 or not isinstance(v, Val) or v.producer is None or v.producer.subs:
     return level.canon(v)
   node = v.producer
-  if _real_cast(node):
-    return _expr(level, node.ins[0], depth - 1)
+  if _real_cast(node) or (quant and _float_cast(node)):
+    return _expr(level, node.ins[0], depth, quant)
   try:
-    outs = rule_for(node.prim).canon(node, [_expr(level, a, depth - 1) for a in node.ins], level)
+    outs = rule_for(node.prim).canon(node, [_expr(level, a, depth - 1, quant) for a in node.ins], level)
   except Exception:  # noqa: BLE001 - the analysis's own form is always sound
     return level.canon(v)
   return outs[v.index] if outs is not None else level.canon(v)
 
 
-def _form(level: Level, v: Val):
+def _form(level: Level, v: Val, quant: bool = False):
   """``(γ, β, K's factors)`` when ``v = γ ⊙ K + β`` with γ and β parameter
   vectors along one dim (``(leaf, dim)``; β may be None)."""
   vectors, beta, terms = {}, None, []
-  for m, c in _expr(level, v).terms.items():
+  for m, c in _expr(level, v, quant=quant).terms.items():
     here = set()
     for f in m:
       lv = factor_leaf(f, level)
@@ -323,16 +334,30 @@ def _free_of(level: Level, leaves: list, stops: set, rests: list) -> bool:
   return not any(_factor_mentions(f, banned, memo) for rest in rests for f in rest)
 
 
-def _match(level: Level, y: Val) -> Optional[_Affine]:
-  """``y = γ ⊙ K + β`` with γ, β parameters along one dim and K free of them."""
-  form = _form(level, y)
+def _match(level: Level, y: Val, quant: bool = False) -> Optional[_Affine]:
+  """``y = γ ⊙ K + β`` with γ, β parameters along one dim and K free of them.
+  ``quant``: also through quantizing casts of γ or β, named in ``quantizer``
+  (such an affine is reported, never fused)."""
+  form = _form(level, y, quant)
   if form is None:
     return None
   gamma, beta, rest = form
   leaves = [gamma[0]] + ([beta[0]] if beta else [])
   if not _free_of(level, leaves, {y}, [rest]):
     return None
-  return _Affine(y, gamma[1], gamma[0], beta[0] if beta else None)
+  quantizer = ""
+  if quant:
+    named = []
+    for what, i in zip(("γ", "β"), leaves):
+      labels = sorted({_cast_label(v.producer) for v in _reach(level, level.program.invars[i], {y}) or ()
+                       if v.producer is not None and _float_cast(v.producer) and not _real_cast(v.producer)
+                       and _narrows(v.producer)})
+      if labels:
+        named.append(f"{what} is cast to {', '.join(labels)}")
+    if not named:
+      return None
+    quantizer = " and ".join(named)
+  return _Affine(y, gamma[1], gamma[0], beta[0] if beta else None, quantizer)
 
 
 def _param_chain(level: Level, a: Any, dim: int):
@@ -471,13 +496,15 @@ def analyse(fn: Callable, params: Any, args: tuple, defer: bool = False) -> Fuse
   with pipeline.analyzer(traced) as an:
     level = an.top
     found = {}
+    # (only where the program quantizes anything: a second match per node otherwise finds nothing)
+    quantizes = any(_float_cast(n) and not _real_cast(n) for n in level.program.nodes)
     for node in level.program.nodes:
       if rule_for(node.prim).arith not in ("+", "*") or len(node.outs) != 1:
         continue
       y = node.outs[0]
       if not jnp.issubdtype(y.dtype, jnp.inexact):
         continue
-      aff = _match(level, y)
+      aff = _match(level, y) or (_match(level, y, quant=True) if quantizes else None)
       if aff is not None:
         found[aff.gamma] = aff  # the last match of a γ is the whole affine
     claimed = set()
@@ -486,6 +513,11 @@ def analyse(fn: Callable, params: Any, args: tuple, defer: bool = False) -> Fuse
       gname = names[aff.gamma]
       bname = names[aff.beta] if aff.beta is not None else None
       ys.append(aff.y)
+      if aff.quantizer:
+        sites.append(AffineSite(where, gname, bname, (), False,
+                                f"not fused: {aff.quantizer} on its way to the norm's output, which "
+                                "quantizes it: fusing would move it across the quantizer"))
+        continue
       try:
         readers = _readers(level, aff)
         for r in readers:

@@ -1128,6 +1128,39 @@ def pure_of(key: Any, dims: tuple) -> Poly:
   return Poly(sym, tuple(None if e is None else (("of", sym, d), e[1]) for d, e in enumerate(dims)), (ONE,))
 
 
+ANY_AXES = "any"   # ``replicate(p, ANY_AXES)``: site detection's seed, the same in every shard
+
+
+def replicate(p: Poly, axes) -> None:
+  """Records that the tensor ``p``'s symbol stands for is the same in every
+  shard along the mesh ``axes`` (a shift entering a ``shard_map`` constant
+  along every dim those axes split), as ``p.dims`` index it: a re-indexing
+  that may differ from shard to shard (a dynamic slice, a gather) gives a
+  varying dim a fresh label, and then ``replicated`` no longer holds."""
+  labels = frozenset(e[0] for e in p.dims if e is not None)
+  _DERIVED[("replicated", p.sym)] = (labels, axes if axes == ANY_AXES else frozenset(axes))
+
+
+def replicated(p: Poly, axes) -> bool:
+  """Whether every shard along ``axes`` sees the same ``c`` at every index of ``p``."""
+  info = _DERIVED.get(("replicated", p.sym))
+  if info is None:
+    return False
+  labels, over = info
+  return (over == ANY_AXES or set(axes) <= over) and all(e is None or e[0] in labels for e in p.dims)
+
+
+def replication_key(p: Poly) -> Optional[tuple]:
+  """What ``replicated`` knows of ``p``, independent of its symbol and labels
+  (a memo of shift results keyed by ``p.pattern()`` must tell a shift that is
+  the same in every shard from one that is not): None when nothing."""
+  info = _DERIVED.get(("replicated", p.sym))
+  if info is None:
+    return None
+  labels, over = info
+  return (over, tuple(e is not None and e[0] in labels for e in p.dims))
+
+
 def poly_add(p: Poly, q: Poly, kq=1) -> Optional[Poly]:
   n = max(len(p.coeffs), len(q.coeffs))
   pc = list(p.coeffs) + [ZERO] * (n - len(p.coeffs))

@@ -33,7 +33,7 @@ from jaxfold._src import algebra as A
 from jaxfold._src import compat
 from jaxfold._src.program import Lit, Node, Program, Val, call_note
 from jaxfold._src.rules import Block, Facts, rule_for
-from jaxfold._src.rules.base import lit_facts, operand_const, size_one
+from jaxfold._src.rules.base import freeze, lit_facts, operand_const, size_one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +68,45 @@ class MeanSite:
   input: Val              # the averaged value
   axes: tuple
   level: "Level"
+  across: tuple = ()      # mesh axes a psum also sums the mean over (a mean over a sharded axis)
+  unrecognised: str = ""  # why a value subtracted like a mean is not one jaxfold can prove (reported, refused)
 
   @property
   def node(self) -> Node:
     return self.reduces[0]
+
+  def target(self) -> tuple:
+    """``(level, value, spec)``: the value whose zero sum over ``spec`` makes
+    this mean exactly zero. A local mean's is its input over the reduced axes.
+    A mean summed across shards (``psum(Σ h) / n`` in a ``shard_map``) is zero
+    when the whole tensor the shard_map splits is zero-sum over those axes,
+    not each shard's block: that needs its input to be a value the shard_map
+    reads, whose reduced axes the psum's mesh axes split exactly. Raises
+    Block saying which of these fails."""
+    spec = freeze({a: self.input.shape[a] for a in self.axes})
+    if not self.across:
+      return self.level, self.input, spec
+    u, prog = self.input, self.level.program
+    names = ", ".join(f"'{a}'" for a in self.across)
+    what = f"the mean is summed across shards (a psum over {names})"
+    if not isinstance(u, Val) or u.producer is not None or u.kind != "in" or prog.parent is None:
+      raise Block(f"{what} of a value computed inside the shard_map: jaxfold proves a zero sum over a "
+                  "sharded axis only for a value the shard_map reads")
+    node, outer_prog = prog.parent
+    shards = rule_for(node.prim).shards
+    if shards is None:
+      raise Block(f"{what} inside a `{node.prim.name}` body: only a `shard_map`'s own inputs are mapped to "
+                  "the whole tensor")
+    split = shards(node, u.index)
+    over = frozenset().union(*[split[d] for d in self.axes])
+    others = {d: split[d] & set(self.across) for d in range(len(split)) if d not in self.axes}
+    if over != set(self.across) or any(others.values()):
+      axes_txt = ", ".join(f"dim {d} over {sorted(split[d]) or 'no mesh axis'}" for d in range(len(split))
+                           if split[d] or d in self.axes)
+      raise Block(f"{what}, which are not exactly the mesh axes that split its reduced axes {self.axes} "
+                  f"(the shard_map splits {axes_txt}): it is not the mean over the whole axes")
+    a = node.ins[u.index]
+    return self.level.an.level(outer_prog), a, freeze({d: a.shape[d] for d in self.axes})
 
 
 _NEVER = float("inf")   # no key seen before the current call was met (``_Walk.hit``)
@@ -381,7 +416,7 @@ class Level:
       if len(polys) == 1 and not skip and not collect:
         (v, p), = polys.items()
         if p.is_pure:
-          pat = p.pattern()
+          pat = (p.pattern(), A.replication_key(p))
           seen = memo.get((v, node.index))
           if seen is not None:
             hit = _memo_lookup(seen, pat)
@@ -541,10 +576,21 @@ class Level:
         return self._loop_input(v, spec, out, use, chain, top_var, top_spec)
       out.append(Blocker(v, spec, "a program input (not a parameter)"))
       return
+    rule = rule_for(node.prim)
+    # A sum whose terms cancel over the blocks (``h - mean(h)``, a centering the
+    # user wrote) is zero-sum whatever its operands are: decided on the exact
+    # canonical form, before the facet asks the operands for more than needed.
+    written = self.zero_as_written(v, spec) if (rule.arith == "+" or rule.epilogue == "subtract") else None
+    if written is not None:
+      if written is not True:
+        out.append(Blocker(v, spec, f"{written} [at {node.where()}]"))
+      return
     try:
-      reqs = rule_for(node.prim).zero_sum(node, v.index, spec, self)
+      reqs = rule.zero_sum(node, v.index, spec, self)
     except Block as e:
-      out.append(Blocker(v, spec, f"{e} [at {node.where()}]"))
+      written = self.zero_as_written(v, spec)
+      if written is not True:
+        out.append(Blocker(v, spec, f"{written or e} [at {node.where()}]"))
       return
     for r in reqs:
       if r.source is not None:
@@ -555,6 +601,81 @@ class Level:
         self._walk(a, r.spec, use, chain + (node,), out, top_var, top_spec)
       else:
         self._walk(a, r.spec, (node, r.operand), (), out, v, spec)
+
+  def sums_to_zero(self, v: Val, spec: tuple) -> bool:
+    """Whether ``v`` sums to zero over every block of ``spec`` as written
+    (``zero_as_written``), at the precision of the program's outputs."""
+    return self.zero_as_written(v, spec) is True
+
+  def zero_as_written(self, v: Val, spec: tuple):
+    """True when ``v``'s exact canonical form sums to zero over every block of
+    ``spec``, for all parameter and input values (an identity, so it needs
+    nothing centered), computed at least as precisely as the outputs; a
+    reason when it sums to zero only in real arithmetic; None when it does
+    not (or cannot tell: concrete sizes only)."""
+    shape = tuple(v.shape)
+    blocks = dict(spec)
+    split, axes = [], []
+    for d, n in enumerate(shape):
+      b = blocks.get(d)
+      if not isinstance(n, int) or (b is not None and (not isinstance(b, int) or b <= 0 or n % b)):
+        return None
+      if b is None:
+        split.append(n)
+      elif b == n:
+        split.append(n)
+        axes.append(len(split) - 1)
+      else:
+        split.extend([n // b, b])
+        axes.append(len(split) - 1)
+    if not axes:
+      return None
+    split = tuple(split)
+    try:
+      e = self.canon(v)
+      if not e.is_zero:
+        if split != shape:
+          e = A.view_op(e, split, lambda view: view.reshape(split), ("zero-sum blocks", split))
+        if not A.reduce_sum(e, axes, split).is_zero:
+          return None
+    except Exception:  # noqa: BLE001 - an expression the algebra cannot sum proves nothing
+      return None
+    coarse = self._coarse_cancellation(v)
+    if coarse is None:
+      return True
+    return (f"it sums to zero as written in real arithmetic, but `{coarse.prim.name}` computes part of it in "
+            f"{np.dtype(coarse.outs[0].dtype).name}, coarser than the program's outputs "
+            f"({np.dtype(self.tolerance).name}) [at {coarse.where()}]")
+
+  _CANCEL_CONE = 64
+
+  def _coarse_cancellation(self, v: Val) -> Optional[Node]:
+    """A node of the arithmetic that cancels in ``v``'s canonical form that
+    runs coarser than the program's outputs, else None: the canonical form is real
+    arithmetic, so ``q - mean(q)`` computed in float32 inside a float64
+    program sums to float32 rounding, not to zero at the outputs' precision.
+    Walks back from ``v`` to the opaque values its form is written in (a
+    single factor: whatever rounding made it, both sides read the same one);
+    a cast is not arithmetic (a coarse one is opaque, a fine one exact)."""
+    tol = self.tolerance
+    todo, seen = [v], set()
+    while todo:
+      u = todo.pop()
+      node = u.producer
+      if u in seen or node is None or node.subs:
+        continue
+      seen.add(u)
+      if len(seen) > self._CANCEL_CONE:
+        return node
+      if u is not v:
+        e = self.canon(u)
+        if len(e.terms) == 1 and next(iter(e.terms.values())) == 1 and len(next(iter(e.terms))) == 1:
+          continue
+      if rule_for(node.prim).cast is None and any(
+          compat.is_floating(o.dtype) and not self.at_least_as_precise(o.dtype, tol) for o in node.outs):
+        return node
+      todo.extend(a for a in node.ins if isinstance(a, Val))
+    return None
 
   def _fresh(self, r, out) -> None:
     """A ``Need`` on a value of its own (``source``, in program ``at`` or here):
@@ -597,8 +718,10 @@ def _memo_lookup(seen: dict, pat: tuple):
   """
   if pat in seen:
     return seen[pat]
-  for general, result in seen.items():
-    if result is None and _subsumes(general, pat):
+  dims, rep = pat
+  for (general, grep), result in seen.items():
+    # (a shift the same in every shard is one arbitrary shift: only the latter subsumes the former)
+    if result is None and (grep is None or grep == rep) and _subsumes(general, dims):
       return None
   return _MISS
 
@@ -685,15 +808,55 @@ def find_sites(level: Level) -> list:
     k, axes = summed
     u = node.ins[k]
     root = _strip(u, _PASS)
-    if not any(_is_subtracted(level, node.outs[0], r) for r in _roots(level, root)) and not any(
-        _shift_cancels(level, node, u, axes, r) for r in _roots(level, _strip(u, ("identity",)))):
+    across = next((a for a in (_is_subtracted(level, node.outs[0], r) for r in _roots(level, root))
+                   if a is not None), None)
+    if across is None:
+      across = next((a for a in (_shift_cancels(level, node, u, axes, r)
+                                 for r in _roots(level, _strip(u, ("identity",)))) if a is not None), None)
+    if across is None:
       continue
-    key = (u, tuple(axes))
+    key = (u, tuple(axes), across)
     if key in sites:
       sites[key] = dataclasses.replace(sites[key], reduces=sites[key].reduces + (node,))
     else:
-      sites[key] = MeanSite((node,), u, tuple(axes), level)
-  return list(sites.values())
+      sites[key] = MeanSite((node,), u, tuple(axes), level, across)
+  return sorted(list(sites.values()) + _loop_means(level), key=lambda s: s.node.index)
+
+
+def _loop_means(level: Level) -> list:
+  """Values subtracted from ``h`` like a mean (broadcast along some of its
+  axes) that a loop or branch reading ``h`` computes (a Welford update or a
+  chunked sum in a ``scan``): reported as sites jaxfold does not recognise,
+  with that reason, instead of not at all. Never folded."""
+  out, seen = [], set()
+  prog = level.program
+  for node in prog.nodes:
+    if rule_for(node.prim).epilogue != "subtract" or not all(isinstance(a, Val) for a in node.ins):
+      continue
+    h, m = node.ins
+    root, shape = _strip(h, _PASS), node.outs[0].shape
+    if len(m.shape) != len(shape):
+      continue
+    axes = tuple(d for d in range(len(shape)) if m.shape[d] == 1 != shape[d])
+    src = _strip(m, _PASS)
+    while isinstance(src, Val) and src.producer is not None and rule_for(src.producer.prim).kind == "scale":
+      # (a sum scaled by a known constant, acc / n)
+      ops = [a for a in src.producer.ins if not (isinstance(a, Lit) or level.facts(a).value is not None)]
+      if len(ops) != 1:
+        break
+      src = _strip(ops[0], _PASS)
+    loop = src.producer if isinstance(src, Val) else None
+    if not axes or h.shape != shape or loop is None or not loop.subs or (loop, axes) in seen:
+      continue
+    if not any(_strip(a, _PASS) is root for a in loop.ins if isinstance(a, Val)):
+      continue
+    seen.add((loop, axes))
+    out.append(MeanSite((loop,), h, axes, level, unrecognised=(
+        f"`{node.prim.name}` subtracts from its input a value that a `{loop.prim.name}` reading that input "
+        f"computes [at {loop.where()}]: a mean accumulated in a loop or branch (a Welford update, a chunked "
+        "sum) is not recognised as a mean, so it is not removed (written as a sum or jnp.mean over the "
+        "axes, it would be)")))
+  return out
 
 
 _CANCEL_STEPS = 64
@@ -706,9 +869,12 @@ def _roots(level: Level, root: Any) -> tuple:
   return (root,) if un is root else (root, un)
 
 
-def _shift_cancels(level: Level, reduce: Node, u: Val, axes: tuple, root: Any) -> bool:
+def _shift_cancels(level: Level, reduce: Node, u: Val, axes: tuple, root: Any) -> Optional[tuple]:
   """Whether a shift of ``u`` constant along ``axes``, carried through this
-  sum, cancels against the shift ``u`` carries directly within a few steps.
+  sum, cancels against the shift ``u`` carries directly within a few steps:
+  None if not, else the mesh axes a psum on the way sums it across (``()``
+  for none; the seed counts as the same in every shard, so a mean over a
+  sharded axis is found: whether it is one is proved per site).
 
   That is what makes a sum a norm's mean whatever the spelling: ``h - m``,
   ``E[h²] - m²``, ``h*inv - m*inv`` (Keras) all cancel; a mean pooling or an
@@ -721,7 +887,7 @@ def _shift_cancels(level: Level, reduce: Node, u: Val, axes: tuple, root: Any) -
   # The seed must reach the cancelling node along two paths: a value read
   # only by this sum (a variance's squares, say) cannot cancel.
   if len(consumers.get(seed, ())) < 2 and (seed is u or len(consumers.get(u, ())) < 2):
-    return False
+    return None
   # Only the few steps after the sum matter (a norm is short); the stream
   # that continues past it is not followed.
   last, frontier, seen = reduce.index, [reduce.outs[0]], set()
@@ -735,7 +901,9 @@ def _shift_cancels(level: Level, reduce: Node, u: Val, axes: tuple, root: Any) -
           nxt.extend(n.outs)
     frontier = nxt
   polys = {seed: A.pure(tuple(None if d in axes else (None, 1) for d in range(len(u.shape))))}
+  A.replicate(polys[seed], A.ANY_AXES)
   cone = {reduce.outs[0]}
+  across: set = set()
   nodes = level.program.nodes
   todo = [n.index for n, _ in consumers.get(seed, ())]   # the readers of polys, as in Level._run
   heapq.heapify(todo)
@@ -753,7 +921,7 @@ def _shift_cancels(level: Level, reduce: Node, u: Val, axes: tuple, root: Any) -
       continue
     steps += 1
     if steps > _CANCEL_STEPS:
-      return False
+      return None
     try:
       outs = level._transfer(node, ins)
     except Exception:  # noqa: BLE001 - a step the rules cannot follow ends that path
@@ -761,14 +929,20 @@ def _shift_cancels(level: Level, reduce: Node, u: Val, axes: tuple, root: Any) -
     from_mean = any(p is not None and a in cone for a, p in zip(node.ins, ins))
     if from_mean:
       if sum(p is not None for p in ins) > 1 and all(p is None for p in outs):
-        return True
+        return tuple(sorted(across))
       cone.update(node.outs)
+      over = rule_for(node.prim).across
+      if over is not None:
+        names = over(node)
+        if names is None:
+          return None
+        across.update(names)
     for v, p in zip(node.outs, outs):
       if p is not None:
         polys[v] = p
         for n, _ in consumers.get(v, ()):
           heapq.heappush(todo, n.index)
-  return False
+  return None
 
 
 def _strip(v: Any, kinds: tuple) -> Any:
@@ -796,25 +970,33 @@ def _unscaled(level: Level, v: Any) -> Any:
   return v
 
 
-def _is_subtracted(level: Level, mean: Val, root: Any) -> bool:
+def _is_subtracted(level: Level, mean: Val, root: Any) -> Optional[tuple]:
+  """None unless ``mean`` (scaled by constants, re-indexed, summed across
+  shards by a psum) is subtracted from ``root``; else the mesh axes the psums
+  on the way sum it across (``()`` for none)."""
   prog = level.program
-  frontier, seen = [mean], set()
+  frontier, seen = [(mean, ())], set()
   while frontier:
-    v = frontier.pop()
+    v, across = frontier.pop()
     if v in seen:
       continue
     seen.add(v)
     for node, k in prog.consumers.get(v, ()):
-      kind = rule_for(node.prim).kind
-      if rule_for(node.prim).epilogue == "subtract" and k == 1:
+      rule = rule_for(node.prim)
+      kind = rule.kind
+      if rule.epilogue == "subtract" and k == 1:
         if _strip(node.ins[0], _PASS) is root:
-          return True
+          return across
       scalar_scale = kind == "scale" and all(
           isinstance(a, Lit) or not a.shape or level.facts(a).value is not None
           for a in node.ins if a is not v)
       if kind in _PASS or scalar_scale:
-        frontier.append(node.outs[0])
-  return False
+        frontier.append((node.outs[0], across))
+      elif rule.across is not None and k < len(node.outs):
+        names = rule.across(node)
+        if names is not None:
+          frontier.append((node.outs[k], tuple(sorted(set(across) | set(names)))))
+  return None
 
 
 def nested_sites(level: Level) -> list:

@@ -470,6 +470,41 @@ def shard_map_body(params: dict) -> Any:
   return params["jaxpr"]
 
 
+def shard_map_axis_sizes(params: dict) -> dict:
+  """``{mesh axis name: size}`` of a shard_map equation's manual axes (the ones
+  its body's collectives name)."""
+  mesh = params["mesh"]
+  manual = params.get("newly_manual_axes")
+  names = tuple(mesh.axis_names) if manual is None else tuple(n for n in mesh.axis_names if n in manual)
+  return {n: int(mesh.shape[n]) for n in names}
+
+
+def shard_map_operand_axes(params: dict, i: int, ndim: int) -> tuple:
+  """Per dim of a shard_map's operand ``i``: the frozenset of mesh axes that
+  split it (its ``in_specs`` entry; an axis named nowhere leaves it whole)."""
+  spec = tuple(params["in_specs"][i])
+  out = []
+  for d in range(ndim):
+    e = spec[d] if d < len(spec) else None
+    if e is None:
+      out.append(frozenset())
+    elif isinstance(e, (tuple, list)):
+      out.append(frozenset(e))
+    else:
+      out.append(frozenset((e,)))
+  return tuple(out)
+
+
+def psum_axes(params: dict) -> Optional[tuple]:
+  """The named mesh axes a ``psum`` sums over, or None where it sums over
+  groups of devices or positional axes (not modelled)."""
+  if params.get("axis_index_groups") is not None:
+    return None
+  axes = params.get("axes")
+  axes = axes if isinstance(axes, (tuple, list)) else (axes,)
+  return tuple(axes) if axes and all(isinstance(a, str) for a in axes) else None
+
+
 def shard_map_rebind(params: dict, body: Any, invals: Sequence[Any]) -> list[Any]:
   """``jax.shard_map(body, ...)(*invals)`` with the equation's mesh, specs,
   manual axes and replication check; ``body(*local values) -> list``."""

@@ -37,6 +37,8 @@ def paper_choice(params, apply_fn, *args):
   with pipeline.analyzer(traced) as an:
     planner = Planner(an, [str(i) for i in range(n)], FoldOptions())
     for site in planner.sites:
+      if site.unrecognised:   # no mean reduction to remove
+        continue
       zero |= {r.path for r in site.reduces}
       spec = freeze(layout.full_spec(site.input.shape, site.axes))
       for need in site.level.needs(site.input, spec):

@@ -24,6 +24,7 @@ from jaxfold._src.analysis import (
   LeafNeed,
   Level,
   MeanSite,
+  factor_leaf,
   find_sites,
   nested_sites,
   scan_levels,
@@ -31,8 +32,7 @@ from jaxfold._src.analysis import (
 from jaxfold._src.program import Val, call_note
 from jaxfold._src.report import Auxiliary, Centering, Changes, Report, param_label
 from jaxfold._src.report import Site as ReportSite
-from jaxfold._src.rules import rule_for
-from jaxfold._src.rules.base import freeze
+from jaxfold._src.rules import Block, rule_for
 
 # ----------------------------------------------------------------------------
 # Typed actions and results.
@@ -209,8 +209,10 @@ class Planner:
       return [], [Blocker(site.input, (), f"the norm is inside {c.kind} `{c.name}` (called at "
                                           f"{c.source}); CBWC keeps its custom rule")]
     try:
-      needs = site.level.needs(site.input, freeze(layout.full_spec(site.input.shape, site.axes)),
-                               assume_aux, visited)
+      level, value, spec = site.target()
+      needs = level.needs(value, spec, assume_aux, visited)
+    except Block as e:
+      return [], [Blocker(site.input, (), str(e))]
     except Exception as e:  # noqa: BLE001 - fail closed with the cause
       return [], [Blocker(site.input, (), f"{type(e).__name__}: {e}")]
     self._inexact |= self.an.random_uses > before
@@ -319,7 +321,8 @@ class Planner:
     aux_vars = tuple(dict.fromkeys(a.var for a in actions if isinstance(a, AuxCenter)))
     aux = bool(aux_vars)
     reason = "input is zero-sum over the normalized axes"
-    reason += " after an auxiliary centering" if aux else (" after centering" if centered else "")
+    reason += (" after an auxiliary centering" if aux else " after centering" if centered
+               else " as written (it needs nothing centered)")
     if self._inexact:
       reason += DROPOUT_NOTE
     self.decisions[i] = Decision(True, reason, tuple(dict.fromkeys(centered)), aux,
@@ -347,6 +350,9 @@ class Planner:
       self._seed_fixed()
     failed, visits = {}, {}
     for i, site in enumerate(self.sites):
+      if site.unrecognised:
+        self.decisions[i] = Decision(False, site.unrecognised)
+        continue
       visits[i] = []
       actions, blockers = self.decide(site, {}, visits[i])
       if blockers:
@@ -481,15 +487,44 @@ class Planner:
             f"{', ' + src if src else ''}): γ ⊙ n + β is not zero-mean when γ is non-uniform")
 
   def _norm_output_of(self, v) -> Optional[int]:
-    """The nearest site whose elementwise epilogue produces ``v``, if any."""
+    """The nearest site whose elementwise epilogue produces ``v`` and puts a
+    parameter (its γ or β) in it, if any: a value computed from a mean with no
+    parameter of its own (``h - mean(h)``, a rescaled mean) is not the γ case,
+    and its blocker's own reason is the true one."""
     if not isinstance(v, Val):
       return None
     best, best_d = None, 13
     for j in range(len(self.sites)):
       d = self._epilogue(j).get(v)
-      if d is not None and d < best_d:
+      if d is not None and d < best_d and self._params_in(j, v) - self._params_in(j, self.sites[j].input):
         best, best_d = j, d
     return best
+
+  def _params_in(self, j: int, v) -> frozenset:
+    """The parameter leaves ``v``'s canonical form (in site ``j``'s level) is written in."""
+    cache = self.__dict__.setdefault("_pin", {})
+    key = (j, v)
+    if key not in cache:
+      from jaxfold._src import algebra as A
+      level = self.sites[j].level
+      out, seen = set(), set()
+      stack = [f for m in level.canon(v).terms for f in m]
+      while stack and len(seen) < 1024:
+        fid = stack.pop()
+        if fid in seen:
+          continue
+        seen.add(fid)
+        lv = factor_leaf(fid, level)
+        if lv is not None:
+          out.add(lv[0])
+          continue
+        f = A.factor(fid)
+        if f.kind == "view":
+          stack.append(f.args[0])
+        elif f.kind == "app":
+          stack.extend(g for a in f.args for m in a.terms for g in m)
+      cache[key] = frozenset(out)
+    return cache[key]
 
   def _epilogue(self, j: int) -> dict:
     cache = self.__dict__.setdefault("_epi", {})

@@ -215,7 +215,7 @@ class Report:
       if s.folded:
         own = [_merge_texts([m.centered[k].label() for m in members])
                for k in range(len(s.centered))]
-        what = ", ".join(own) if own else "nothing new"
+        what = ", ".join(own) if own else "nothing new" if s.requires or s.aux else "nothing (zero-sum as written)"
         if s.aux:
           what += "; after " + ", ".join(f"A{a}" for a in s.aux)
         if not s.exact:

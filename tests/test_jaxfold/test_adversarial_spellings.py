@@ -30,9 +30,15 @@ Findings (each failed before its fix):
   shards' shifts, ``pvary`` is the identity, and a touched body is rebuilt with
   ``jax.shard_map``. A norm over an unsharded axis folds as at the top level; a
   norm over a sharded axis without a ``psum`` is a mean per shard, i.e. a
-  GroupNorm with one group per shard, and folds as one (``W[1/L]``); a mean over
-  a sharded axis with ``psum(Σ h) / n`` is not proved (the shards' shifts are not
-  known equal) and is no site.
+  GroupNorm with one group per shard, and folds as one (``W[1/L]``).
+* A mean over a sharded feature axis written ``psum(Σ h) / n`` (a tensor-parallel
+  LayerNorm) was no site: the psum made every shift a new one. A shift that
+  enters constant along the split dims is now the same in every shard
+  (``algebra.replicate``), its psum is ``n·c``, and the mean is a site over the
+  whole axis (``MeanSite.across``/``target``): it folds where ``n`` is the global
+  size and the psum's mesh axes are exactly those splitting the features, and is
+  refused with that reason otherwise (one shard's size, one of two mesh axes,
+  the batch's axis, a value computed inside the body).
 * Folded parameters were committed to device 0 even where the caller's were
   uncommitted, so ``jax.jit(folded.apply_fn)`` refused a ``shard_map`` over
   several devices ("incompatible devices"). An uncommitted leaf stays so.
@@ -268,6 +274,29 @@ SCRIPT = textwrap.dedent(r'''
       c = h - m
       return c * rs((c * c).mean(-1, keepdims=True)) * g + b
 
+    def psum_mean_2d(h, g, b):    # features split over both axes of a 2x2 mesh, one psum over both
+      m = lax.psum(h.sum(-1, keepdims=True), ("a", "b")) / D
+      c = h - m
+      return c * rs(lax.psum((c * c).sum(-1, keepdims=True), ("a", "b")) / D) * g + b
+
+    def psum_one_of_two(h, g, b):  # a near miss: features split over a and b, the psum over a alone
+      m = lax.psum(h.sum(-1, keepdims=True), "a") / (D // 2)
+      c = h - m
+      return c * rs(lax.psum((c * c).sum(-1, keepdims=True), "a") / (D // 2)) * g + b
+
+    def psum_other_axis(h, g, b):  # a near miss: the batch sharded, the features summed across it
+      m = lax.psum(h.sum(-1, keepdims=True), "x") / (4 * D)
+      c = h - m
+      return c * rs((c * c).mean(-1, keepdims=True)) * g + b
+
+    def column_parallel(p, x):    # the projection inside, its columns sharded: the mean is of a value made there
+      specs = {k: P() for k in p}
+      specs.update(w1=P(None, "x"), b1=P("x"), g1=P("x"), be1=P("x"))
+      def f(p, x):
+        h = x @ p["w1"] + p["b1"]
+        return psum_mean(h, p["g1"], p["be1"])
+      return jax.shard_map(f, mesh=M4, in_specs=(specs, P()), out_specs=P(None, None, "x"))(p, x) @ p["wo"]
+
     def elementwise(h, g, b):     # features sharded in a shard_map that does not normalize, the norm outside
       h = jax.shard_map(lambda h: h * 2.0 + 1.0, mesh=M4, in_specs=P(None, None, "x"), out_specs=P(None, None, "x"))(h)
       return ln(h, g, b)
@@ -298,12 +327,17 @@ SCRIPT = textwrap.dedent(r'''
       return ln(s, p["g2"], p["be2"]) @ p["wo"]
 
     feat = (P(None, None, "x"), P("x"), P("x"))
+    feat2 = (P(None, None, ("a", "b")), P(("a", "b")), P(("a", "b")))
     CASES = {
         "batch sharded": program(sm(ln, M4, (P("x"), P(), P()), P("x"))),
         "2x2 mesh, batch and tokens": program(sm(ln, M22, (P("a", "b"), P(), P()), P("a", "b"))),
         "features sharded, no psum": program(sm(ln, M4, feat, feat[0])),
         "features sharded, psum mean": program(sm(psum_mean, M4, feat, feat[0])),
         "psum mean over one shard's size": program(sm(psum_local_size, M4, feat, feat[0])),
+        "psum mean over both axes of a 2x2 mesh": program(sm(psum_mean_2d, M22, feat2, feat2[0])),
+        "psum over one of the two mesh axes": program(sm(psum_one_of_two, M22, feat2, feat2[0])),
+        "psum across the batch's mesh axis": program(sm(psum_other_axis, M4, (P("x"), P(), P()), P("x"))),
+        "psum mean of a column-parallel projection": column_parallel,
         "mean over sharded tokens": program(sm(wrong_axis, M22, (P(None, "a"), P(), P()), P(None, "a"))),
         "elementwise shard_map, norm outside": program(elementwise),
         "whole model": whole,
@@ -324,7 +358,8 @@ SCRIPT = textwrap.dedent(r'''
       cerr = rel_err(jax.jit(f)(q, xs[1]), jax.jit(cb.apply_fn)(q, xs[1]))
       gerr = rel_err(jax.jit(jax.grad(loss(f)))(q), jax.jit(jax.grad(loss(cb.apply_fn)))(q))
       out[name] = {"folded": r.report.num_folded, "err": err, "cbwc_err": cerr, "grad_err": gerr,
-                   "centered": [sorted(c.label() for c in s.centered) for s in r.report.sites if s.folded]}
+                   "centered": [sorted(c.label() for c in s.centered) for s in r.report.sites if s.folded],
+                   "refused": [s.reason for s in r.report.sites if not s.folded]}
     print(json.dumps(out))
 ''')
 
@@ -332,8 +367,14 @@ EXPECT = {   # folded sites, and the first folded site's centerings
     "batch sharded": (2, ["b1[0]", "w1[1]"]),
     "2x2 mesh, batch and tokens": (2, ["b1[0]", "w1[1]"]),
     "features sharded, no psum": (2, ["b1[0/2]", "w1[1/2]"]),    # a GroupNorm: one group per shard
-    "features sharded, psum mean": (0, None),
+    # a mean over the whole (sharded) feature axis, psum(Σ h) / n: a LayerNorm over the global features,
+    # folded by centering the producer over all of them
+    "features sharded, psum mean": (2, ["b1[0]", "w1[1]"]),
     "psum mean over one shard's size": (0, None),
+    "psum mean over both axes of a 2x2 mesh": (2, ["b1[0]", "w1[1]"]),
+    "psum over one of the two mesh axes": (0, None),
+    "psum across the batch's mesh axis": (0, None),
+    "psum mean of a column-parallel projection": (0, None),
     "mean over sharded tokens": (0, None),
     # not proved: a zero sum over the whole features spans the shards (a sound refusal, pinned)
     "elementwise shard_map, norm outside": (0, None),
@@ -356,6 +397,15 @@ def four_devices():
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+# The refused means across shards are reported, each with what its proof lacks.
+REFUSED_4 = {
+    "psum mean over one shard's size": "the shift reaches the nonlinearity",   # psum(Σ h)/L: no cancellation
+    "psum over one of the two mesh axes": "not exactly the mesh axes that split its reduced axes",
+    "psum across the batch's mesh axis": "not exactly the mesh axes that split its reduced axes",
+    "psum mean of a column-parallel projection": "of a value computed inside the shard_map",
+}
+
+
 @pytest.mark.parametrize("name", list(EXPECT))
 def test_shard_map_four_devices(four_devices, name):
   res = four_devices[name]
@@ -363,4 +413,6 @@ def test_shard_map_four_devices(four_devices, name):
   assert res["folded"] == folded, res
   if centered is not None:
     assert res["centered"][0] == centered, res
+  if name in REFUSED_4:
+    assert res["refused"] and all(REFUSED_4[name] in r for r in res["refused"]), res
   assert res["err"] < 1e-9 and res["cbwc_err"] < 1e-9 and res["grad_err"] < 1e-8, res

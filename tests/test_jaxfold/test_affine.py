@@ -429,3 +429,67 @@ def test_new_biases_serve_inputs_of_other_ranks(x64, transform):
   for shape in [(6, 5), (3, 7, 5), (1, 1, 5), (2, 2, 3, 5)]:
     x = jnp.asarray(rng.normal(size=shape))
     assert rel_err(f(p, x), jax.jit(fu.apply_fn)(fu.params, x)) < 1e-12, shape
+
+
+# γ or β cast on its own way to the norm's output (``g.astype(bf16)`` in a float32 program:
+# rounded, then promoted back). A real cast is the identity in real arithmetic and fuses,
+# reported as such; a quantizing one is named as what keeps the site (before: the bfloat16
+# round trip hid γ from the match at the β add, and the site was "kept" because "`add`
+# reads it"; a float8 γ made no site at all).
+
+GD = 8
+
+
+def _gamma_cast_block(cast_g, cast_b):
+  def ln(h, g, b):
+    c = h - h.mean(-1, keepdims=True)
+    return c * jax.lax.rsqrt((c * c).mean(-1, keepdims=True) + 1e-5) * cast_g(g) + cast_b(b)
+
+  def apply(p, x):
+    h = x @ p["w1"] + p["b1"]
+    h = h + jax.nn.gelu(ln(h, p["g1"], p["be1"]) @ p["w2"] + p["b2"]) @ p["w3"]
+    return ln(h, p["g2"], p["be2"]) @ p["wo"]
+  return apply
+
+
+def _gamma_cast_params(seed=0):
+  rng = np.random.default_rng(seed)
+  shapes = dict(w1=(4, GD), b1=(GD,), g1=(GD,), be1=(GD,), w2=(GD, 2 * GD), b2=(2 * GD,), w3=(2 * GD, GD),
+                g2=(GD,), be2=(GD,), wo=(GD, 3))
+  out = {}
+  for k, s in shapes.items():
+    n = rng.standard_normal(s)
+    out[k] = (1 + 0.5 * n if k[0] == "g" else 0.3 + 0.5 * n if k[0] == "b" else n / np.sqrt(s[0]))
+  return jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), out)
+
+
+_BF16 = lambda v: v.astype(jnp.bfloat16)         # noqa: E731 - promoted back to float32 by the product
+_F8 = lambda v: v.astype(jnp.float8_e4m3fn).astype(jnp.float32)   # noqa: E731
+_SAME = lambda v: v                               # noqa: E731
+
+
+@pytest.mark.parametrize("cast_g, cast_b", [(_BF16, _SAME), (_BF16, _BF16)], ids=["γ", "γ and β"])
+def test_a_bf16_cast_of_gamma_itself_fuses_exactly_in_real_arithmetic(x64, cast_g, cast_b):
+  f, p = _gamma_cast_block(cast_g, cast_b), _gamma_cast_params()
+  x = _x(3, 7, 4).astype(jnp.float32)
+  folded = jaxfold.fold(p, f, x, norm_impl="xla")
+  fu = jaxfold.fuse_affine(folded)
+  assert folded.report.num_folded == 2 and fu.report.num_fused == 2, str(fu.report)
+  assert all("cast to bfloat16" in s.reason and s.beta for s in fu.report.sites), str(fu.report)
+  p64 = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), p)
+  for xs in [(x,), (_x(2, 5, 4, seed=2).astype(jnp.float32),)]:
+    ref = _real(f, p, p64, *xs)
+    assert rel_err(ref, _real(fu.apply_fn, fu.params, _real_fold_fuse(folded, fu, p, xs), *xs)) < 1e-9
+
+
+@pytest.mark.parametrize("cast_g, cast_b, why", [(_F8, _SAME, "γ is cast to float8_e4m3fn"),
+                                                 (_SAME, _F8, "β is cast to float8_e4m3fn")], ids=["γ", "β"])
+def test_a_float8_cast_of_gamma_or_beta_keeps_the_site_and_is_named(x64, cast_g, cast_b, why):
+  f, p = _gamma_cast_block(cast_g, cast_b), _gamma_cast_params()
+  x = _x(3, 7, 4).astype(jnp.float32)
+  folded = jaxfold.fold(p, f, x, norm_impl="xla")
+  fu = jaxfold.fuse_affine(folded)
+  assert folded.report.num_folded == 2 and fu.report.num_fused == 0 and len(fu.report.sites) == 2, str(fu.report)
+  assert all(why in s.reason and "quantiz" in s.reason for s in fu.report.sites), str(fu.report)
+  for xs in [(x,), (_x(2, 5, 4, seed=2).astype(jnp.float32),)]:
+    assert rel_err(f(p, *xs), fu.apply_fn(fu.params, *xs)) < 1e-5

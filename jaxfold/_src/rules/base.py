@@ -194,6 +194,14 @@ class Rule:
   # narrowest float format the value passes through; None when it is not a
   # float-to-float cast. fuse_affine sees through wide ones, blocks at others.
   cast: Optional[C.CastFacet] = None
+  # ``(node) -> (mesh axis name, ...) | None``: output ``k`` is the sum of
+  # operand ``k`` over the shards along these mesh axes (``psum``). Site
+  # detection and the planner's mapping of a mean across shards.
+  across: Optional[Callable] = None
+  # ``(node, i) -> (frozenset of mesh axis names, ...)``: per dim of operand
+  # ``i``, the mesh axes that split it; body input ``i`` is its local block
+  # (``shard_map``).
+  shards: Optional[Callable] = None
   # -- control flow (rules.control) --------------------------------------------
   # ``(eqn) -> (jaxpr, ...)``: the loop/branch bodies, each a sub-program.
   bodies: C.BodiesFacet = _no_bodies

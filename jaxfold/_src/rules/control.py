@@ -452,6 +452,16 @@ def _shard_map_shift(node, ins: list, ctx, inner: Optional[dict] = None) -> list
     _sizes(binv[i].shape, node.ins[i].shape)
     return _local_dims(dims, binv[i].shape)
   seeds = _pure_seeds(ins, binv, "a `shard_map`", local)
+  # Every shard sees the same restriction of a shift constant along each dim
+  # its mesh axes split: that seed is replicated across them (a psum of it is
+  # a known multiple of it, which is what lets a mean over a sharded axis,
+  # psum(Σ h) / n, cancel it).
+  sizes = compat.shard_map_axis_sizes(node.params)
+  for i, p in enumerate(ins):
+    if p is not None and binv[i] in seeds:
+      split = compat.shard_map_operand_axes(node.params, i, len(p.dims))
+      varying = frozenset().union(*[a for a, e in zip(split, p.dims) if e is not None])
+      A.replicate(seeds[binv[i]], frozenset(sizes) - varying)
   seeds.update((inner or {}).get(body, {}))
   try:
     outs = body.collect(seeds)
@@ -510,15 +520,38 @@ def _shard_map_rebind(eqn, invals, run) -> list:
 
 def _psum_shift(node, ins: list, ctx) -> list:
   """``psum(x + k*c) = psum(x) + k*Σ_shards c``: every shard's shift has the
-  same pattern (the body is one program), so their sum has it too; it is a
-  new arbitrary shift (the shards' shifts need not be equal: a mean over a
-  sharded axis, ``psum(Σ h) / n``, does not cancel a per-shard shift)."""
+  same pattern (the body is one program), so their sum has it too. Where
+  ``c`` is the same in every shard summed over (``A.replicated``), the sum is
+  ``n*k*c`` with ``n`` the number of those shards: the same shift, so a mean
+  over a sharded axis, ``psum(Σ h) / n``, cancels it. Otherwise it is a new
+  arbitrary shift (the shards' shifts need not be equal)."""
+  axes, n = _psum_count(node, ctx)
   out = []
   for p in ins[:len(node.outs)]:
     if p is not None and not p.is_pure:
       raise Block(f"a nonlinear function of the shift is summed across shards by `{node.prim.name}`")
-    out.append(None if p is None else A.pure(p.dims))
+    if p is None:
+      out.append(None)
+    elif n is not None and A.replicated(p, axes):
+      out.append(A.poly_map(p, lambda c: A.scale(c, n), p.dims))
+    else:
+      out.append(A.pure(p.dims))
   return out
+
+
+def _psum_count(node, ctx) -> tuple:
+  """(mesh axes, number of shards) a psum sums over, from the nearest
+  enclosing shard_map's mesh; (axes, None) where that is not known."""
+  axes = compat.psum_axes(node.params)
+  prog = getattr(ctx, "program", None)
+  while axes is not None and prog is not None and prog.parent is not None:
+    outer, prog = prog.parent
+    if outer.prim in compat.shard_map_prims():
+      sizes = compat.shard_map_axis_sizes(outer.params)
+      if not set(axes) <= set(sizes):
+        break
+      return axes, math.prod(sizes[a] for a in axes)
+  return axes, None
 
 
 def _psum_facts(node, ins, ctx):
@@ -547,7 +580,9 @@ register(Rule("call", compat.call_prims(), inline=_call_inline, bodies=_call_bod
 register(Rule("shard_map", compat.shard_map_prims(), shift=_shard_map_shift, shift_inside=_shard_map_shift,
               zero_sum=_shard_map_zero_sum, body_facts=_shard_map_body_facts,
               body_zero_sum=_shard_map_body_zero_sum, bodies=_shard_map_bodies, rebind=_shard_map_rebind,
+              shards=lambda node, i: compat.shard_map_operand_axes(node.params, i, len(node.ins[i].shape)),
               variants=("normalized axis local", "normalized axis sharded", "replicated output")))
 # a sum of zero-sum values is zero-sum: each shard's operand over the same blocks
 register(Rule("psum", compat.psum_prims(), facts=_psum_facts, shift=_psum_shift,
-              zero_sum=lambda node, k, spec, ctx: [Need(k, spec)], simplify=_psum_simplify))
+              zero_sum=lambda node, k, spec, ctx: [Need(k, spec)], simplify=_psum_simplify,
+              across=lambda node: compat.psum_axes(node.params)))

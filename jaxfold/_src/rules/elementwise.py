@@ -144,8 +144,10 @@ def _add_zero_sum(node, k, spec, ctx):
       # sum over the others by their size: it must be zero-sum over those.
       s = _broadcast_spec(a, spec, out_shape)
       if s is None:
-        raise Block(f"`{node.prim.name}` adds an operand broadcast along every normalized axis "
-                    "(a bias or offset that no centering can make zero-sum)")
+        raise Block(f"`{node.prim.name}` {'subtracts' if i and node.prim is lax.sub_p else 'adds'} an "
+                    "operand broadcast along every normalized axis: constant there, it is zero-sum only "
+                    "where it is zero, which no centering proves (a bias, an offset, or a mean that does "
+                    "not cancel the other operand's)")
     needs.append(Need(i, s))
   return needs
 

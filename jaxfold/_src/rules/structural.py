@@ -167,9 +167,35 @@ def _reshape_zero_sum(node, k, spec, ctx):
   _reshape_check(node)
   res = D.reshape_spec_back(dict(spec), node.ins[0].shape, node.outs[0].shape)
   if res is None:
+    strided = _strided_groups(dict(spec), node.ins[0].shape, node.outs[0].shape)
+    if strided is not None:
+      d, stride = strided
+      raise Block(f"a reshape {tuple(node.ins[0].shape)} -> {tuple(node.outs[0].shape)} puts elements of "
+                  f"dim {d} that are {stride} apart in one normalized group (strided groups: c, c + {stride}, "
+                  f"c + {2 * stride}, ...): a centering "
+                  "over consecutive blocks, the only kind jaxfold applies to a parameter, cannot make "
+                  "those groups zero-sum")
     raise Block(f"a reshape {tuple(node.ins[0].shape)} -> {tuple(node.outs[0].shape)} mixes "
                 "the normalized axes with others")
   return [Need(0, freeze(res), transparent=True)]
+
+
+def _strided_groups(spec: dict, in_shape, out_shape):
+  """``(input dim, stride)`` where the reshape splits one input dim and the
+  normalized dims among its parts are followed by a part they leave out
+  (``h.reshape(..., C // G, G)`` reduced over the ``C // G`` axis: channels
+  c, c + G, c + 2G, ... in one group); else None."""
+  for gi, gj in D.reshape_groups(in_shape, out_shape) or ():
+    inside = [k for k, o in enumerate(gj) if o in spec]
+    if len(gi) != 1 or not inside:
+      continue
+    after = [out_shape[o] for o in gj[max(inside) + 1:]]
+    if any(not isinstance(n, int) for n in after):
+      return None
+    stride = math.prod(after)
+    if stride > 1:
+      return gi[0], stride
+  return None
 
 
 def _reshape_canon(node, ins, ctx):

@@ -107,6 +107,25 @@ def test_groupnorm_over_tokens_and_group(x64):
   assert_sound(apply, dict(DENSE, **gb(D)), x_args(), expect_folded=0)
 
 
+def _strided_gn(h, g, b, groups):
+  """GroupNorm per token whose groups are strided: ``reshape(..., D // G, G)`` and the
+  mean over the ``D // G`` axis puts channels c, c + G, c + 2G, ... in one group."""
+  r = h.reshape(h.shape[:-1] + (D // groups, groups))
+  c = r - r.mean(-2, keepdims=True)
+  return (c * lax.rsqrt((c * c).mean(-2, keepdims=True) + 1e-5)).reshape(h.shape) * g + b
+
+
+@pytest.mark.parametrize("groups", [2, 4])
+def test_strided_groups_are_refused_with_the_reason(x64, groups):
+  # A centering of w over strided groups would fold it, but a layout spec (consecutive
+  # blocks) cannot express one: refused, and the report says so (before: "mixes the
+  # normalized axes with others"). The same norm with consecutive groups folds (above).
+  res = assert_sound(lambda p, x: _strided_gn(x @ p["w"] + p["b"], p["g"], p["be"], groups),
+                     dict(DENSE, **gb(D)), x_args(), expect_folded=0)
+  (site,) = res.fold_report.sites
+  assert f"strided groups: c, c + {groups}, c + {2 * groups}" in site.reason, site.reason
+
+
 def test_squeeze(x64):
   run(lambda h, p: lax.squeeze(h[:, :, None, :], (2,)), 1)
 
