@@ -14,7 +14,6 @@ import weakref
 from typing import Any, Callable, Literal, NamedTuple, Optional, get_args
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxfold._src import compat, display, kernels, layout, pipeline
