@@ -557,10 +557,11 @@ VERDICTS.update({
   "T9": "gap: " + TJ + "test_rotate.py::test_rotation_refused_where_it_does_not_commute[statistic of half of d]",
   "N1": "gap: " + TJ + "test_kernels.py::test_kernel_epilogue_near_misses_in_float32 (the rc9 adversarial "
         "kernel programs run in float64, where no kernel runs: they could not notice a wrong epilogue proof)",
-  "N2": "open: not closed in this study (a widening of the norm's source that an auxiliary centering changes; "
-        "no test program yet)",
-  "N3": "open: not closed in this study; plausibly masked (a jaxpr widens a narrow source explicitly, and that "
-        "convert is an alias of the output's dtype, so the dropped fallback is rarely reached), not proven",
+  "N2": "gap: " + TJ + "test_kernels.py::test_a_centered_widening_of_the_source_is_what_the_kernel_reads "
+        "(a bf16 input widened to float32 and centered there by an auxiliary centering: the kernel read the "
+        "uncentered bf16 source, 0.54 off)",
+  "N3": "gap: " + TJ + "test_kernels.py::test_a_norm_wider_than_its_source_keeps_xla (a float32 stream "
+        "normalized in float64 after its centering: the kernel read the float32 source, 8e-8 off XLA)",
   "N4": "equivalent: a float64 norm given to the kernel computes in float64 in interpret mode (_acc promotes "
         "to float64), and compiled (interpret=False) pallas_kernels' dispatch sends float64 to the XLA "
         "reference (unsupported_reason): the same formula either way",
@@ -569,8 +570,8 @@ VERDICTS.update({
         + TJ + "test_kernels.py::test_a_reversed_gamma_or_beta_keeps_xla pins the exact fold",
   "Q2": "gap: tests/test_pallas_kernels/test_rms_norm.py::test_a_large_eps_is_added_to_the_mean_square (every "
         "test used ε ≤ 1e-5, where ε/n and ε agree to the tolerance)",
-  "Q6": "open: not closed in this study (the fused kernel normalizing the float32 sum instead of the rounded h "
-        "differs only in a low-precision stream; no bit-level bf16 test of y against the rounded h yet)",
+  "Q6": "gap: tests/test_pallas_kernels/test_rms_norm.py::test_fused_add_normalizes_the_rounded_sum_it_writes "
+        "(bf16/f16: y against the float64 formula of the rounded h where β cancels it: 778 ulps off)",
   "V8": "gap: " + TJ + "test_fingerprint.py::test_same_operations_other_parameters_constants_or_wiring_differ",
   "V9": "gap: " + TJ + "test_fingerprint.py::test_same_operations_other_parameters_constants_or_wiring_differ",
   "V10": "gap: " + TJ + "test_fingerprint.py::test_same_operations_other_parameters_constants_or_wiring_differ",

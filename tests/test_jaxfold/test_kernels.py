@@ -280,3 +280,63 @@ def test_size_of_a_symbolic_operand_bounds_the_search_instead_of_raising():
   sym = jax.export.symbolic_shape("b, 4")
   assert kernels._size(types.SimpleNamespace(shape=sym)) > kernels._size(types.SimpleNamespace(shape=(1 << 20, 4)))
   assert kernels._size(types.SimpleNamespace(shape=(3, 4))) == 12
+
+
+def _ln_f32(h, g, b, eps=1e-5):
+  c = h - h.mean(-1, keepdims=True)
+  return c * jax.lax.rsqrt((c * c).mean(-1, keepdims=True) + eps) * g + b
+
+
+def test_a_centered_widening_of_the_source_is_what_the_kernel_reads():
+  """A bf16 program input widened to float32 starts the stream of two norms (bf16
+  outputs, like flax's ``dtype=bfloat16``): the fold inserts one auxiliary centering
+  of the float32 widening (the bf16 input itself is also read raw, by the second
+  output). The kernel of the first norm must then read that centered widening, not
+  the bf16 source it exactly widens: reading the source normalized the uncentered
+  input (0.54 off; mutant N2 of tests/mutation_study.py)."""
+  bf = jnp.bfloat16
+  r = np.random.default_rng(4)
+  p = {k: jnp.asarray(r.normal(size=s), jnp.float32) for k, s in
+       (("g1", (16,)), ("b1", (16,)), ("g2", (16,)), ("b2", (16,)), ("w1", (16, 16)), ("c1", (16,)),
+        ("w2", (16, 5)))}
+
+  def apply(p, x):
+    xf = x.astype(jnp.float32)
+    y1 = _ln_f32(xf, p["g1"], p["b1"]).astype(bf)
+    h = xf + jnp.tanh(y1).astype(jnp.float32) @ p["w1"] + p["c1"]
+    return _ln_f32(h, p["g2"], p["b2"]).astype(bf) @ p["w2"].astype(bf), x[..., :1] * 2
+  x = (jax.random.normal(jax.random.PRNGKey(2), (3, 5, 16)) + 1.5).astype(bf)
+  ker = jaxfold.fold(p, apply, x, norm_impl="interpret")
+  xla = jaxfold.fold(p, apply, x, norm_impl="xla")
+  assert ker.report.num_folded == 2 and ker.report.num_auxiliary == 1, str(ker.report)
+  assert "centers the output of `convert_element_type`" in str(ker.report), str(ker.report)
+  assert len(_epilogues(ker, x)) == 2
+  for xs in (x, x[:1, :2]):
+    want, got = xla.apply_fn(xla.params, xs), ker.apply_fn(ker.params, xs)
+    assert rel_err(want, got) < 2e-2
+    assert rel_err(apply(p, xs), got) < 2e-2
+
+
+def test_a_norm_wider_than_its_source_keeps_xla(x64):
+  """A float32 stream, centered in float32, then widened: the norm's statistic and
+  output are float64. No value the float32 kernel could read gives a float64 result
+  (mutant N3: the kernel read the float32 source and its float32 output was widened,
+  8e-8 off XLA's expression), so the site keeps XLA's: bit-identical, at two shapes."""
+  f32, f64 = jnp.float32, jnp.float64
+  r = np.random.default_rng(4)
+  p = {"w": jnp.asarray(r.normal(size=(6, 16)), f32), "b": jnp.asarray(r.normal(size=16), f32),
+       "g": jnp.asarray(r.normal(size=16), f64), "be": jnp.asarray(r.normal(size=16), f64),
+       "w2": jnp.asarray(r.normal(size=(16, 5)), f64)}
+
+  def apply(p, x):
+    h = x @ p["w"] + p["b"]
+    c = (h - h.mean(-1, keepdims=True)).astype(f64)
+    return (c * jax.lax.rsqrt((c * c).mean(-1, keepdims=True) + 1e-5) * p["g"] + p["be"]) @ p["w2"]
+  x = jax.random.normal(jax.random.PRNGKey(2), (3, 5, 6), f32)
+  ker = jaxfold.fold(p, apply, x, norm_impl="interpret")
+  xla = jaxfold.fold(p, apply, x, norm_impl="xla")
+  assert ker.report.num_folded == 1 and _epilogues(ker, x) == ()
+  for xs in (x, x[:1, :2]):
+    got = ker.apply_fn(ker.params, xs)
+    assert got.dtype == f64 and bool(jnp.array_equal(got, xla.apply_fn(xla.params, xs)))
+    assert rel_err(apply(p, xs), got) < 1e-6

@@ -338,3 +338,37 @@ def test_a_large_eps_is_added_to_the_mean_square(fused):
   else:
     got = pk.rms_norm(jnp.asarray(x), jnp.asarray(scale), jnp.asarray(bias), eps=0.5, interpret=True)
   np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,hidden", [(jnp.bfloat16, 130), (jnp.float16, 64)])
+def test_fused_add_normalizes_the_rounded_sum_it_writes(dtype, hidden):
+  """``add_rms_norm``'s y is rms_norm of the h it returns (the sum rounded to the
+  stream's dtype, what the next layer reads back), not of the unrounded float32
+  sum. β ≈ −(normalized h)·γ leaves y small, so the rounding of h (≈ 2⁻⁹ of h in
+  bf16) is many ulps of y: y must match the float64 formula of the rounded h to
+  within y's own rounding, which normalizing the float32 sum misses by far
+  (mutant Q6 of tests/mutation_study.py). A ragged and an even hidden size."""
+  r = np.random.default_rng(7)
+  shape = (6, hidden)
+  x = jnp.asarray(r.normal(size=shape) * 2.0 + 0.3, dtype)
+  res = jnp.asarray(r.normal(size=shape), dtype)
+  scale = r.normal(size=hidden) * 0.5 + 1.0
+  h32 = np.asarray(x, np.float64) + np.asarray(res, np.float64)   # exact in float64
+  h = np.asarray(jnp.asarray(h32, jnp.float32).astype(dtype), np.float64)
+  assert np.mean(h != h32) > 0.5                          # the rounding of h matters
+
+  def formula(v, bias):
+    return v / np.sqrt((v * v).mean(-1, keepdims=True) + EPS) * scale + bias
+  small = r.normal(size=hidden) * 0.01
+  bias = small - formula(h, 0)[0]          # cancels row 0 exactly; other rows stay O(1)
+  scale32, bias32 = jnp.asarray(scale, jnp.float32), jnp.asarray(bias, jnp.float32)
+  y, h_out = pk.add_rms_norm(x, res, scale32, bias32, eps=EPS, interpret=True)
+  assert bool(jnp.array_equal(h_out, jnp.asarray(h, dtype)))
+  bias64 = np.asarray(bias32, np.float64)
+  scale = np.asarray(scale32, np.float64)
+  want = formula(h, bias64)
+  got = np.asarray(y, np.float64)
+  ulp = np.abs(want) * float(jnp.finfo(dtype).eps) + 1e-6
+  # row 0: y ~ 0.01, where h's rounding (unnormalized: 1e-2 of |h|·γ/rms) dominates
+  assert np.max(np.abs(got[0] - want[0]) / ulp[0]) <= 2, np.max(np.abs(got[0] - want[0]) / ulp[0])
+  assert np.max(np.abs(got - want) / (np.abs(want) + 1)) < 2 * float(jnp.finfo(dtype).eps)
