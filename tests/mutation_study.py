@@ -249,8 +249,11 @@ MUTANTS = [
     "  if i < nc + ncar:  # a carry changes across iterations: only randomness is known\n"
     "    return Facts(f.const | base.const, f.value, random)",
     "scan facts: a carry inherits its initial value's facts (a zero initial carry stays 'zero')"),
-  M("K11", CTL, "    out.append(None if p is None else A.pure(p.dims))", "    out.append(p)",
+  M("K11", CTL, "    else:\n      out.append(A.pure(p.dims))\n  return out",
+    "    else:\n      out.append(p)\n  return out",
     "psum: the sum of the shards' shifts taken as one shard's shift (a mean over one shard's size cancels)"),
+  M("K12", CTL, "    elif n is not None and A.replicated(p, axes):", "    elif n is not None:",
+    "psum: a shift that differs across shards taken as n times one shard's (a psum mean cancels it)"),
   # -- analysis drivers ----------------------------------------------------------------------------
   M("A1", "analysis.py", "    if best is None or jnp.finfo(dt).nmant > jnp.finfo(best).nmant:",
     "    if best is None or jnp.finfo(dt).nmant < jnp.finfo(best).nmant:",
@@ -512,6 +515,11 @@ VERDICTS = {
         "include the initial value (_carry_needs) and its shift fixed point starts from it",
   "K5": "gap: " + T + "test_a_scan_carry_shift_is_a_fixed_point",
   "K10": "gap: " + T + "test_a_scan_carry_that_starts_at_zero_is_not_zero",
+  "K11": "gap: tests/test_jaxfold/test_adversarial_spellings.py::test_shard_map_four_devices[a mean per shard and "
+         "psum over one shard's size] (the psum rules' replicated branch came before: only a shift that differs "
+         "across shards, a per-shard centering, reaches the dropped line)",
+  "K12": "gap: tests/test_jaxfold/test_adversarial_spellings.py::test_shard_map_four_devices[a mean per shard and "
+         "a psum mean of one h]",
   "A7": "gap, and a bug of the unmutated code (fixed in program.py): " + T
         + "test_cbwc_keeps_a_custom_derivative_out_of_the_shift",
   "P4": "gap: " + T + "test_an_auxiliary_centering_over_d_does_not_serve_a_norm_over_halves",

@@ -289,6 +289,12 @@ SCRIPT = textwrap.dedent(r'''
       c = h - m
       return c * rs((c * c).mean(-1, keepdims=True)) * g + b
 
+    def local_and_psum_mean(h, g, b):    # one h, a mean per shard (a GroupNorm) and the mean over all shards
+      return ln(h, g, b) + psum_mean(h, g, b)
+
+    def local_and_local_size(h, g, b):   # one h, a mean per shard and psum(Σ h) / L
+      return ln(h, g, b) + psum_local_size(h, g, b)
+
     def column_parallel(p, x):    # the projection inside, its columns sharded: the mean is of a value made there
       specs = {k: P() for k in p}
       specs.update(w1=P(None, "x"), b1=P("x"), g1=P("x"), be1=P("x"))
@@ -338,6 +344,8 @@ SCRIPT = textwrap.dedent(r'''
         "psum over one of the two mesh axes": program(sm(psum_one_of_two, M22, feat2, feat2[0])),
         "psum across the batch's mesh axis": program(sm(psum_other_axis, M4, (P("x"), P(), P()), P("x"))),
         "psum mean of a column-parallel projection": column_parallel,
+        "a mean per shard and a psum mean of one h": program(sm(local_and_psum_mean, M4, feat, feat[0])),
+        "a mean per shard and psum over one shard's size": program(sm(local_and_local_size, M4, feat, feat[0])),
         "mean over sharded tokens": program(sm(wrong_axis, M22, (P(None, "a"), P(), P()), P(None, "a"))),
         "elementwise shard_map, norm outside": program(elementwise),
         "whole model": whole,
@@ -375,6 +383,10 @@ EXPECT = {   # folded sites, and the first folded site's centerings
     "psum over one of the two mesh axes": (0, None),
     "psum across the batch's mesh axis": (0, None),
     "psum mean of a column-parallel projection": (0, None),
+    # a per-shard mean wants w1 centered per shard, whose shift differs across shards: the psum mean
+    # does not cancel it (refused), and the global centering folds the psum mean (and the final norm)
+    "a mean per shard and a psum mean of one h": (2, ["b1[0]", "w1[1]"]),
+    "a mean per shard and psum over one shard's size": (0, None),
     "mean over sharded tokens": (0, None),
     # not proved: a zero sum over the whole features spans the shards (a sound refusal, pinned)
     "elementwise shard_map, norm outside": (0, None),
