@@ -320,7 +320,8 @@ RRO, SRV, OPT = "rules/rotation.py", "serve/model.py", "jaxfold/optax_transforms
 PRN, PRM = "pallas_kernels/rms_norm.py", "pallas_kernels/rms_matmul.py"
 LIB_MUTANTS = [
   # -- layout.center and the fold's host centering ------------------------------------------------------
-  M("L1", LAY, "      split.extend([s // b, b])", "      split.extend([b, s // b])",
+  M("L1", LAY, "      split.append(n // b)\n    split.append(n if b is None else b)",
+    "      split.append(b)\n    split.append(n if b is None else n // b)",
     "center: a block of b consecutive elements read as b strided ones (groups interleaved)", sel="layout"),
   M("L2", LAY, "      axes.append(len(split) - 1)", "      axes.append(len(split) - 2)",
     "center: the mean taken over the block index instead of within each block", sel="layout"),

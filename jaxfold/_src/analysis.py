@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfold._src import algebra as A
-from jaxfold._src import compat
+from jaxfold._src import compat, layout
 from jaxfold._src.program import Lit, Node, Program, Val, call_note
 from jaxfold._src.rules import Block, Facts, rule_for
 from jaxfold._src.rules.base import freeze, lit_facts, operand_const, size_one
@@ -580,7 +580,8 @@ class Level:
     # A sum whose terms cancel over the blocks (``h - mean(h)``, a centering the
     # user wrote) is zero-sum whatever its operands are: decided on the exact
     # canonical form, before the facet asks the operands for more than needed.
-    written = self.zero_as_written(v, spec) if (rule.arith == "+" or rule.epilogue == "subtract") else None
+    additive = rule.arith == "+" or rule.epilogue == "subtract"
+    written = self.zero_as_written(v, spec) if additive else None
     if written is not None:
       if written is not True:
         out.append(Blocker(v, spec, f"{written} [at {node.where()}]"))
@@ -588,7 +589,8 @@ class Level:
     try:
       reqs = rule.zero_sum(node, v.index, spec, self)
     except Block as e:
-      written = self.zero_as_written(v, spec)
+      if not additive:   # (an additive node's form was asked above: it does not cancel)
+        written = self.zero_as_written(v, spec)
       if written is not True:
         out.append(Blocker(v, spec, f"{written or e} [at {node.where()}]"))
       return
@@ -602,11 +604,6 @@ class Level:
       else:
         self._walk(a, r.spec, (node, r.operand), (), out, v, spec)
 
-  def sums_to_zero(self, v: Val, spec: tuple) -> bool:
-    """Whether ``v`` sums to zero over every block of ``spec`` as written
-    (``zero_as_written``), at the precision of the program's outputs."""
-    return self.zero_as_written(v, spec) is True
-
   def zero_as_written(self, v: Val, spec: tuple):
     """True when ``v``'s exact canonical form sums to zero over every block of
     ``spec``, for all parameter and input values (an identity, so it needs
@@ -615,22 +612,12 @@ class Level:
     not (or cannot tell: concrete sizes only)."""
     shape = tuple(v.shape)
     blocks = dict(spec)
-    split, axes = [], []
-    for d, n in enumerate(shape):
-      b = blocks.get(d)
-      if not isinstance(n, int) or (b is not None and (not isinstance(b, int) or b <= 0 or n % b)):
-        return None
-      if b is None:
-        split.append(n)
-      elif b == n:
-        split.append(n)
-        axes.append(len(split) - 1)
-      else:
-        split.extend([n // b, b])
-        axes.append(len(split) - 1)
+    if not all(isinstance(n, int) for n in shape) or any(
+        not isinstance(b, int) or b <= 0 or shape[d] % b for d, b in blocks.items()):
+      return None
+    split, axes = layout.blocks(shape, blocks)
     if not axes:
       return None
-    split = tuple(split)
     try:
       e = self.canon(v)
       if not e.is_zero:

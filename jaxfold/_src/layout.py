@@ -24,15 +24,7 @@ def center(x, spec: Spec, out=None, pairwise: bool = False):
   """
   dtype = x.dtype
   shape = tuple(x.shape)
-  split, axes = [], []
-  for d, s in enumerate(shape):
-    b = spec.get(d)
-    if b is None:
-      split.append(s)
-    else:
-      split.extend([s // b, b])
-      axes.append(len(split) - 1)
-  axes = tuple(axes)
+  split, axes = blocks(shape, spec)
   if isinstance(x, np.ndarray):
     z = x.reshape(split)
     fast = pairwise and dtype == np.float32 and axes == (len(split) - 1,)
@@ -51,6 +43,26 @@ def center(x, spec: Spec, out=None, pairwise: bool = False):
   z = x.astype(acc).reshape(split)
   z = z - z.mean(axis=axes, keepdims=True)
   return z.reshape(shape).astype(dtype)
+
+
+def blocks(shape, spec: Spec) -> tuple:
+  """``(split, axes)``: ``shape`` with every dim ``spec`` centers in blocks
+  smaller than the dim split into (blocks, block size), and the axes of
+  ``split`` that hold the blocks (a mean over them is each block's mean).
+
+  Example:
+    >>> blocks((2, 6, 4), {1: 3, 2: 4})
+    ((2, 2, 3, 4), (2, 3))
+  """
+  split, axes = [], []
+  for d, n in enumerate(shape):
+    b = spec.get(d)
+    if b is not None and b != n:
+      split.append(n // b)
+    split.append(n if b is None else b)
+    if b is not None:
+      axes.append(len(split) - 1)
+  return tuple(split), tuple(axes)
 
 
 def full_spec(shape, axes) -> Spec:

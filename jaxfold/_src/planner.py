@@ -16,6 +16,7 @@ from typing import NamedTuple, Optional, Union
 
 import numpy as np
 
+from jaxfold._src import algebra as A
 from jaxfold._src import compat, layout
 from jaxfold._src.analysis import (
   DROPOUT_NOTE,
@@ -505,7 +506,6 @@ class Planner:
     cache = self.__dict__.setdefault("_pin", {})
     key = (j, v)
     if key not in cache:
-      from jaxfold._src import algebra as A
       level = self.sites[j].level
       out, seen = set(), set()
       stack = [f for m in level.canon(v).terms for f in m]
@@ -713,7 +713,6 @@ def _value_where(v: Val) -> tuple:
 
 def seed_poly(shape: tuple, spec: tuple):
   """The shift of centering a value of ``shape`` over the blocks of ``spec``."""
-  from jaxfold._src import algebra as A
   blocks = dict(spec)
   dims = []
   for d, s in enumerate(shape):
