@@ -255,16 +255,22 @@ def _narrows(node) -> bool:
   return bits is not None and bits[0] < jnp.finfo(node.ins[0].dtype).nmant
 
 
+def _cast_labels(level: Level, leaf: int, stops: set, quantizing: bool = False) -> set:
+  """The formats of the rounding casts on the way from parameter ``leaf`` to
+  ``stops`` (``quantizing``: only the casts that quantize)."""
+  out = set()
+  for v in _reach(level, level.program.invars[leaf], stops) or ():
+    node = v.producer
+    if (node is not None and rule_for(node.prim).cast is not None and _narrows(node)
+        and not (quantizing and _real_cast(node))):
+      out.add(_cast_label(node))
+  return out
+
+
 def _affine_casts(level: Level, leaves: list, stops: set) -> tuple:
   """The rounding casts on the way from γ and β to the readers' operands: the program
   rounds γ, β (or γ ⊙ K + β) there, the fused program rounds γ ⊙ W and β·W instead."""
-  out = set()
-  for i in leaves:
-    for v in _reach(level, level.program.invars[i], stops) or ():
-      node = v.producer
-      if node is not None and rule_for(node.prim).cast is not None and _narrows(node):
-        out.add(_cast_label(node))
-  return tuple(sorted(out))
+  return tuple(sorted(set().union(*[_cast_labels(level, i, stops) for i in leaves])))
 
 
 def _expr(level: Level, v: Any, depth: int = 4, quant: bool = False) -> A.Expr:
@@ -349,9 +355,7 @@ def _match(level: Level, y: Val, quant: bool = False) -> Optional[_Affine]:
   if quant:
     named = []
     for what, i in zip(("γ", "β"), leaves):
-      labels = sorted({_cast_label(v.producer) for v in _reach(level, level.program.invars[i], {y}) or ()
-                       if v.producer is not None and _float_cast(v.producer) and not _real_cast(v.producer)
-                       and _narrows(v.producer)})
+      labels = sorted(_cast_labels(level, i, {y}, quantizing=True))
       if labels:
         named.append(f"{what} is cast to {', '.join(labels)}")
     if not named:
