@@ -153,6 +153,15 @@ class Analyzer:
       self.levels[id(program)] = lv
     return lv
 
+  def release(self) -> None:
+    """Drops every level's memos and breaks the program's reference cycles
+    (``Program.release``): the analysis is over, and reference counting frees
+    it at once instead of the cycle collector. Any later use fails loudly."""
+    for lv in self.levels.values():
+      lv._facts = lv._canon = lv._memo = lv.overrides = None
+    self.levels = self._walk_memo = self.top = self.walk = None
+    self.program.release()
+
 
 def _keyed(vals) -> bool:
   """Whether any of ``vals`` is a PRNG key (asked of every node: a loop, not a generator)."""

@@ -269,11 +269,14 @@ def trace(fn: Callable, params: Any, args: tuple, error: Optional[type] = None,
 def analyzer(traced: Traced, *, cbwc: bool = False, through_dropout: bool = False) -> Iterator[Analyzer]:
   """An ``Analyzer`` of the traced program, its first ``len(names)`` inputs
   the parameters, valid inside the ``with`` (which owns the factor tables of
-  ``algebra``)."""
+  ``algebra``); on leaving it the analyzer is released (``Analyzer.release``)."""
   with algebra.scope(), no_gc():
     an = Analyzer(Program(traced.closed, custom_boundaries=cbwc), cbwc=cbwc, through_dropout=through_dropout)
     an.num_leaves = len(traced.names)
-    yield an
+    try:
+      yield an
+    finally:
+      an.release()
 
 
 def model_parts(model: Any, example_args: tuple, takes: str, error: type) -> tuple:

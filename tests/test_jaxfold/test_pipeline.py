@@ -367,3 +367,20 @@ def test_threaded_centering_equals_leaf_by_leaf(x64, dtype, monkeypatch):
   assert np.abs(np.asarray(new[3], np.float64).sum(axis=1)).max() < 1e-2 * 2048
   for x, b in zip(leaves, before):
     np.testing.assert_array_equal(np.asarray(x), b)
+
+
+def test_the_analyzer_is_released_on_leaving_its_context():
+  # Valid inside the ``with`` only: afterwards every level memo is gone and a use fails
+  # loudly (never silently with empty facts); the program's cycles are broken.
+  x = jnp.ones((2, 4))
+  p = M().init(jax.random.PRNGKey(0), x)
+  traced = pipeline.trace(M().apply, p, (x,))
+  with pipeline.analyzer(traced) as an:
+    top = an.top
+    v = top.program.invars[0]
+    assert top.program.nodes and top.facts(v) is not None
+  assert an.levels is None and an.top is None and top.program.nodes is None
+  with pytest.raises((AttributeError, TypeError)):
+    an.level(top.program)
+  with pytest.raises((AttributeError, TypeError)):
+    top.facts(v)

@@ -122,3 +122,42 @@ def test_upstream_walks_producers_by_layer():
   assert x in same[4] and all(v.shape == (3,) for layer in same for v in layer)
   # A loop's body is another level: the walk stops at the loop.
   assert upstream(looped, 2) == [[looped], [], []]
+
+
+def _freed_without_collector(release: bool) -> bool:
+  """Whether an output value of a program (with a loop body) is freed by reference
+  counting alone once the program is dropped."""
+  import gc
+  import weakref
+
+  def f(x):
+    return jax.lax.fori_loop(0, 3, lambda i, c: jnp.tanh(c) * 2.0, jnp.sin(x) + 1.0)
+
+  enabled = gc.isenabled()
+  gc.disable()
+  try:
+    p = _prog(f, jnp.ones(3))
+    ref = weakref.ref(p.nodes[0].outs[0])
+    if release:
+      p.release()
+    del p
+    return ref() is None
+  finally:
+    if enabled:
+      gc.enable()
+
+
+def test_release_breaks_the_cycles_so_reference_counting_frees_the_program():
+  # Unreleased, a node and its outputs (and a program and its nodes) keep each other
+  # alive until the cycle collector runs: the fold's largest collection.
+  assert not _freed_without_collector(release=False)
+  assert _freed_without_collector(release=True)
+
+
+def test_release_keeps_what_a_value_is_and_refuses_graph_walks():
+  p = _prog(lambda x: jnp.tanh(x) * 2.0, jnp.ones(3))
+  y = p.nodes[-1].outs[0]
+  p.release()
+  p.release()   # idempotent
+  assert y.shape == (3,) and y.key[1] == "out" and y.producer.prim.name == "mul"
+  assert p.nodes is None and y.producer.outs is None
