@@ -14,6 +14,7 @@ import weakref
 from typing import Any, Callable, Literal, NamedTuple, Optional, get_args
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxfold._src import compat, display, kernels, layout, pipeline
@@ -487,28 +488,55 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
 
 
 class _Centering:
-  """The centered parameters of a fold, computed on worker threads: NumPy
-  releases the GIL in its loops, so large leaves center in parallel with each
-  other and beside Python work (the probe's trace at batch 1), and memory
-  bandwidth, not one core, bounds the time. Jobs are keyed by leaf and axes:
-  a plan that another shape changes keeps the jobs it shares."""
+  """The centered parameters of a fold, computed beside the main thread.
+
+  Large leaves center on worker threads: NumPy releases the GIL in its
+  loops, so they center in parallel with each other and beside Python work
+  (the probe's trace at batch 1), and memory bandwidth, not one core, bounds
+  the time. A group of leaves sharing shape, dtype and axes that holds at
+  least ``_XLA_BYTES`` (a transformer's stacked MLP projections) centers in
+  XLA instead: one compiled program per group (compiled on first use, then
+  cached for the process), run asynchronously on XLA's threads in one fused
+  pass, with no GIL to wait for (GPT-2 small's 12 MLP output projections:
+  ~15 ms less per fold once compiled; its compile, ~25 ms, is what keeps
+  smaller groups on NumPy). Jobs are keyed by leaf and axes: a plan that
+  another shape changes keeps the jobs it shares."""
 
   _PARALLEL_BYTES = 1 << 20   # smaller leaves: a thread hop costs more than it saves
   _SPLIT_BYTES = 16 << 20     # larger ones (an embedding table) also split into row blocks
+  _XLA_BYTES = 64 << 20       # a group this large centers in XLA (see above)
 
   def __init__(self, leaves: list):
     self._leaves = leaves
-    self._pairwise = not compat.x64_enabled()   # here: the workers do not see an enable_x64 context
-    self._futures: dict = {}   # (leaf index, spec) -> Future (or _Blocks) of the centered NumPy array
+    self._x64 = compat.x64_enabled()   # asked here: the workers do not see an enable_x64 context
+    self._pairwise = not self._x64
+    self._futures: dict = {}   # (leaf index, spec) -> Future (or _Blocks, _Dispatched) of the centered array
 
   def start(self, an: Analysis) -> None:
     """Starts every large centering of ``an``'s plan not started yet, largest first."""
     jobs = {(i, s) for i, s in an.leaf_specs} | {(i, s) for _, i, s in an.untied}
-    for i, spec in sorted(jobs - self._futures.keys(), key=lambda k: -_nbytes(self._leaves[k[0]])):
+    large = [(i, spec) for i, spec in jobs - self._futures.keys()
+             if not isinstance(self._leaves[i], jax.ShapeDtypeStruct)
+             and _nbytes(self._leaves[i]) >= self._PARALLEL_BYTES and _on_host(self._leaves[i])]
+    groups = collections.Counter()
+    for i, spec in large:
+      groups[self._group(i, spec)] += _nbytes(self._leaves[i])
+    for i, spec in sorted(large, key=lambda k: -_nbytes(self._leaves[k[0]])):
       x = self._leaves[i]
-      if (not isinstance(x, jax.ShapeDtypeStruct) and _nbytes(x) >= self._PARALLEL_BYTES
-          and _on_host(x)):
+      if groups[self._group(i, spec)] >= self._XLA_BYTES and self._xla_exact(x):
+        self._futures[(i, spec)] = _Dispatched(_center_jit(dict(spec))(x))
+      else:
         self._futures[(i, spec)] = self._submit(np.asarray(x), dict(spec))
+
+  def _group(self, i: int, spec: tuple) -> tuple:
+    x = self._leaves[i]
+    return (tuple(np.shape(x)), np.dtype(x.dtype), spec)
+
+  def _xla_exact(self, x) -> bool:
+    """XLA's mean is as accurate as NumPy's pairwise float32 one, but under
+    x64 the host takes a float64 mean of a float32 leaf, which XLA would not."""
+    dt = np.dtype(x.dtype)
+    return jnp.issubdtype(dt, jnp.floating) and (not self._x64 or dt == np.float64)
 
   def _submit(self, x: np.ndarray, spec: dict):
     # The mean is compute-bound (in float64 unless pairwise): one large table on
@@ -545,6 +573,26 @@ class _Centering:
     finally:
       self.cancel()   # speculation the final plan does not use
     return new, untied
+
+
+class _Dispatched:
+  """A centering XLA runs asynchronously, as a finished future: the array is
+  returned at once, and whoever reads it waits for it."""
+
+  def __init__(self, y):
+    self._y = y
+
+  def result(self):
+    return self._y
+
+  def cancel(self) -> bool:
+    return False
+
+  def cancelled(self) -> bool:
+    return False
+
+  def done(self) -> bool:
+    return True
 
 
 class _Blocks:

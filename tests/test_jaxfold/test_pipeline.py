@@ -369,6 +369,66 @@ def test_threaded_centering_equals_leaf_by_leaf(x64, dtype, monkeypatch):
     np.testing.assert_array_equal(np.asarray(x), b)
 
 
+
+class _Stack(nn.Module):
+  """Four blocks whose output projections share shape, dtype and axes: one group."""
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(32)(x)
+    for _ in range(4):
+      h = h + nn.Dense(32)(nn.gelu(nn.Dense(64)(nn.LayerNorm()(h))))
+    return nn.Dense(5)(nn.LayerNorm()(h))
+
+
+@pytest.mark.parametrize("precision", ["float64", "float32"])
+def test_a_large_group_of_leaves_centers_in_xla_with_the_folds_values(precision, monkeypatch, request):
+  """A group of same-shaped leaves of at least ``_XLA_BYTES`` centers in XLA
+  (asynchronously): the fold is exact in float64 at two shapes, and in float32 its
+  parameters match the NumPy centering's to rounding, dtype and placement kept.
+  Under x64 a float32 leaf stays on the host (a float64 mean XLA would not take)."""
+  from jaxfold._src import fold as F
+  if precision == "float64":
+    request.getfixturevalue("x64")
+  dtype = jnp.float64 if precision == "float64" else jnp.float32
+  m, x = _Stack(), jax.random.normal(jax.random.PRNGKey(3), (3, 7, 24), dtype)
+  leaves, tree = jax.tree_util.tree_flatten(m.init(jax.random.PRNGKey(0), x))
+  keys = jax.random.split(jax.random.PRNGKey(4), len(leaves))   # random γ, β and biases, not 1 and 0
+  p = jax.tree_util.tree_unflatten(tree, [jax.random.normal(k, a.shape, dtype) for k, a in zip(keys, leaves)])
+  dispatched = []
+  monkeypatch.setattr(F, "_Dispatched", lambda y: _Recording(dispatched, y))
+  monkeypatch.setattr(F._Centering, "_PARALLEL_BYTES", 1)
+  monkeypatch.setattr(F._Centering, "_XLA_BYTES", 4 * 64 * 32 * np.dtype(dtype).itemsize)   # the 4 (64, 32) kernels
+  f = jaxfold.fold(p, m.apply, x)
+  assert f.report.num_folded == 5
+  assert sorted(y.shape for y in dispatched) == [(64, 32)] * 4
+  monkeypatch.setattr(F._Centering, "_XLA_BYTES", 1 << 60)
+  g = jaxfold.fold(p, m.apply, x)
+  for a, b in zip(jax.tree_util.tree_leaves(f.params), jax.tree_util.tree_leaves(g.params)):
+    assert a.dtype == b.dtype and a.sharding == b.sharding and a.shape == b.shape
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=8 * float(jnp.finfo(dtype).eps))
+  for shape in [(3, 7, 24), (2, 5, 24)]:
+    xs = jax.random.normal(jax.random.PRNGKey(5), shape, dtype)
+    assert rel_err(f.apply_fn(f.params, xs), m.apply(p, xs)) < (1e-12 if precision == "float64" else 1e-4)
+  dispatched.clear()
+  p32 = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), p)
+  if precision == "float64":   # x64 on: float32 leaves keep the host's float64 mean
+    monkeypatch.setattr(F._Centering, "_XLA_BYTES", 4 * 64 * 32 * 4)
+    jaxfold.fold(p32, m.apply, x.astype(jnp.float32))
+    assert dispatched == []
+
+
+class _Recording:
+  def __init__(self, log, y):
+    log.append(y)
+    self._y = y
+
+  def result(self):
+    return self._y
+
+  def cancel(self):
+    return False
+
+
 def test_the_analyzer_is_released_on_leaving_its_context():
   # Valid inside the ``with`` only: afterwards every level memo is gone and a use fails
   # loudly (never silently with empty facts); the program's cycles are broken.
