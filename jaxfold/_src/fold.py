@@ -588,12 +588,6 @@ class _Dispatched:
   def cancel(self) -> bool:
     return False
 
-  def cancelled(self) -> bool:
-    return False
-
-  def done(self) -> bool:
-    return True
-
 
 class _Blocks:
   """The futures of one leaf centered by row blocks into ``out``, as one future."""
