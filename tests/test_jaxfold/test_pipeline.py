@@ -405,7 +405,7 @@ def test_a_large_group_of_leaves_centers_in_xla_with_the_folds_values(precision,
   for a, b in zip(jax.tree_util.tree_leaves(f.params), jax.tree_util.tree_leaves(g.params)):
     assert a.dtype == b.dtype and a.sharding == b.sharding and a.shape == b.shape
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=8 * float(jnp.finfo(dtype).eps))
-  for shape in [(3, 7, 24), (2, 5, 24)]:
+  for shape in [(3, 7, 24), (2, 5, 24), (1, 1, 24)]:
     xs = jax.random.normal(jax.random.PRNGKey(5), shape, dtype)
     assert rel_err(f.apply_fn(f.params, xs), m.apply(p, xs)) < (1e-12 if precision == "float64" else 1e-4)
   if precision == "float64":   # x64 on: float32 leaves keep the host's float64 mean
