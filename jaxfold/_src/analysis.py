@@ -1,6 +1,10 @@
 """The soundness analysis: which mean reductions can go, and what to center.
 
-Two obligations (DESIGN-BRIEF §2), each a driver over the rule registry:
+A fold has two proof obligations (numbered so throughout ``rules`` and
+docs/contributing.md): (1) centering a producer is sound only if the shift it
+introduces is invisible at every output of the program; (2) removing a mean
+reduction is sound only if its input provably sums to zero over the reduced
+axes. Each is a driver over the rule registry:
 
 * ``Level.needs`` walks backwards from a normalization's input and lists what
   must be centered for it to sum to zero over the normalized axes
