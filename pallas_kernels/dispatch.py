@@ -30,12 +30,12 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """Use the kernel when ``min_hidden <= hidden <= max_hidden`` and rows >= min_rows."""
+  """Use the kernel when ``min_hidden <= hidden <= max_hidden`` and rows >= min_rows."""
 
-    dtype: str  # numpy dtype name, or "*" for any
-    min_hidden: int
-    max_hidden: int
-    min_rows: int
+  dtype: str  # numpy dtype name, or "*" for any
+  min_hidden: int
+  max_hidden: int
+  min_rows: int
 
 
 DEFAULT_RULES: tuple[Rule, ...] = (
@@ -52,46 +52,46 @@ _backend: str | None = None
 
 
 def set_backend(backend: str | None) -> None:
-    """Default Pallas backend for calls with ``backend=None`` (None = automatic).
+  """Default Pallas backend for calls with ``backend=None`` (None = automatic).
 
-    Example:
-        >>> set_backend("mosaic_gpu"); get_backend()
-        'mosaic_gpu'
-        >>> set_backend(None)
-    """
-    from pallas_kernels._compat import BACKENDS
+  Example:
+      >>> set_backend("mosaic_gpu"); get_backend()
+      'mosaic_gpu'
+      >>> set_backend(None)
+  """
+  from pallas_kernels._compat import BACKENDS
 
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
-    global _backend
-    _backend = backend
+  if backend is not None and backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+  global _backend
+  _backend = backend
 
 
 def get_backend() -> str | None:
-    return _backend
+  return _backend
 
 
 def set_rules(rules: Sequence[Rule] | None) -> None:
-    """Replaces the table (``None`` restores :data:`DEFAULT_RULES`)."""
-    global _rules
-    _rules = DEFAULT_RULES if rules is None else tuple(rules)
+  """Replaces the table (``None`` restores :data:`DEFAULT_RULES`)."""
+  global _rules
+  _rules = DEFAULT_RULES if rules is None else tuple(rules)
 
 
 def get_rules() -> tuple[Rule, ...]:
-    return _rules
+  return _rules
 
 
 def choose(shape: Sequence[int], dtype) -> str:
-    """Returns ``"pallas"`` or ``"xla"`` for an input of ``shape``/``dtype``.
+  """Returns ``"pallas"`` or ``"xla"`` for an input of ``shape``/``dtype``.
 
-    The first rule whose dtype matches decides; no matching rule -> ``"xla"``.
-    """
-    hidden = int(shape[-1]) if len(shape) else 1
-    rows = math.prod(int(d) for d in shape[:-1])
-    name = np.dtype(dtype).name
-    for rule in _rules:
-        if rule.dtype not in ("*", name):
-            continue
-        ok = rule.min_hidden <= hidden <= rule.max_hidden and rows >= rule.min_rows
-        return "pallas" if ok else "xla"
-    return "xla"
+  The first rule whose dtype matches decides; no matching rule -> ``"xla"``.
+  """
+  hidden = int(shape[-1]) if len(shape) else 1
+  rows = math.prod(int(d) for d in shape[:-1])
+  name = np.dtype(dtype).name
+  for rule in _rules:
+    if rule.dtype not in ("*", name):
+      continue
+    ok = rule.min_hidden <= hidden <= rule.max_hidden and rows >= rule.min_rows
+    return "pallas" if ok else "xla"
+  return "xla"
