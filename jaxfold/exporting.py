@@ -21,9 +21,9 @@ from jaxfold._src.export import (
                                  exported_signature,
                                  load_exported,
                                  read_artifact,
+                                 write_artifact,
 )
 from jaxfold._src.integrity import IntegrityError
-from jaxfold._src.integrity import atomic_write_bytes as write_artifact
 
 __all__ = ["export", "load_exported", "ExportWarning", "exported_signature", "read_artifact",
            "write_artifact", "IntegrityError", "ARTIFACT_VERSION", "MAGIC"]

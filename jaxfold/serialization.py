@@ -8,8 +8,15 @@ Example:
 """
 
 from jaxfold._src.integrity import IntegrityError
-from jaxfold._src.serialization import FORMAT_VERSION, LoadedFold, load_fold, load_meta, load_report, save_fold
-from jaxfold._src.serialization import _check_target as check_target
+from jaxfold._src.serialization import (
+                                        FORMAT_VERSION,
+                                        LoadedFold,
+                                        check_target,
+                                        load_fold,
+                                        load_meta,
+                                        load_report,
+                                        save_fold,
+)
 
 __all__ = ["save_fold", "load_fold", "load_report", "load_meta", "LoadedFold", "IntegrityError",
            "FORMAT_VERSION", "check_target"]

@@ -138,3 +138,18 @@ def test_export_binds_the_folds_static_keyword_arguments(fuse):
       export(r, x, example_kwargs={"mask": x})
     with pytest.raises(TypeError, match="must be a dict"):
       export(r, x, example_kwargs=[("flag", True)])
+
+
+def test_write_artifact_replaces_atomically(tmp_path):
+  import types
+
+  from jaxfold.exporting import MAGIC, read_artifact, write_artifact
+  scaled = types.SimpleNamespace(params=jax.numpy.float32(2.0), apply_fn=lambda p, x: x * p)
+  blob = export(scaled, jax.numpy.ones((2, 3)), symbolic=None)
+  path = tmp_path / "m.jaxexport"
+  path.write_bytes(b"old")
+  write_artifact(str(path), blob)
+  assert path.read_bytes() == blob and blob.startswith(MAGIC)
+  header, program = read_artifact(path.read_bytes(), str(path))
+  assert isinstance(header, dict) and program
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["m.jaxexport"]   # no temporary left behind

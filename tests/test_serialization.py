@@ -65,3 +65,14 @@ def test_refuses_non_empty_dir_and_wrong_model(tmp_path, gpt2_tiny):
     load_fold(tmp_path, apply)
   with pytest.raises(FileNotFoundError, match="not a saved fold"):
     load_report(tmp_path)
+
+
+def test_check_target_refuses_what_save_fold_refuses(tmp_path):
+  from jaxfold.serialization import check_target
+  check_target(str(tmp_path / "new"), overwrite=False)            # absent: fine
+  (tmp_path / "full").mkdir()
+  (tmp_path / "full" / "x.txt").write_text("mine")
+  with pytest.raises(FileExistsError, match="not empty"):
+    check_target(str(tmp_path / "full"), overwrite=False)
+  with pytest.raises(FileExistsError, match="not a saved fold"):
+    check_target(str(tmp_path / "full"), overwrite=True)

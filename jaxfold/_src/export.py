@@ -76,7 +76,15 @@ from jax import export as jax_export
 from jaxfold._src import compat, pipeline
 from jaxfold._src.affine import FusedParams
 from jaxfold._src.fold import FoldedParams
-from jaxfold._src.integrity import IntegrityError, IsADirectory, NotFoundError, hmac_hex, hmac_matches, versions
+from jaxfold._src.integrity import (
+  IntegrityError,
+  IsADirectory,
+  NotFoundError,
+  atomic_write_bytes,
+  hmac_hex,
+  hmac_matches,
+  versions,
+)
 
 # Artifacts exported with params as an argument may carry these in their input
 # tree (fuse_affine and rotate results hold FusedParams): registered once, under
@@ -531,6 +539,12 @@ def _check_signed(header: dict, key: Any, source: str) -> None:
     raise IntegrityError(f"{source}: the signature does not match under the given key: the "
                          "artifact was modified after it was signed (e.g. its metadata edited and "
                          "re-hashed), or signed with another key; refusing it")
+
+
+def write_artifact(path: str, data: bytes) -> None:
+  """Writes the artifact ``data`` to ``path`` atomically: a reader sees the old
+  file or the new one, never a prefix."""
+  atomic_write_bytes(path, data)
 
 
 def read_artifact(data: bytes, source: str = "<bytes>", *,

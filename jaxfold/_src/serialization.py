@@ -269,7 +269,8 @@ def _check_replaceable(directory: str) -> None:
                           "another directory or remove it yourself")
 
 
-def _check_target(directory: str, overwrite: bool) -> None:
+def check_target(directory: str, overwrite: bool) -> None:
+  """Raises (FileExistsError, IntegrityError) if ``save_fold`` would refuse ``directory``."""
   if os.path.islink(directory):
     raise IntegrityError(
         f"{directory} is a symbolic link (to {os.path.realpath(directory)}): a fold is replaced "
@@ -371,7 +372,7 @@ def save_fold(folded: Any, directory: str | os.PathLike, *, meta: Optional[dict]
 
   _check_folded(folded)
   directory = os.path.abspath(os.fspath(directory))
-  _check_target(directory, overwrite)
+  check_target(directory, overwrite)
   chain = _chain_of(folded)
   transformed = chain is not None and len(chain) > 1
   base = chain[0][1] if transformed else folded.apply_fn   # the FoldedApply
