@@ -9,6 +9,11 @@
 * No import circles among jaxfold's modules (every ``import`` counts,
   function-level ones too: a lazy import hides a circle, it does not remove it).
 
+* One indentation style (2 spaces per block) in every .py of the repository.
+* Public modules (``jaxfold/*.py``, ``jaxfold/cli/``) re-export only names that
+  are public in their ``_src`` module, under the same name.
+* Every ``jaxfold/_src`` module has a mirroring test module (``mirror_candidates``).
+
 Each test fails listing every offender, so the goal is checked, not claimed.
 """
 
@@ -245,3 +250,129 @@ def test_cycle_finder_finds_a_planted_cycle():
   graph = import_graph()
   assert "jaxfold._src.analysis" in graph["jaxfold._src.pipeline"]   # a real edge: the scan sees imports
   assert "jaxfold._src.deferral" in graph["jaxfold._src.rewrite"]
+
+
+# ----------------------------------------------------------------------------
+# Issue 35's house rules for the whole repository: one indentation style,
+# public shims that export public names, every _src module mirrored by tests.
+
+REPO = ROOT.parent
+SOURCE_DIRS = ("jaxfold", "models", "pallas_kernels", "benchmarks", "examples", "tests")
+
+
+def _repo_files() -> list:
+  return [f for d in SOURCE_DIRS for f in sorted((REPO / d).rglob("*.py"))]
+
+
+def indentation_offenders(files) -> list:
+  """``file:line`` of every block indented other than 2 spaces deeper than its parent (or with a tab).
+  Continuation lines inside brackets are free (hanging alignment); only INDENT tokens count."""
+  import io
+  import tokenize
+  out = []
+  for f in files:
+    stack = [0]
+    for t in tokenize.generate_tokens(io.StringIO(pathlib.Path(f).read_text(encoding="utf-8")).readline):
+      if t.type == tokenize.INDENT:
+        width = len(t.string.expandtabs(8))
+        if "\t" in t.string or width - stack[-1] != 2:
+          out.append(f"{f}:{t.start[0]}: indented by {width - stack[-1]}{' (tab)' if chr(9) in t.string else ''}")
+        stack.append(width)
+      elif t.type == tokenize.DEDENT:
+        stack.pop()
+  return out
+
+
+def test_two_space_indentation_everywhere():
+  bad = indentation_offenders(_repo_files())
+  assert not bad, "blocks not indented by 2 spaces:\n" + "\n".join(bad)
+
+
+def test_indentation_check_finds_four_spaces(tmp_path):
+  four = tmp_path / "four.py"
+  four.write_text('def f(x):\n    """Doc."""\n    if x:\n        return (1,\n                2)\n    return 0\n')
+  two = tmp_path / "two.py"
+  two.write_text('def f(x):\n  if x:\n    return (1,\n            2)\n  return 0\n')
+  assert indentation_offenders([two]) == []
+  assert [b.split(":")[1] for b in indentation_offenders([four])] == ["2", "4"]
+
+
+def _public_modules() -> list:
+  """The modules a user imports: everything under jaxfold/ outside ``_src`` whose name has no underscore."""
+  return [f for f in sorted(ROOT.rglob("*.py"))
+          if "_src" not in f.relative_to(ROOT).parts
+          and (not f.name.startswith("_") or f.name in ("__init__.py", "__main__.py"))
+          and not any(p.startswith("_") for p in f.relative_to(ROOT).parts[:-1])]
+
+
+def private_reexports(files) -> list:
+  """``file:line: what`` for every ``from jaxfold._src... import a [as b]`` in a public module where
+  ``a`` is private in its defining module, or is re-exported under another name (``b`` != ``a``)."""
+  out = []
+  for f in files:
+    tree = ast.parse(pathlib.Path(f).read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+      if not (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxfold._src")):
+        continue
+      for a in node.names:
+        if a.name.startswith("_") and not a.name.startswith("__"):
+          out.append(f"{f}:{node.lineno}: {node.module}.{a.name} is private")
+        elif a.asname and a.asname != a.name:
+          out.append(f"{f}:{node.lineno}: {node.module}.{a.name} re-exported as {a.asname}")
+  return out
+
+
+def test_public_modules_export_only_public_names():
+  bad = private_reexports(_public_modules())
+  assert not bad, "public modules re-exporting private or renamed names:\n" + "\n".join(bad)
+  import jaxfold.exporting
+  import jaxfold.serialization
+  for mod in (jaxfold, jaxfold.serialization, jaxfold.exporting, jaxfold.benchmarking):
+    for name in mod.__all__:
+      obj = getattr(mod, name)
+      defined = getattr(obj, "__name__", name)
+      assert not defined.startswith("_") or defined.startswith("__"), f"{mod.__name__}.{name} is {defined}"
+
+
+def test_private_reexport_check_finds_both_kinds(tmp_path):
+  shim = tmp_path / "shim.py"
+  shim.write_text("from jaxfold._src.serialization import save_fold\n"
+                  "from jaxfold._src.serialization import _helper as helper\n"
+                  "from jaxfold._src.integrity import atomic_write_bytes as write_it\n")
+  bad = private_reexports([shim])
+  assert [b.split(": ", 1)[1] for b in bad] == ["jaxfold._src.serialization._helper is private",
+                                                "jaxfold._src.integrity.atomic_write_bytes re-exported as write_it"]
+
+
+# Mirror rule: module ``jaxfold/_src/[pkg/]m.py`` is mirrored by the first of these that exists:
+# ``tests/test_jaxfold/[pkg/]test_m.py``, ``tests/test_m.py``, ``tests/test_pkg/test_m.py``,
+# ``tests/test_pkg_m.py`` (e.g. rules/dims.py -> tests/test_jaxfold/rules/test_dims.py,
+# export.py -> tests/test_export.py, frameworks/keras.py -> tests/test_frameworks/test_keras.py,
+# serve/batcher.py -> tests/test_serve_batcher.py). Package ``__init__.py`` files need none.
+def mirror_candidates(module: pathlib.Path, tests: pathlib.Path) -> list:
+  rel = module.relative_to(ROOT / "_src")
+  pkg, m = rel.parts[:-1], module.stem
+  out = [tests / "test_jaxfold" / pathlib.Path(*pkg) / f"test_{m}.py", tests / f"test_{m}.py"]
+  if pkg:
+    out += [tests / f"test_{pkg[-1]}" / f"test_{m}.py", tests / f"test_{pkg[-1]}_{m}.py"]
+  return out
+
+
+def unmirrored_modules(tests: pathlib.Path) -> list:
+  return [m.relative_to(ROOT).as_posix() for m in sorted((ROOT / "_src").rglob("*.py"))
+          if m.name != "__init__.py" and not any(c.exists() for c in mirror_candidates(m, tests))]
+
+
+def test_every_src_module_has_a_test_module():
+  bad = unmirrored_modules(REPO / "tests")
+  assert not bad, ("modules with no mirroring test module (see mirror_candidates for the names):\n"
+                   + "\n".join(bad))
+
+
+def test_mirror_check_finds_a_missing_mirror(tmp_path):
+  (tmp_path / "test_jaxfold" / "rules").mkdir(parents=True)
+  (tmp_path / "test_jaxfold" / "rules" / "test_dims.py").write_text("")
+  (tmp_path / "test_serve_batcher.py").write_text("")
+  missing = unmirrored_modules(tmp_path)
+  assert "_src/rules/dims.py" not in missing and "_src/serve/batcher.py" not in missing
+  assert "_src/fold.py" in missing and "_src/rules/control.py" in missing
