@@ -64,7 +64,7 @@ def hadamard(n: int, dtype: Any = np.float64) -> np.ndarray:
   """
   m, p2 = hadamard_factorization(n)
   signs = np.kron(_small(m), _sylvester(p2))
-  return (signs * (1.0 / np.sqrt(n))).astype(dtype)
+  return (signs * (1.0 / np.sqrt(n))).astype(dtype, copy=False)
 
 
 def hadamard_factorization(n: int) -> tuple[int, int]:
@@ -105,6 +105,8 @@ def hadamard_transform(x: Any, axis: int = -1) -> jax.Array:
     True
   """
   x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.inexact):   # integers: the 1/√n scale needs a float
+    x = x.astype(jnp.result_type(float))
   axis = axis % x.ndim
   n = x.shape[axis]
   m, p2 = hadamard_factorization(n)

@@ -76,6 +76,12 @@ def test_transform_equals_matmul(x64, n):
   assert np.abs(got - np.einsum("ib,ic->cb", x, h)).max() < 1e-12 * np.sqrt(n) * np.abs(x).max()
 
 
+def test_transform_of_integers_is_float(x64):
+  x = np.arange(24).reshape(2, 12)
+  got = np.asarray(jax.jit(hadamard_transform)(jnp.asarray(x)))
+  assert got.dtype == np.float64 and np.abs(got - x @ hadamard(12)).max() < 1e-12
+
+
 def test_transform_is_its_inverse_transposed(x64):
   x = np.random.default_rng(0).normal(size=(2, 384))
   y = np.asarray(jax.jit(hadamard_transform)(jnp.asarray(x)))
