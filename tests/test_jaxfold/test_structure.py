@@ -285,7 +285,8 @@ def indentation_offenders(files) -> list:
 
 def test_two_space_indentation_everywhere():
   bad = indentation_offenders(_repo_files())
-  assert not bad, "blocks not indented by 2 spaces:\n" + "\n".join(bad)
+  assert not bad, ("blocks not indented by 2 spaces (fix with `python .ci/reindent.py FILE...`):\n"
+                   + "\n".join(bad))
 
 
 def test_indentation_check_finds_four_spaces(tmp_path):
