@@ -14,13 +14,16 @@ import re
 import types
 
 import fuzz_programs as fp
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jaxfold._src.rules import base, elementwise
+import jaxfold
+from jaxfold._src.hadamard import hadamard
+from jaxfold._src.rules import base, elementwise, rotation
 
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "contributing.md"
 
@@ -29,6 +32,12 @@ def _example_blocks() -> list:
   text = DOC.read_text(encoding="utf-8")
   section = text.split("## Worked example", 1)[1].split("\n## ", 1)[0]
   return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
+def _rotate_snippet() -> str:
+  """The guide's one-line ``rotate`` facet (inline code, not a block)."""
+  (line,) = re.findall(r"`(set_facets\(\(my_lib\.scale_p,\), rotate=\w+\))`", DOC.read_text(encoding="utf-8"))
+  return line
 
 
 def _my_lib():
@@ -86,3 +95,24 @@ def test_the_worked_example_folds_through_the_new_primitive(x64, my_lib):
   out = np.asarray(made.fn({}, h, None))
   assert (made.T, made.D) == (3, 4)
   assert any(np.allclose(out, np.asarray(h) * f) for f in (-2.0, 0.5, 3.0))
+
+
+def test_the_rotate_facet_of_the_example_is_exact(x64, my_lib):
+  env = dict(vars(elementwise), my_lib=my_lib)
+  exec(compile(_example_blocks()[0], f"{DOC}:rule", "exec"), env)   # noqa: S102
+  exec(_rotate_snippet(), dict(vars(rotation), my_lib=my_lib))       # noqa: S102
+  r = np.random.default_rng(0)
+  params = {"w_in": jnp.asarray(r.normal(size=(5, 12))), "b": jnp.asarray(r.normal(size=(12,))),
+            "w_out": jnp.asarray(r.normal(size=(12, 3)))}
+
+  def apply(p, x):
+    h = my_lib.scale(x @ p["w_in"] + p["b"], factor=2.5)
+    return h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6) @ p["w_out"]
+
+  model = types.SimpleNamespace(params=params, apply_fn=apply)
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 4, 5), jnp.float64)
+  rot = jaxfold.rotate(model, hadamard(12), x)
+  assert len(rot.report.rotated) == 3
+  for xs in (x, x[:1, :1]):
+    want, got = np.asarray(apply(params, xs)), np.asarray(rot.apply_fn(rot.params, xs))
+    assert np.abs(want - got).max() < 1e-12 * np.abs(want).max()
