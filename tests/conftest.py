@@ -76,9 +76,58 @@ SLOW_CASES = (
 )
 
 
+# The quick tier (`pytest -m quick`, the README's first check, ~2 min on 2 cores): one test of
+# each thing a newcomer relies on: folds of zoo models equal the original in float64 at
+# several shapes (batch 1 included), the report, save/load, CBWC, export, the CLI and the
+# README's example. Entries are `file::test[case]`; `file::test` takes every case.
+QUICK_CASES = (
+  "test_affine.py::test_zoo_fused_equals_original[gpt2-tiny]",
+  "test_affine.py::test_zoo_fused_equals_original[opt-tiny]",
+  "test_shapes.py::test_one_fold_serves_every_shape[gpt2-nnx-tiny-1]",
+  "test_fold.py::test_layernorm_formulations_fold[hand]",
+  "test_fold.py::test_nnx_layernorm_and_state",
+  "test_fold.py::test_tied_embedding_with_auxiliary_centering",
+  "test_report.py::test_changes_match_the_folded_program",
+  "test_report.py::test_each_centering_is_listed_once_by_the_site_that_needs_it_first",
+  "test_report.py::test_locations_are_module_paths_or_user_lines",
+  "test_report.py::test_json_round_trip_and_old_reports",
+  "test_serialization.py::test_round_trip_bit_for_bit[auto]",
+  "test_serialization.py::test_refuses_non_empty_dir_and_wrong_model",
+  "test_cbwc.py::test_report_folds_every_layernorm",
+  "test_cbwc.py::test_equal_at_untraced_params_jit_grad_vmap[float64-1e-11]",
+  "test_export.py::test_symbolic_export_runs_any_batch_and_length",
+  "test_cli.py::test_bench_and_demo",
+  "test_cli.py::test_models_lists_the_zoo",
+  "test_cli.py::test_report_for_model_uses_abstract_init",
+  "test_cli.py::test_argument_errors_exit_2_without_traceback",
+  "test_docs.py::test_readme_example_prints_what_the_readme_shows",
+  "test_docs.py::test_readme_layout",
+)
+
+
+def _listed(nodeid: str, cases: tuple) -> str | None:
+  """The entry of ``cases`` that names this test (by file name, test and case), if any."""
+  path, _, case = nodeid.partition("::")
+  name = f"{path.rsplit('/', 1)[-1]}::{case}"
+  if name in cases:
+    return name
+  test = name.partition("[")[0]
+  return test if test in cases else None
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+  modules = {}
   for item in items:
-    path, _, case = item.nodeid.partition("::")
-    if f"{path.rsplit('/', 1)[-1]}::{case}" in SLOW_CASES:
+    if _listed(item.nodeid, SLOW_CASES):
       item.add_marker(pytest.mark.slow)
+    if _listed(item.nodeid, QUICK_CASES):
+      item.add_marker(pytest.mark.quick)
+    if getattr(item, "module", None) is not None:
+      modules[item.nodeid.partition("::")[0].rsplit("/", 1)[-1]] = item.module
+  # A renamed test must not silently leave the quick tier: an entry of a collected file has to
+  # name one of its test functions (whichever of its tests this run selected).
+  missing = [e for e in QUICK_CASES if e.partition("::")[0] in modules
+             and not callable(getattr(modules[e.partition("::")[0]], e.partition("::")[2].partition("[")[0], None))]
+  if missing:
+    raise pytest.UsageError(f"tests/conftest.py QUICK_CASES names tests that do not exist: {missing}")
