@@ -42,7 +42,7 @@ _WHY = """Why (tests/test_models/test_vmamba.py checks each step):
   zero-mean) and feeds the next stage's downsampling conv, a contraction over the channels. Any shift
   of the stream (an auxiliary centering, or centering the blocks' `out_proj`/`fc2`) becomes a shift
   that varies along the conv's output channels, which the downsampling LN does not ignore. The paper
-  counts these as foldable (its practical extension); numerically that is the error below.
+  counts these as foldable (its practical extension); numerically that is the error above.
 * Not folded, the 15 SS2D `out_norm`s: their input is the selective scan's output (C_t · h_t with
   input-dependent C_t and exp(Δ_t A)), which no linear producer feeds; the paper does not count them
   either (51 − 36 = 15).
@@ -114,10 +114,11 @@ def main(argv=None) -> str:
   args = ap.parse_args(argv)
   spec, small = models.get(args.count_model), models.get(args.error_model)
   rows, report = count_rows(spec)
-  md = [f"VMamba, `{spec.name}` ({spec.config.depths} depths, {spec.config.image_size} px, analysed "
-        f"without weights); jax {jax.__version__}, {jax.devices()[0].device_kind}.\n",
+  md = [f"Measured {time.strftime('%Y-%m-%d')}. VMamba, `{spec.name}` ({spec.config.depths} depths, "
+        f"{spec.config.image_size} px, analysed without weights); jax {jax.__version__}, "
+        f"{jax.devices()[0].device_kind}.\n",
         "| who | LayerNorms | folded | auxiliary centerings | fold time |", "|---|---:|---:|---:|---:|",
-        "| paper (Table F, practical extension) | 51 | 36 | – | – |", *rows, "",
+        "| paper (appendix F table: 0 foldable, 36 with its practical extension) | 51 | 36 | – | – |", *rows, "",
         "Not folded, grouped (with auxiliary centering; N: the numbers that vary within a group):\n",
         "| sites | # | where | the report's reason (one of them) |", "|---|---:|---|---|"]
   for wheres, idx, reason in group_reasons(report):
