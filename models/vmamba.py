@@ -1,7 +1,9 @@
 """VMamba (v2 structure) in Flax linen, channels-last, with the official repository's names.
 
 Structure (``VSSM`` of github.com/MzeroMiko/VMamba, ``classification/models/vmamba.py``, in
-its default configuration: ``patchembed v2``, ``forward_type v2``, ``mlp_ratio 4``):
+its default configuration: ``patchembed v2``, ``forward_type v2`` (gated), ``mlp_ratio 4``,
+depths (2, 2, 9, 2); downsampling as in the released v2 models, ``downsample v3``: the default
+``v2`` uses a 2x2/2 conv instead, a contraction over the channels all the same):
 
 * ``patch_embed``: conv 3x3/2 -> LayerNorm ``norm1`` -> GELU -> conv 3x3/2 -> LayerNorm ``norm2``.
 * ``layers.N.blocks.M`` (VSS blocks): ``x + SS2D(norm(x))`` then ``x + MLP(norm2(x))``.
@@ -16,7 +18,8 @@ its default configuration: ``patchembed v2``, ``forward_type v2``, ``mlp_ratio 4
 LayerNorm count: 2 (stem) + 3·sum(depths) (``norm``, ``out_norm``, ``norm2`` per block) +
 (stages - 1) (downsampling) + 1 (head). The repository's default depths (2, 2, 9, 2) give
 2 + 45 + 3 + 1 = 51, the paper's count; its released VMamba-T v2 checkpoints use (2, 2, 5, 2)
-(``s2l5``: 39 LayerNorms) or (2, 2, 8, 2) (``s1l8``: 48). The count does not depend on widths.
+(``s2l5``: 39 LayerNorms) or (2, 2, 8, 2) (``s1l8``: 48), with the ungated ``v05_noz`` SS2D.
+The count does not depend on widths.
 
 Which LayerNorms fold exactly, and why the others do not (tests/test_models/test_vmamba.py
 checks it; benchmarks/results/vmamba.md has the report's reasons):
@@ -327,7 +330,7 @@ CONFIGS: dict[str, ImageModelSpec] = {
   # The same depths (so the same 51 LayerNorms and the same fold), tiny widths: 32px -> an 8x8
   # map in stage 0 (scans of 64 steps) down to 1x1 in stage 3.
     "vmamba-tiny": _spec("vmamba-tiny", image_size=32, embed_dim=8, d_state=2, mlp_ratio=2.0, num_labels=10),
-  # One block per stage: the same kinds of sites (13 LayerNorms), for the quick tests.
+  # One block per stage: the same kinds of sites (18 LayerNorms, 8 fold), for the quick tests.
     "vmamba-mini": _spec("vmamba-mini", image_size=32, embed_dim=8, depths=(1, 1, 1, 1), d_state=2,
                          mlp_ratio=2.0, num_labels=10),
 }
