@@ -28,7 +28,7 @@ __all__ = ["compare_forward", "device_string", "random_params", "summarize_timin
            "log", "RESULTS"]
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-IMAGE_FAMILIES = {"vit", "swin", "cnn", "mlp"}
+IMAGE_FAMILIES = {"vit", "swin", "cnn", "mlp", "vmamba"}
 
 
 def log(msg: str) -> None:

@@ -42,6 +42,7 @@ ROWS = [
     ("Phi-2", "phi-2", "phi-tiny", "0/25/25"),
     ("GPT-J-6B-sized", "gpt-j-6b-sized", "gpt-j-tiny", "–"),
     ("Swin-T", "swin-t", "swin-tiny-test", "–"),
+    ("VMamba (VSSM default, depths 2-2-9-2)", "vmamba-t", "vmamba-tiny", "0/36/51"),
     ("CLIP ViT-B/32 (image features)", "clip-vit-b/32", "clip-vit-tiny", "–"),
     ("CLIP ViT-B/32 (last hidden state)", "clip-vit-b/32-hidden", "clip-vit-tiny-hidden", "–"),
     ("Whisper-base encoder", "whisper-base-encoder", "whisper-tiny-test", "–"),
@@ -54,14 +55,14 @@ ROWS = [
 
 
 def _inputs(spec, abstract):
-  seq = None if getattr(spec, "family", "") in ("vit", "swin", "cnn", "mlp", "clip") else 16
+  seq = None if getattr(spec, "family", "") in ("vit", "swin", "cnn", "mlp", "clip", "vmamba") else 16
   if seq is None:
     return spec.example_inputs(1, abstract=abstract)
   return spec.example_inputs(1, seq, abstract=abstract)
 
 
 def _init(spec, abstract):
-  seq = None if getattr(spec, "family", "") in ("vit", "swin", "cnn", "mlp", "clip") else 16
+  seq = None if getattr(spec, "family", "") in ("vit", "swin", "cnn", "mlp", "clip", "vmamba") else 16
   if abstract:
     return spec.abstract_init(1, seq) if seq else spec.abstract_init(1)
   return spec.init(jax.random.PRNGKey(0), 1, seq) if seq else spec.init(jax.random.PRNGKey(0), 1)

@@ -1,7 +1,7 @@
 """Model zoo for jaxfold tests and benchmarks: a registry of named `ModelSpec`s.
 
 Each family module exposes `CONFIGS: dict[str, ModelSpec]`; this module merges them.
-The vision modules (vit, swin, cnn, mlp) are optional: if one is missing or fails to
+The vision modules (vit, swin, cnn, mlp, vmamba) are optional: if one is missing or fails to
 import, its configurations are simply absent (see `import_errors()`).
 
 Example:
@@ -20,7 +20,7 @@ from typing import Any, Optional
 from models.common import ModelSpec, randomize_norms
 
 _TEXT_MODULES = ("gpt2", "gpt2_nnx", "bert", "opt", "bloom", "phi")
-_OPTIONAL_MODULES = ("vit", "swin", "cnn", "mlp", "clip", "whisper", "wav2vec2")
+_OPTIONAL_MODULES = ("vit", "swin", "cnn", "mlp", "clip", "whisper", "wav2vec2", "vmamba")
 
 _REGISTRY: dict[str, Any] = {}
 _IMPORT_ERRORS: dict[str, str] = {}

@@ -55,3 +55,12 @@ def test_post_ln_paper_choice_changes_the_output(x64):
   f = jaxfold.fold(p, PostLN().apply, x)
   assert f.report.num_folded < 2
   assert rel_err(PostLN().apply(p, x), f.apply_fn(f.params, x)) < 1e-9
+
+
+def test_sites_restricts_the_choice_to_those_sites(x64):
+  p, x = _setup(PostLN(), (3, 4))
+  want = PostLN().apply(p, x)
+  out, n = paper_choice(p, PostLN().apply, x, sites=[0])   # the first LN reads a Dense only: sound
+  assert n == 1 and rel_err(want, out) < 1e-9
+  out, n = paper_choice(p, PostLN().apply, x, sites=[1])   # the second reads the first's output
+  assert n == 1 and rel_err(want, out) > 1e-3
