@@ -43,7 +43,9 @@ def test_argument_errors_exit_2_without_traceback(capsys, tmp_path):
   (tmp_path / "busy").mkdir()
   (tmp_path / "busy" / "f").write_text("x")
   code, _, err = run(capsys, "fold", "--model", "gpt2-tiny", "--out", str(tmp_path / "busy"))
-  assert code == 2 and "--force" in err
+  assert code == 2 and "pass --force to replace" in err and "overwrite=True" not in err   # a flag, not Python
+  code, _, err = run(capsys, "fold", "--model", "gpt2-tiny", "--out", str(tmp_path / "busy"), "--force")
+  assert code == 2 and "even with --force" in err and "overwrite=True" not in err   # not a fold: kept
 
 
 def test_report_for_model_uses_abstract_init(capsys):
