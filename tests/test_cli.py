@@ -67,7 +67,8 @@ def test_models_lists_the_zoo(capsys):
   code, out, _ = run(capsys, "models")
   assert code == 0 and "gpt2-tiny" in out and "bert-base" in out and "family" in out
   code, out, _ = run(capsys, "models", "--names")
-  assert code == 0 and out.split() == models.names()
+  assert code == 0 and out.split() == models.names() and "gpt2-256x4" in out   # the demo's model
+  assert models.get("demo-gpt2-small") is models.get("gpt2-256x4")   # its former name, an alias
   code, out, _ = run(capsys, "report", "--model", "?")   # the old spelling still works
   assert code == 0 and out.split() == models.names()
 
@@ -120,9 +121,12 @@ def test_bench_and_demo(capsys):
   folded, original, ratio, lo, hi = map(float, m.groups())
   assert abs(ratio / (folded / original) - 1) < 3e-3 and lo <= ratio <= hi   # 4 significant digits
   assert ("not resolved" in out) == (lo <= 1 <= hi)
+  # beside the measured ratio: what a CPU run cannot show, and the modelled GPU figure, labelled as such
+  assert "a GPU effect that a CPU run cannot show" in out
+  assert "A MODEL, not a measurement: benchmarks/results/gpu_model.md" in out
   code, out, err = run(capsys, "demo", "--tiny", "--batch", "2", "--seq", "8", "--rounds", "3")
   assert code == 0, err
-  assert "5/5 normalization sites folded" in out
+  assert "5/5 normalization sites folded" in out and "modelled GPU folded/original time" in out
   errs = [float(l.rsplit(":", 1)[1]) for l in out.splitlines() if l.startswith("max relative error")]
   assert len(errs) == 2 and max(errs) < 1e-5
 

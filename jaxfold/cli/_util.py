@@ -79,7 +79,7 @@ def zoo():
 def spec_named(name: str):
   models = zoo()
   names = models.names()
-  if name not in names:
+  if name not in names and name not in getattr(models, "ALIASES", {}):
     import difflib
     close = difflib.get_close_matches(name, names, n=3)
     hint = f" Did you mean {', '.join(close)}?" if close else ""
@@ -88,15 +88,10 @@ def spec_named(name: str):
 
 
 def demo_spec(size: str = "small"):
-  """The demo's built-in pre-LN transformer: a GPT-2 shaped model
-  (``small``: d=256, 4 layers, vocab 2048; ``tiny``: the zoo's gpt2-tiny)."""
-  models = zoo()
-  base = models.get("gpt2-tiny")
-  if size == "tiny":
-    return base
-  cfg = dataclasses.replace(base.config, vocab_size=2048, n_positions=256, n_embd=256,
-                            n_layer=4, n_head=4)
-  return dataclasses.replace(base, name="demo-gpt2-small", config=cfg)
+  """The demo's built-in pre-LN transformer, from the zoo: ``gpt2-256x4``, a
+  GPT-2 shaped model (d=256, 4 layers, vocab 2048; formerly called
+  demo-gpt2-small), or ``gpt2-tiny`` for ``tiny``."""
+  return spec_named("gpt2-tiny" if size == "tiny" else "gpt2-256x4")
 
 
 def example_args(spec, batch: int, seq: Optional[int], abstract: bool = False):
@@ -211,6 +206,17 @@ def print_timing(s: dict, out=None) -> None:
     print("  -> not resolved: the interval contains 1 (no difference measurable on this device)", file=out)
   else:
     print(f"  -> folded is {v} (the interval excludes 1)", file=out)
+
+
+def print_gpu_context(out=None) -> None:
+  """What this run's timing can show, and the project's modelled GPU figure beside it."""
+  import jax
+  out = out or sys.stdout
+  if jax.default_backend() == "cpu":
+    print("  on a CPU this ratio is expected near 1: the norms are a negligible share of the time "
+          "(the matrix products dominate), and what folding saves (a reduction pass per norm, "
+          "memory traffic) is a GPU effect that a CPU run cannot show", file=out)
+  print(f"  {benchmarking.modelled_gpu().line()}", file=out)
 
 
 def describe(spec) -> str:
