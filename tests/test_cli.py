@@ -227,3 +227,15 @@ def test_sign_key_on_fold_and_export(capsys, tmp_path):
   empty.write_bytes(b"")
   code, _, err = run(capsys, "export", "--from", str(out_dir), "--out", str(art), "--sign-key", str(empty))
   assert code == 2 and "is empty" in err
+
+
+def test_a_models_module_of_ones_own_is_named(tmp_path):
+  # a user's models.py in the working directory shadows the zoo under `python -m`: say so, with its path
+  (tmp_path / "models.py").write_text("class MyNet:\n  pass\n")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  r = subprocess.run([sys.executable, "-m", "jaxfold.cli", "models"], cwd=tmp_path, env=env,
+                     capture_output=True, text=True, timeout=120)
+  assert r.returncode == 2, r.stderr
+  assert f"`import models` found {tmp_path / 'models.py'}, which is not jaxfold's model zoo" in r.stderr
+  assert "internal error" not in r.stderr and "Traceback" not in r.stderr

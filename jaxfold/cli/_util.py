@@ -73,7 +73,24 @@ def zoo():
   except Exception as e:  # noqa: BLE001
     raise CLIError(f"the model zoo (`models` package) cannot be imported ({type(e).__name__}: {e}); "
                    "install jaxfold from its source tree (pip install -e .)") from e
+  hint = shadowed_zoo(models)
+  if hint:
+    raise CLIError(hint)
   return models
+
+
+def shadowed_zoo(module: Any) -> Optional[str]:
+  """What to do when ``import models`` found another module than jaxfold's
+  model zoo (a user's own models.py in the working directory shadows it), or None."""
+  if callable(getattr(module, "get", None)) and callable(getattr(module, "names", None)):
+    return None
+  found = getattr(module, "__file__", None) or getattr(module, "__path__", None) or repr(module)
+  import jaxfold
+  zoo_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(jaxfold.__file__))), "models")
+  where = f" (jaxfold's zoo is {zoo_dir})" if os.path.isdir(zoo_dir) else ""
+  return (f"`import models` found {found}, which is not jaxfold's model zoo{where}: a models.py or "
+          "models/ of your own in the working directory (or earlier on sys.path) shadows it. Rename "
+          "yours, or run jaxfold from another directory.")
 
 
 def spec_named(name: str):
