@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxfold._src import compat, compiled, display, kernels, layout, notices, pipeline
 from jaxfold._src.errors import FoldError
+from jaxfold._src.frameworks import flax_linen
 from jaxfold._src.pipeline import (
   Call,
   PipelineApply,
@@ -678,6 +679,7 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
     centering.cancel()
     raise
   notices.warn_after_fold(first, len(leaves))
+  flax_linen.refuse_as_variables(FoldedParams)   # model.apply(folded.params): our message, not flax's
   new_leaves, extras = centering.result(an)
   new_params = FoldedParams(jax.tree_util.tree_unflatten(tree, new_leaves), extras)
   fn = FoldedApply(apply_fn, pipeline.abstract_tree(params), tree, opts, an, call, False, example_args,
