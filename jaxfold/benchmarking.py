@@ -23,6 +23,7 @@ from jaxfold._src.timing import (
                                  compare_forward,
                                  device_string,
                                  max_rel_err,
+                                 modelled_gpu,
                                  ratio_of_medians,
                                  summarize_timings,
                                  time_variants,
@@ -30,4 +31,5 @@ from jaxfold._src.timing import (
 )
 
 __all__ = ["NonFiniteError", "device_string", "time_variants", "summarize_timings", "ratio_of_medians",
-           "bootstrap_ratio_ci", "verdict", "compare_forward", "check_finite", "max_rel_err", "paper_choice"]
+           "bootstrap_ratio_ci", "verdict", "compare_forward", "check_finite", "max_rel_err", "paper_choice",
+           "modelled_gpu"]

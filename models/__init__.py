@@ -46,10 +46,15 @@ for _m in _OPTIONAL_MODULES:
   _register(_m, optional=True)
 
 
+# Former names still accepted by `get` (not listed by `names`).
+ALIASES = {"demo-gpt2-small": "gpt2-256x4"}   # it was never GPT-2 small (d=256, 4 layers)
+
+
 def get(name: str) -> ModelSpec:
-  """The `ModelSpec` registered under `name` (KeyError listing the known names otherwise)."""
+  """The `ModelSpec` registered under `name` or one of its `ALIASES` (KeyError
+  listing the known names otherwise)."""
   try:
-    return _REGISTRY[name]
+    return _REGISTRY[ALIASES.get(name, name)]
   except KeyError:
     raise KeyError(f"unknown model {name!r}; known: {', '.join(names())}") from None
 

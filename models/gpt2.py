@@ -120,5 +120,7 @@ CONFIGS: dict[str, ModelSpec] = {
         _spec("gpt2"),
         _spec("gpt2-medium", n_embd=1024, n_layer=24, n_head=16),
         _spec("gpt2-tiny", vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=4),
+        # `jaxfold demo`'s model: GPT-2 shaped, d=256, 4 layers (not GPT-2 small: 768, 12)
+        _spec("gpt2-256x4", vocab_size=2048, n_positions=256, n_embd=256, n_layer=4, n_head=4),
     ]
 }

@@ -43,7 +43,9 @@ def test_argument_errors_exit_2_without_traceback(capsys, tmp_path):
   (tmp_path / "busy").mkdir()
   (tmp_path / "busy" / "f").write_text("x")
   code, _, err = run(capsys, "fold", "--model", "gpt2-tiny", "--out", str(tmp_path / "busy"))
-  assert code == 2 and "--force" in err
+  assert code == 2 and "pass --force to replace" in err and "overwrite=True" not in err   # a flag, not Python
+  code, _, err = run(capsys, "fold", "--model", "gpt2-tiny", "--out", str(tmp_path / "busy"), "--force")
+  assert code == 2 and "even with --force" in err and "overwrite=True" not in err   # not a fold: kept
 
 
 def test_report_for_model_uses_abstract_init(capsys):
@@ -65,7 +67,8 @@ def test_models_lists_the_zoo(capsys):
   code, out, _ = run(capsys, "models")
   assert code == 0 and "gpt2-tiny" in out and "bert-base" in out and "family" in out
   code, out, _ = run(capsys, "models", "--names")
-  assert code == 0 and out.split() == models.names()
+  assert code == 0 and out.split() == models.names() and "gpt2-256x4" in out   # the demo's model
+  assert models.get("demo-gpt2-small") is models.get("gpt2-256x4")   # its former name, an alias
   code, out, _ = run(capsys, "report", "--model", "?")   # the old spelling still works
   assert code == 0 and out.split() == models.names()
 
@@ -118,9 +121,12 @@ def test_bench_and_demo(capsys):
   folded, original, ratio, lo, hi = map(float, m.groups())
   assert abs(ratio / (folded / original) - 1) < 3e-3 and lo <= ratio <= hi   # 4 significant digits
   assert ("not resolved" in out) == (lo <= 1 <= hi)
+  # beside the measured ratio: what a CPU run cannot show, and the modelled GPU figure, labelled as such
+  assert "a GPU effect that a CPU run cannot show" in out
+  assert "A MODEL, not a measurement: benchmarks/results/gpu_model.md" in out
   code, out, err = run(capsys, "demo", "--tiny", "--batch", "2", "--seq", "8", "--rounds", "3")
   assert code == 0, err
-  assert "5/5 normalization sites folded" in out
+  assert "5/5 normalization sites folded" in out and "modelled GPU folded/original time" in out
   errs = [float(l.rsplit(":", 1)[1]) for l in out.splitlines() if l.startswith("max relative error")]
   assert len(errs) == 2 and max(errs) < 1e-5
 
@@ -221,3 +227,15 @@ def test_sign_key_on_fold_and_export(capsys, tmp_path):
   empty.write_bytes(b"")
   code, _, err = run(capsys, "export", "--from", str(out_dir), "--out", str(art), "--sign-key", str(empty))
   assert code == 2 and "is empty" in err
+
+
+def test_a_models_module_of_ones_own_is_named(tmp_path):
+  # a user's models.py in the working directory shadows the zoo under `python -m`: say so, with its path
+  (tmp_path / "models.py").write_text("class MyNet:\n  pass\n")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  r = subprocess.run([sys.executable, "-m", "jaxfold.cli", "models"], cwd=tmp_path, env=env,
+                     capture_output=True, text=True, timeout=120)
+  assert r.returncode == 2, r.stderr
+  assert f"`import models` found {tmp_path / 'models.py'}, which is not jaxfold's model zoo" in r.stderr
+  assert "internal error" not in r.stderr and "Traceback" not in r.stderr

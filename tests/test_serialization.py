@@ -65,6 +65,11 @@ def test_refuses_non_empty_dir_and_wrong_model(tmp_path, gpt2_tiny):
     load_fold(tmp_path, apply)
   with pytest.raises(FileNotFoundError, match="not a saved fold"):
     load_report(tmp_path)
+  # a path that does not exist is said to be missing, not "not a saved fold"
+  for load in (lambda p: load_fold(p, apply), load_report):
+    with pytest.raises(FileNotFoundError, match=r"absent does not exist \(no such directory\)") as e:
+      load(tmp_path / "absent")
+    assert "not a saved fold" not in str(e.value)
 
 
 def test_check_target_refuses_what_save_fold_refuses(tmp_path):

@@ -66,9 +66,11 @@ def test_ids_are_checked_against_the_program(gpt2, which):
     assert any("position table" in n for n in m.notes) and any("tables only 96" in n for n in m.notes)
 
 
-def test_no_way_to_tell_the_vocabulary_refuses_without_vocab(gpt2):
-  with pytest.raises(serving.ServeError, match="--vocab"):
-    serving.load_model(str(gpt2["baked"]), max_seq=16)
+def test_baked_parameters_are_tables_too(gpt2):
+  # bundle_params=False bakes the tables into the program as constants: the
+  # program still gathers from them (serve/tables.py), so no --vocab is needed
+  m = serving.load_model(str(gpt2["baked"]), max_seq=16)
+  assert (m.inputs[0].high, m.max_seq) == (96, 16)
   m = serving.load_model(str(gpt2["baked"]), max_seq=16, vocab=50)
   with pytest.raises(serving.InputError, match=r"outside \[0, 50\)"):
     m.validate({"inputs": [[50]]})

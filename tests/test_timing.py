@@ -37,3 +37,20 @@ def test_py_typed_is_shipped():
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   assert os.path.isfile(os.path.join(root, "jaxfold", "py.typed"))
   assert 'jaxfold = ["py.typed"]' in open(os.path.join(root, "pyproject.toml")).read()
+
+
+def test_modelled_gpu_figures_are_the_committed_ones():
+  # `jaxfold demo`/`bench` print these beside a CPU timing: they must be the gpt2 rows of the
+  # results file they cite (the model's "time folded/orig" column), all of them
+  import pathlib
+
+  from jaxfold import benchmarking
+  m = benchmarking.modelled_gpu()
+  path = pathlib.Path(__file__).resolve().parents[1] / m.source
+  if not path.exists():
+    pytest.skip(f"{m.source} is not in this checkout")
+  whole = path.read_text().split("## Whole models")[1].split("\n## ")[0]   # the whole-model table
+  rows = [[c.strip() for c in line.split("|")[1:-1]] for line in whole.splitlines() if line.startswith("| gpt2 |")]
+  committed = {(r[2].upper(), r[1], float(r[-1])) for r in rows}
+  assert committed and set(m.ratios) == committed
+  assert m.date in path.read_text().split("\n## ")[0]    # the file's own date line

@@ -11,6 +11,7 @@ we compare them by identity and never by name.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import sys
@@ -638,3 +639,100 @@ def undecided_size_comparisons() -> Iterator[list]:
       _EQ_STATE["depth"] -= 1
       if _EQ_STATE["depth"] == 0:
         cls.__eq__ = _EQ_STATE["orig"]
+
+
+# ---------------------------------------------------------------- StableHLO facts
+# What ``jaxfold serve`` reads from an exported program (``jax.export``'s
+# StableHLO): which operation gathers rows of a table, which only moves its
+# operand's elements, and the attributes those questions need. The dataflow
+# over them is serve/tables.py's; the operation names and bindings are here.
+
+_HLO_MOVES = frozenset({
+    "stablehlo.convert", "stablehlo.reshape", "stablehlo.dynamic_reshape", "stablehlo.broadcast_in_dim",
+    "stablehlo.dynamic_broadcast_in_dim", "stablehlo.transpose"})
+_HLO_KINDS = {
+    "func.call": "calls", "func.return": "returns", "stablehlo.gather": "gathers",
+    "stablehlo.dynamic_gather": "gathers", "stablehlo.iota": "arange", "stablehlo.dynamic_iota": "arange",
+    "stablehlo.compare": "compares", "stablehlo.select": "selects", "stablehlo.add": "adds",
+    "stablehlo.multiply": "scales", "stablehlo.get_dimension_size": "dimsize",
+    "stablehlo.constant": "constant", "stablehlo.dot_general": "contracts",
+    "stablehlo.dynamic_slice": "indexes", "stablehlo.scatter": "indexes", "stablehlo.dynamic_update_slice": "indexes",
+    "stablehlo.custom_call": "opaque", "stablehlo.while": "opaque", "stablehlo.case": "opaque",
+    "stablehlo.if": "opaque",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class HloOp:
+  """One StableHLO operation as the serve analysis sees it: ``kind`` ("moves",
+  "gathers", "arange", "calls", ... or "other") and the facts of that kind."""
+  op: Any
+  kind: str
+  callee: Optional[str] = None          # call: the function called
+  axes: tuple = ()                      # gather: operand axes the indices select (start_index_map);
+  #                                       iota: (iota dimension,); dot: (lhs contracting, rhs contracting)
+  direction: Optional[str] = None       # compare: "EQ", "LT", ...
+  splat: Optional[int] = None           # constant: its value where every element is the same integer
+
+
+@contextlib.contextmanager
+def hlo_functions(exported: Any) -> Iterator[dict]:
+  """``{name: (arguments, [HloOp, ...])}`` for every function of ``exported``'s
+  module, valid inside the ``with`` (the MLIR context lives as long)."""
+  from jax._src.interpreters import mlir
+  from jax._src.lib.mlir import ir
+  with mlir.make_ir_context():
+    module = ir.Module.parse(exported.mlir_module())
+    out = {}
+    for f in module.body.operations:
+      body = f.regions[0].blocks[0]
+      name = ir.StringAttr(f.attributes["sym_name"]).value
+      out[name] = (list(body.arguments), [hlo_op(op) for op in body.operations])
+    yield out
+
+
+def hlo_op(op: Any) -> HloOp:
+  """The :class:`HloOp` of one operation (inside :func:`hlo_functions`)."""
+  from jax._src.lib.mlir import ir
+  from jaxlib.mlir.dialects import stablehlo as shlo
+  op = getattr(op, "operation", op)
+  name, attrs = op.name, op.attributes
+  if name in _HLO_MOVES:
+    return HloOp(op, "moves")
+  kind = _HLO_KINDS.get(name, "opaque" if len(op.regions) and name != "stablehlo.reduce" else "other")
+  if kind == "calls":
+    return HloOp(op, kind, callee=ir.FlatSymbolRefAttr(attrs["callee"]).value)
+  if kind == "gathers" and "dimension_numbers" in attrs:
+    return HloOp(op, kind, axes=tuple(shlo.GatherDimensionNumbers(attrs["dimension_numbers"]).start_index_map))
+  if kind == "arange":
+    return HloOp(op, kind, axes=(ir.IntegerAttr(attrs["iota_dimension"]).value,))
+  if kind == "compares":
+    return HloOp(op, kind, direction=str(shlo.ComparisonDirectionAttr(attrs["comparison_direction"]).value))
+  if kind == "contracts":
+    dn = shlo.DotDimensionNumbers(attrs["dot_dimension_numbers"])
+    return HloOp(op, kind, axes=(tuple(dn.lhs_contracting_dimensions), tuple(dn.rhs_contracting_dimensions)))
+  if kind == "constant":
+    v = attrs["value"]
+    dense = v if isinstance(v, ir.DenseIntElementsAttr) else None
+    splat = int(dense.get_splat_value().value) if dense is not None and dense.is_splat else None
+    return HloOp(op, kind, splat=splat)
+  return HloOp(op, kind)
+
+
+def hlo_integer(value: Any) -> bool:
+  """Whether a value holds integers or booleans (what can index)."""
+  from jax._src.lib.mlir import ir
+  try:
+    return isinstance(ir.ShapedType(value.type).element_type, ir.IntegerType)
+  except (ValueError, TypeError):
+    return False
+
+
+def hlo_shape(value: Any) -> tuple:
+  """A value's shape, ``None`` for a dynamic (symbolic) dimension; ``()`` for a non-tensor."""
+  from jax._src.lib.mlir import ir
+  try:
+    t = ir.RankedTensorType(value.type)
+  except (ValueError, TypeError):
+    return ()
+  return tuple(None if t.is_dynamic_dim(i) else int(d) for i, d in enumerate(t.shape))

@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfold._src import compat, display, kernels, layout, pipeline
+from jaxfold._src import compat, compiled, display, kernels, layout, notices, pipeline
 from jaxfold._src.errors import FoldError
+from jaxfold._src.frameworks import flax_linen
 from jaxfold._src.pipeline import (
   Call,
   PipelineApply,
@@ -30,7 +31,7 @@ from jaxfold._src.pipeline import (
 )
 from jaxfold._src.planner import Outcome, PlanConflict, Planner
 from jaxfold._src.report import Report
-from jaxfold._src.rewrite import Plan, evaluate
+from jaxfold._src.rewrite import Plan
 
 # The options' values, as types: a type checker sees a misspelt value, and
 # FoldOptions refuses it naming the allowed ones.
@@ -401,7 +402,7 @@ class FoldedApply(PipelineApply):
       leaves = [layout.center(x, dict(specs[i])) if i in specs else x for i, x in enumerate(src)]
       extras = {name: layout.center(src[i], dict(spec)) for name, i, spec in an.untied}
     flat = list(leaves) + jax.tree_util.tree_leaves(call.args)
-    outs = evaluate(an.jaxpr, an.consts, flat, an.plan, extras)
+    outs = compiled.run(an, flat, extras)   # one compiled program per shape, not one per primitive
     return jax.tree_util.tree_unflatten(an.out_tree, outs)
 
 
@@ -677,6 +678,8 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
   except BaseException:
     centering.cancel()
     raise
+  notices.warn_after_fold(first, len(leaves))
+  flax_linen.refuse_as_variables(FoldedParams)   # model.apply(folded.params): our message, not flax's
   new_leaves, extras = centering.result(an)
   new_params = FoldedParams(jax.tree_util.tree_unflatten(tree, new_leaves), extras)
   fn = FoldedApply(apply_fn, pipeline.abstract_tree(params), tree, opts, an, call, False, example_args,

@@ -30,7 +30,7 @@ from jaxfold._src.analysis import (
   nested_sites,
   scan_levels,
 )
-from jaxfold._src.program import Val, call_note
+from jaxfold._src.program import Val, call_note, read_at
 from jaxfold._src.report import Auxiliary, Centering, Changes, Report, param_label
 from jaxfold._src.report import Site as ReportSite
 from jaxfold._src.rules import Block, rule_for
@@ -190,7 +190,8 @@ class Planner:
   def name(self, var: Val) -> str:
     if var.kind == "in" and var.program.is_top and var.index < len(self.names):
       return self.names[var.index]
-    return f"<captured constant {var.shape}>"
+    src = read_at(var)   # where the constant entered the trace, so the user can tell which it is
+    return f"<captured constant {var.shape}{' read at ' + src if src else ''}>"
 
   def label(self, var: Val, spec: tuple) -> str:
     """``h_0.attn.kernel[1]``: a parameter and the dims centering it would touch."""

@@ -144,6 +144,13 @@ class Node:
     return f"Node({self.prim.name}@{self.path})"
 
 
+def read_at(var: "Val") -> str:
+  """Where a captured constant entered the trace: the user's line of the first
+  equation that reads it (``file.py:12 (fn)``), or "" when none is known."""
+  readers = var.program.consumers.get(var) or []
+  return readers[0][0].source() if readers else ""
+
+
 def call_note(calls: tuple) -> str:
   """Names the call site, so two calls of one function read differently."""
   c = calls[-1]

@@ -21,6 +21,11 @@ LEGEND = (
     "        own centerings: what this site needed first (it also relies on earlier sites'); "
     "axes: normalized axes")
 
+# The report's line (and fold's warning) when the program has no site at all.
+NO_SITES = ("no normalization found: the program subtracts no mean before a normalization (no LayerNorm, "
+            "GroupNorm, ...; an RMSNorm has no mean to remove), so there is nothing to fold and the folded "
+            "model computes exactly what the original does, at the same cost")
+
 _HEAD = ("#", "folded", "site", "shape", "axes", "own centerings (folded) / reason (not folded)")
 
 
@@ -244,7 +249,7 @@ class Report:
     return f"<div><table>{''.join(rows)}</table>{foot}<pre>{e(LEGEND)}</pre></div>"
 
   def __str__(self) -> str:
-    lines = [self.table(group=True), self.summary()]
+    lines = [self.table(group=True), self.summary()] + ([NO_SITES] if not self.sites else [])
     for a in self.auxiliary:
       lines.append("  auxiliary centering " + a.describe())
     lines.append(LEGEND)
@@ -339,6 +344,8 @@ def param_label(path: str) -> str:
     >>> param_label(".base.untied[\"['wte']['embedding']@centered(1)\"]")
     'wte.embedding[1] (copy)'
   """
+  if path.startswith("<"):   # a description, not a path: <captured constant (100, 64) read at f.py:3 (g)>
+    return path
   while (m := _FIELD.match(path)) is not None:
     path = path[m.end():]
   made = _MADE.match(path)

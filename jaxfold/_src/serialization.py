@@ -537,8 +537,8 @@ def _verify(directory: str, *, integrity: bool) -> Optional[dict]:
 
 def _check_dir(directory: str) -> None:
   if not os.path.exists(directory):
-    raise NotFoundError(f"{directory} does not exist: pass the directory written by "
-                            "jaxfold.save_fold or `jaxfold fold --out DIR` (not a saved fold)")
+    raise NotFoundError(f"{directory} does not exist (no such directory): pass the directory written by "
+                        "jaxfold.save_fold or `jaxfold fold --out DIR`")
   if not os.path.isdir(directory):
     raise NotADirectory(f"{directory} is a file, not a saved fold directory (an exported "
                              "artifact loads with jaxfold.load_exported)")

@@ -11,6 +11,7 @@ a ratio.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import statistics
@@ -181,5 +182,51 @@ def max_rel_err(a: Any, b: Any, what: str = "outputs") -> float:
   return worst
 
 
-__all__ = ["NonFiniteError", "device_string", "time_variants", "summarize_timings", "ratio_of_medians",
+@dataclasses.dataclass(frozen=True)
+class ModelledGpu:
+  """Committed figures of the project's GPU traffic model: a MODEL, not a
+  measurement (``benchmarks/gpu_model.py``: programs compiled ahead of time for
+  H100/A100, time = per-launch roofline of their bytes and flops)."""
+  model: str
+  setting: str
+  ratios: tuple          # ((target, "batch x seq", folded/original modelled time), ...)
+  source: str
+  date: str
+
+  def line(self) -> str:
+    """One line for ``jaxfold demo``/``bench``: each target's range over the shapes modelled."""
+    parts = []
+    for target in dict.fromkeys(t for t, _, _ in self.ratios):
+      rows = sorted((r, shape) for t, shape, r in self.ratios if t == target)
+      parts.append(f"{target} {rows[0][0]:.3f} ({rows[0][1]}) to {rows[-1][0]:.3f} ({rows[-1][1]})")
+    return (f"modelled GPU folded/original time, {self.model} ({self.setting}), batch x seq: "
+            + "; ".join(parts) + f". A MODEL, not a measurement: {self.source}, {self.date}")
+
+
+# From benchmarks/results/gpu_model.md (`python benchmarks/gpu_model.py`, 2026-11-23), the
+# "time folded/orig" column of the gpt2 rows; update both together.
+_GPT2_MODELLED = ModelledGpu(
+    model="GPT-2 small", setting='bf16, jaxfold.fold(..., norm_impl="pallas")',
+    ratios=(("H100", "2x256", 1.0138), ("H100", "2x1024", 0.9892), ("H100", "2x4096", 0.9976),
+            ("H100", "2x16384", 0.9993), ("H100", "8x256", 0.9478), ("H100", "32x256", 0.9775),
+            ("H100", "128x256", 0.9837),
+            ("A100", "2x256", 0.8417), ("A100", "2x1024", 0.9624), ("A100", "2x4096", 0.9924),
+            ("A100", "2x16384", 0.9983), ("A100", "8x256", 0.9246), ("A100", "32x256", 0.9531),
+            ("A100", "128x256", 0.9605)),
+    source="benchmarks/results/gpu_model.md", date="2026-11-23")
+
+
+def modelled_gpu() -> ModelledGpu:
+  """The project's modelled GPU figure for GPT-2 small (committed numbers, no
+  computation, no GPU): what ``jaxfold demo``/``bench`` print beside a CPU timing.
+
+  Example:
+      >>> modelled_gpu().ratios[0]
+      ('H100', '2x256', 1.0138)
+  """
+  return _GPT2_MODELLED
+
+
+__all__ = ["ModelledGpu", "modelled_gpu", "NonFiniteError", "device_string", "time_variants", "summarize_timings",
+           "ratio_of_medians",
            "bootstrap_ratio_ci", "verdict", "compare_forward", "check_finite", "max_rel_err"]

@@ -73,13 +73,30 @@ def zoo():
   except Exception as e:  # noqa: BLE001
     raise CLIError(f"the model zoo (`models` package) cannot be imported ({type(e).__name__}: {e}); "
                    "install jaxfold from its source tree (pip install -e .)") from e
+  hint = shadowed_zoo(models)
+  if hint:
+    raise CLIError(hint)
   return models
+
+
+def shadowed_zoo(module: Any) -> Optional[str]:
+  """What to do when ``import models`` found another module than jaxfold's
+  model zoo (a user's own models.py in the working directory shadows it), or None."""
+  if callable(getattr(module, "get", None)) and callable(getattr(module, "names", None)):
+    return None
+  found = getattr(module, "__file__", None) or getattr(module, "__path__", None) or repr(module)
+  import jaxfold
+  zoo_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(jaxfold.__file__))), "models")
+  where = f" (jaxfold's zoo is {zoo_dir})" if os.path.isdir(zoo_dir) else ""
+  return (f"`import models` found {found}, which is not jaxfold's model zoo{where}: a models.py or "
+          "models/ of your own in the working directory (or earlier on sys.path) shadows it. Rename "
+          "yours, or run jaxfold from another directory.")
 
 
 def spec_named(name: str):
   models = zoo()
   names = models.names()
-  if name not in names:
+  if name not in names and name not in getattr(models, "ALIASES", {}):
     import difflib
     close = difflib.get_close_matches(name, names, n=3)
     hint = f" Did you mean {', '.join(close)}?" if close else ""
@@ -88,15 +105,10 @@ def spec_named(name: str):
 
 
 def demo_spec(size: str = "small"):
-  """The demo's built-in pre-LN transformer: a GPT-2 shaped model
-  (``small``: d=256, 4 layers, vocab 2048; ``tiny``: the zoo's gpt2-tiny)."""
-  models = zoo()
-  base = models.get("gpt2-tiny")
-  if size == "tiny":
-    return base
-  cfg = dataclasses.replace(base.config, vocab_size=2048, n_positions=256, n_embd=256,
-                            n_layer=4, n_head=4)
-  return dataclasses.replace(base, name="demo-gpt2-small", config=cfg)
+  """The demo's built-in pre-LN transformer, from the zoo: ``gpt2-256x4``, a
+  GPT-2 shaped model (d=256, 4 layers, vocab 2048; formerly called
+  demo-gpt2-small), or ``gpt2-tiny`` for ``tiny``."""
+  return spec_named("gpt2-tiny" if size == "tiny" else "gpt2-256x4")
 
 
 def example_args(spec, batch: int, seq: Optional[int], abstract: bool = False):
@@ -211,6 +223,17 @@ def print_timing(s: dict, out=None) -> None:
     print("  -> not resolved: the interval contains 1 (no difference measurable on this device)", file=out)
   else:
     print(f"  -> folded is {v} (the interval excludes 1)", file=out)
+
+
+def print_gpu_context(out=None) -> None:
+  """What this run's timing can show, and the project's modelled GPU figure beside it."""
+  import jax
+  out = out or sys.stdout
+  if jax.default_backend() == "cpu":
+    print("  on a CPU this ratio is expected near 1: the norms are a negligible share of the time "
+          "(the matrix products dominate), and what folding saves (a reduction pass per norm, "
+          "memory traffic) is a GPU effect that a CPU run cannot show", file=out)
+  print(f"  {benchmarking.modelled_gpu().line()}", file=out)
 
 
 def describe(spec) -> str:

@@ -42,6 +42,7 @@ def run(args) -> int:
     s = compare_forward(apply_fn, params, folded, example, rounds=args.rounds, warmup=args.warmup,
                         jitted=jitted)
   U.print_timing(s)
+  U.print_gpu_context()
   if args.json:
     print(json.dumps({"model": spec.name, "batch": args.batch, "seq": args.seq,
                       "device": device_string(), "fold_ms": 1e3 * t_fold, "max_rel_err": err,

@@ -47,4 +47,5 @@ def run(args) -> int:
   with Step(f"timing forward ({args.rounds} interleaved rounds)"):
     s = compare_forward(apply_fn, params, folded, example, rounds=args.rounds, jitted=jitted)
   U.print_timing(s)
+  U.print_gpu_context()
   return 0

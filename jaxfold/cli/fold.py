@@ -35,7 +35,7 @@ def run(args) -> int:
   try:   # before any work: the same checks save_fold makes again when it commits
     serialization.check_target(out, args.force)
   except FileExistsError as e:
-    raise CLIError(f"--out: {e}") from None
+    raise CLIError(f"--out: {_in_cli_words(e)}") from None
   key = U.read_key(args.sign_key)   # before the work: a bad key file fails fast
   params, source = U.params_for(spec, args, args.batch, args.seq)
   apply_fn = spec.apply_fn()
@@ -60,7 +60,7 @@ def run(args) -> int:
                               extra_files=lambda tmp: written.extend(
                                   _save_safetensors(folded, spec, tmp)))
     except FileExistsError as e:
-      raise CLIError(f"--out: {e}") from None
+      raise CLIError(f"--out: {_in_cli_words(e)}") from None
   print(folded.report)
   print()
   print(f"saved fold of {spec.name} to {out}" + (" (signed)" if key else ""))
@@ -68,6 +68,12 @@ def run(args) -> int:
   for name in ["params/", "report.json", "meta.json", "fold.json", "manifest.json"] + signed + written:
     print(f"  {os.path.join(out, name)}")
   return 0
+
+
+def _in_cli_words(e: FileExistsError) -> str:
+  """save_fold's refusal naming this command's flag, not the Python argument."""
+  return (str(e).replace("overwrite=True (`--force` on the command line)", "--force")
+          .replace("overwrite=True", "--force"))
 
 
 def _save_safetensors(folded, spec, out) -> list:

@@ -37,8 +37,8 @@ def add_parser(sub) -> None:
   v.add_argument("--compile-budget", type=U.positive("--compile-budget"), default=64,
                  help="programs compiled in all; shapes beyond them get 503 (default 64)")
   v.add_argument("--vocab", type=U.positive("--vocab"), default=None,
-                 help="integer inputs must lie in [0, N) (needed when the artifact carries "
-                      "neither metadata nor an embedding table; caps them otherwise)")
+                 help="integer inputs must lie in [0, N) (needed when the program gathers no table "
+                      "by an input and the artifact carries no range for it; caps them otherwise)")
   v.add_argument("--header-timeout", type=float, default=10.0,
                  help="seconds a connection may take to send a request head before it is closed")
   v.add_argument("--keep-alive-timeout", type=int, default=5,

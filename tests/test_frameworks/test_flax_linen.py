@@ -113,3 +113,23 @@ def test_traces_in_threads_share_the_proxy_safely():
     t.join()
   assert not errors and got == [want] * 9
   assert flax.core.scope.jax is jax
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["variables", "{'params': ...}"])
+def test_model_apply_given_folded_params_says_what_to_pass(wrapped):
+  # the folded params are (params, untied), not a variable dict: flax's own check would
+  # raise its generic ApplyScopeInvalidVariablesTypeError for {'params': folded.params}
+  m = _Stack(depth=1)
+  x = jnp.ones((2, 16))
+  variables = m.init(jax.random.PRNGKey(0), x)
+  if wrapped:
+    folded = jaxfold.fold(variables["params"], lambda p, x: m.apply({"params": p}, x), x)
+    given = {"params": folded.params}
+  else:
+    folded = jaxfold.fold(variables, m.apply, x)
+    given = folded.params
+  with pytest.raises(AttributeError, match=r"pass folded\.params\.params"):
+    m.apply(given, x)
+  right = {"params": folded.params.params} if wrapped else folded.params.params
+  np.testing.assert_allclose(m.apply(right, x), m.apply(variables, x), rtol=1e-5, atol=1e-5)
+  assert not isinstance(folded.params, dict)   # a virtual FrozenDict for flax's check only

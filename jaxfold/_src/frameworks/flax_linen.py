@@ -132,3 +132,23 @@ def memoized_param_checks() -> Iterator[None]:
       _USERS[0] -= 1
       if not _USERS[0]:
         _uninstall()
+
+
+def refuse_as_variables(*classes: type) -> None:
+  """Lets ``model.apply`` given one of ``classes`` (a fold's parameters) reach
+  the class's own ``__getattr__`` message instead of flax's generic
+  ``ApplyScopeInvalidVariablesTypeError``.
+
+  Flax checks that each collection of ``model.apply({'params': folded.params})``
+  is a dict or ``FrozenDict`` before reading its keys; registered as a virtual
+  ``FrozenDict`` (``Mapping.register``-style, no behaviour inherited), the
+  object passes that check and its ``keys`` raises what to pass instead. Only
+  where flax is loaded (it cannot be handed a fold before it is).
+  """
+  frozen = sys.modules.get("flax.core.frozen_dict")
+  cls = getattr(frozen, "FrozenDict", None)
+  if cls is None or not hasattr(cls, "register"):
+    return
+  for c in classes:
+    if not issubclass(c, cls):
+      cls.register(c)

@@ -46,36 +46,23 @@ class OutsideBuckets(Exception):
   budget for compiling on the request path is spent (answered with HTTP 503)."""
 
 
-# Parameter names of embedding tables (lower case, matched as substrings): the
-# program indexes them with the ids, so their rows bound what a request may hold.
-_VOCAB_TABLES = ("wte", "word_embedding", "embed_tokens", "tok_embedding", "token_embedding")
-_POSITION_TABLES = ("wpe", "position_embedding", "embed_positions", "pos_embed")
-_TYPE_TABLES = ("token_type_embedding",)
-
-
 def program_bounds(fn: Any) -> dict:
-  """``{"vocab", "positions", "token_types"}`` read from the parameter tensors an
-  artifact carries (their names and shapes), each ``None`` where none is found.
+  """What the program's own tables bound, read from its dataflow (never from
+  parameter names or metadata; :mod:`jaxfold._src.serve.tables`):
+  ``{"inputs": {k: rows}, "vocab", "positions", "unbounded": {k: how}}`` —
+  the rows of the smallest table each integer input ``k`` is gathered from,
+  ``vocab`` the first integer input's, ``positions`` the rows of the table an
+  arange of the sequence gathers from; ``None`` / absent where none is found.
 
   Example:
       >>> program_bounds(load_exported("gpt2-tiny.jaxexport"))
-      {'vocab': 96, 'positions': 32, 'token_types': None}
+      {'inputs': {0: 96}, 'vocab': 96, 'positions': 32, 'unbounded': {}}
   """
-  out: dict = {"vocab": None, "positions": None, "token_types": None}
-  tensors = ((getattr(fn, "header", None) or {}).get("weights") or {}).get("tensors") or []
-  for t in tensors:
-    name, shape = str(t.get("name", "")).lower(), list(t.get("shape") or [])
-    if len(shape) != 2 or "relative" in name:
-      continue
-    for key, pats in (("token_types", _TYPE_TABLES), ("positions", _POSITION_TABLES),
-                      ("vocab", _VOCAB_TABLES)):
-      if any(pat in name for pat in pats):
-        if key == "vocab" and "type" in name:
-          continue
-        rows = int(shape[0])
-        out[key] = rows if out[key] is None else min(out[key], rows)
-        break
-  return out
+  from jaxfold._src.serve.tables import program_tables
+  t = program_tables(fn)
+  ints = [k for k, a in enumerate(fn.in_avals) if np.dtype(a.dtype).kind in "iu"]
+  vocab = t.inputs.get(ints[0]) if ints else None
+  return {"inputs": dict(t.inputs), "vocab": vocab, "positions": t.positions, "unbounded": dict(t.unbounded)}
 
 
 def _has_bool(x: Any, limit: int = 1 << 22) -> bool:
@@ -147,33 +134,31 @@ class ServedModel:
     self.bounds = program_bounds(fn)
     self.notes: list = []
     specs = []
-    first_ids = True
     for i, a in enumerate(avals):
       d = described[i] if i < len(described) and isinstance(described[i], dict) else {}
       name = str(d.get("name", f"input {i}"))
       low, high, role = d.get("low"), d.get("high"), d.get("role")
       if np.dtype(a.dtype).kind in "iu":
-        # The metadata may be absent or forged: the program's own tables and
-        # the operator's --vocab cap it, and ids are never negative.
+        # The metadata may be absent or forged: the tables the program gathers
+        # from by this input and the operator's --vocab cap it; ids are never negative.
         low = max(0, int(low)) if isinstance(low, (int, float)) else 0
         high = int(high) if isinstance(high, (int, float)) and not isinstance(high, bool) else None
-        caps = [vocab] if vocab else []
-        if role == "attention_mask":
-          caps.append(2)
-        elif "type" in name and self.bounds["token_types"]:
-          caps.append(self.bounds["token_types"])
-        elif first_ids and self.bounds["vocab"]:
-          caps.append(self.bounds["vocab"])
-          first_ids = False
+        table = self.bounds["inputs"].get(i)
+        caps = ([vocab] if vocab else []) + ([table] if table else []) + ([2] if role == "attention_mask" else [])
         if high is not None and caps and high > min(caps):
           self.notes.append(f"{name}: the metadata allows ids below {high}, the program's tables "
                             f"only {min(caps)}: serving [0, {min(caps)})")
+        how = self.bounds["unbounded"].get(i)
+        if how and table:
+          self.notes.append(f"{name}: also reaches {how}, which no table bounds: serving the "
+                            f"[0, {min(caps)}) the tables it is gathered from allow")
         high = min(caps + ([high] if high is not None else []), default=None)
         if high is None:
-          raise ServeError(f"{source}: cannot tell how many ids input {name!r} may index (no "
-                           "metadata and no embedding table in the artifact): pass --vocab N "
-                           "(ids are then checked to lie in [0, N)) rather than risk indexing "
-                           "out of range")
+          found = f" (it reaches {how})" if how else ""
+          raise ServeError(f"{source}: cannot tell how many ids input {name!r} may index: the program "
+                           f"gathers no parameter table by it{found} and the artifact's metadata gives "
+                           "no range; pass --vocab N (ids are then checked to lie in [0, N)) rather "
+                           "than risk indexing out of range")
       specs.append(InputSpec(name=name, dtype=np.dtype(a.dtype),
                              dims=tuple(_dim(x) for x in a.shape), low=low, high=high, role=role))
     self.inputs = specs
