@@ -71,7 +71,7 @@ TESTS_FUSE = (
 FUSE_FILES = ("affine.py", "deferral.py")
 # Mutants of the rest of the library (sel=...): the tests of the module each concerns, fast.
 SELECTIONS = {
-  "layout": ("tests/test_jaxfold/test_layout.py", "tests/test_jaxfold/test_pipeline.py",
+  "layout": ("tests/test_jaxfold/test_layout.py", "tests/test_jaxfold/test_centering.py",
              "tests/test_multihost.py::test_fold_of_params_sharded_over_two_devices"),
   "rotate": ("tests/test_jaxfold/test_rotate.py", "tests/test_jaxfold/test_adversarial_rotate.py"),
   "kernels": (*(f"tests/test_jaxfold/test_adversarial.py::test_fold_exact[rc9_kernel_{n}]" for n in (
@@ -337,15 +337,15 @@ LIB_MUTANTS = [
     "jax center (CBWC, sharded leaves): bfloat16 mean accumulated in bfloat16", sel="layout"),
   M("L7", LAY, "  z = z - z.mean(axis=axes, keepdims=True)", "  z = z - z.mean(axis=axes[:1], keepdims=True)",
     "jax center: a spec over several dims centered along the first only", sel="layout"),
-  M("L8", "fold.py", "or workers < 2 or 0 in spec or x.ndim < 2", "or workers < 2 or x.ndim < 2",
+  M("L8", "centering.py", "or workers < 2 or 0 in spec or x.ndim < 2", "or workers < 2 or x.ndim < 2",
     "fold: row blocks split along a centered dim 0 (each block centered by its own mean)", sel="layout"),
-  M("L9", "fold.py", "                         for a, b in zip(cuts[:-1], cuts[1:])])",
-    "                         for a, b in zip(cuts[:-2], cuts[1:-1])])",
+  M("L9", "centering.py", "                        for a, b in zip(cuts[:-1], cuts[1:])])",
+    "                        for a, b in zip(cuts[:-2], cuts[1:-1])])",
     "fold: the last row block of a large leaf is never centered (left uninitialised)", sel="layout"),
-  M("L10", "fold.py", "  return jax.device_put(y, sharding)\n",
+  M("L10", "centering.py", "  return jax.device_put(y, sharding)\n",
     "  return jnp.asarray(y)\n", "fold: a centered leaf loses its sharding (placed on the default device)",
     sel="layout"),
-  M("L11", "fold.py", "  return _center_jit_cached(tuple(sorted(spec.items())))",
+  M("L11", "centering.py", "  return _center_jit_cached(tuple(sorted(spec.items())))",
     "  return _center_jit_cached(tuple(sorted(spec.items()))[:1])",
     "fold: a device-resident leaf centered along its first spec dim only", sel="layout"),
   # -- rotate and the rotation facets --------------------------------------------------------------------
@@ -545,7 +545,7 @@ VERDICTS.update({
         "jax path, which CBWC's forward pass and device leaves take, was only checked for its dtype)",
   "L10": "gap: tests/test_multihost.py::test_fold_of_params_sharded_over_two_devices (parameters on the second "
          "of two devices: every sharded case went through jit, which keeps the sharding anyway)",
-  "L11": "gap: " + TJ + "test_pipeline.py::test_centered_leaves_equal_host_centering_and_keep_dtype_and_sharding "
+  "L11": "gap: " + TJ + "test_centering.py::test_centered_leaves_equal_host_centering_and_keep_dtype_and_sharding "
          "(a spec over two dims under jax)",
   "T1": "gap: " + TJ + "test_rotate.py::test_rotated_stream_as_an_output_refused (the stream, or a slice of it, "
         "returned beside the logits would come back rotated)",
