@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 
 import jax
@@ -28,6 +29,15 @@ import jaxfold
 import models
 
 OPTION_SETS = ("default", "no_aux", "tied_copy", "fuse_affine", "defer_norms", "rotate", "cbwc")
+
+
+# Reports and messages name source locations: the checkout's own path is
+# dropped, so that two checkouts (before and after a change) compare.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(jaxfold.__file__)))
+
+
+def _text(s: str) -> bytes:
+  return s.replace(_ROOT + os.sep, "").replace(os.path.basename(_ROOT) + os.sep, "").encode()
 
 
 def _sha(data: bytes) -> str:
@@ -88,17 +98,17 @@ def one(name: str, option: str) -> dict:
   try:
     r, p = _result(spec, option, params, args)
   except Exception as e:  # noqa: BLE001 - a refusal is behaviour too
-    return {"error": f"{type(e).__name__}: {e}"}
-  out = {"str_report": _sha(str(r.report).encode())}
+    return {"error": _sha(_text(f"{type(e).__name__}: {e}")), "error_head": str(e)[:120]}
+  out = {"str_report": _sha(_text(str(r.report)))}
   to_json = getattr(r.report, "to_json", None)
   if callable(to_json):
-    out["report_json"] = _sha(to_json().encode() if isinstance(to_json(), str) else
-                              json.dumps(to_json(), sort_keys=True).encode())
+    j = to_json()
+    out["report_json"] = _sha(_text(j if isinstance(j, str) else json.dumps(j, sort_keys=True)))
   out["params"] = _tree_sha(p)
   try:
     out["outputs"] = _tree_sha(jax.jit(r.apply_fn)(p, *args))
   except Exception as e:  # noqa: BLE001
-    out["outputs"] = f"error {type(e).__name__}: {e}"
+    out["outputs"] = "error " + _sha(_text(f"{type(e).__name__}: {e}"))
   return out
 
 

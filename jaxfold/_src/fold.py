@@ -17,7 +17,6 @@ from jaxfold._src.centering import DEFAULT_POLICY, Centered, Centering, Centerin
 from jaxfold._src.errors import FoldError
 from jaxfold._src.pipeline import (
   Call,
-  PipelineApply,
   abstract,
   kwargs_text,
   leaves_signature,
@@ -26,7 +25,8 @@ from jaxfold._src.pipeline import (
 )
 from jaxfold._src.planner import Outcome, PlanConflict, Planner
 from jaxfold._src.report import Report
-from jaxfold._src.rewrite import Plan, evaluate
+from jaxfold._src.rewrite import CenterAt, Plan, UntiedUse, evaluate
+from jaxfold._src.step import Result, Step, register_params
 
 # The options' values, as types: a type checker sees a misspelt value, and
 # FoldOptions refuses it naming the allowed ones.
@@ -188,7 +188,9 @@ def _plan(outcome: Outcome, opts: FoldOptions) -> tuple:
       if ep is not None:
         epilogues.append(ep)
         kernel_sites.add(e.index)
-  return Plan(zero=zero, aux=outcome.aux, consts=outcome.consts, untied=outcome.untied,
+  return Plan(zero=zero, aux=tuple(CenterAt(*a) for a in outcome.aux),
+              consts=tuple(CenterAt(*c) for c in outcome.consts),
+              untied=tuple(UntiedUse(*u) for u in outcome.untied),
               epilogues=tuple(epilogues), norm_impl=opts.norm_impl), frozenset(kernel_sites)
 
 
@@ -304,28 +306,45 @@ def _reconcile(call: Call, params: Any, opts: FoldOptions, an: Analysis) -> Anal
 # Public entry points.
 
 
-class FoldedApply(PipelineApply):
-  """The folded apply function; re-analyses (and caches) per input signature
-  and per value of static keyword arguments (``train=True``); array keyword
-  arguments (``rngs={"dropout": key}``) are traced like positional ones."""
+class FoldedApply(Step):
+  """The folded apply function (the fold step, the root of a chain); re-analyses
+  (and caches) per input signature and per value of static keyword arguments
+  (``train=True``); array keyword arguments (``rngs={"dropout": key}``) are
+  traced like positional ones. With ``center_in_forward`` it is CBWC's: it
+  takes the original parameters and centers them per call."""
 
   error = FoldError
-  transform = "fold"
-  _example_only = False   # fold(generic_shapes=False) at an example with a size-1 axis
+  kind = "fold"
+  root = True
 
   def __init__(self, apply_fn, params_abstract, params_tree, opts, base: Analysis, call: Call,
-               center_in_forward: bool, example_args: tuple = (), example_kwargs: Optional[dict] = None):
+               center_in_forward: bool, example_args: tuple = (), example_kwargs: Optional[dict] = None,
+               example_only: bool = False):
     super().__init__(apply_fn, params_abstract, example_args, example_kwargs)
     self._tree = params_tree
     self._opts = opts
     self._base = base
     self._param_sig = leaves_signature(jax.tree_util.tree_leaves(params_abstract))
     self._center = center_in_forward
+    self._example_only = example_only   # fold(generic_shapes=False) at an example with a size-1 axis
     self.seed(call, base)
 
   @property
   def options(self) -> FoldOptions:
     return self._opts
+
+  @property
+  def example_analysis(self) -> Analysis:
+    """The analysis made at the example: the plan the parameters were centered for."""
+    return self._base
+
+  @property
+  def unties(self) -> bool:
+    """The fold made untied centered copies of parameters."""
+    return bool(self._base.untied)
+
+  def saveable(self) -> bool:
+    return not self._center   # CBWC's parameters are the user's: there is no fold to save
 
   @property
   def params_treedef(self) -> Any:
@@ -416,11 +435,13 @@ class FoldedParams(NamedTuple):
   __getattr__ = display.not_a_variable_dict
 
 
-class Folded(NamedTuple):
-  """Result of :func:`fold`: ``apply_fn(params, *args)`` computes the original."""
-  params: FoldedParams
-  apply_fn: Callable
-  report: Report
+register_params(FoldedParams, "jaxfold.FoldedParams")
+
+
+class Folded(Result):
+  """Result of :func:`fold` (a ``step.Result``): ``apply_fn(params, *args)``
+  computes the original; ``params`` is a :class:`FoldedParams`, ``report`` a ``Report``."""
+  __slots__ = ()
   __repr__ = display.result_repr
 
 
@@ -480,8 +501,7 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
   new_leaves, extras = engine.result(an.leaf_specs, an.untied)
   new_params = FoldedParams(jax.tree_util.tree_unflatten(tree, new_leaves), extras)
   fn = FoldedApply(apply_fn, pipeline.abstract_tree(params), tree, opts, an, call, False, example_args,
-                   example_kwargs)
-  fn._example_only = not opts.generic_shapes and _probe_args(call.args) is not None
+                   example_kwargs, example_only=not opts.generic_shapes and _probe_args(call.args) is not None)
   return Folded(new_params, fn, an.report)
 
 
