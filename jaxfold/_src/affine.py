@@ -644,7 +644,7 @@ def analyse(fn: Callable, params: Any, args: tuple, defer: bool = False) -> Fuse
                               reason))
     if defer:
       modified = {r.node.path for _, rs in accepted for r in rs}
-      deferred, dsites = deferral.analyse(level, accepted, names, modified, sites, norm_impl)
+      deferred, dsites = deferral.defer_sites(level, accepted, names, modified, sites, norm_impl)
     if kernels.may_use_kernel(norm_impl):
       epilogues = _kernel_epilogues(level, removed, changed)
       # A deferred norm's output is dead: no kernel computes it.
