@@ -56,8 +56,22 @@ class Rotated(Result):
 
   @property
   def stream_axes(self) -> dict:
-    """``{leaf name: dims}``: where each rotated parameter meets the stream."""
-    return dict(self.report.rotated)
+    """``{leaf name: dims}``: where each rotated parameter meets the stream. A
+    parameter of the user's is named by its path in the user's parameters
+    (``"['params']['wte']['embedding']"``); one that fuse_affine made (an untied
+    copy, a new bias) by its path in ``params`` (``".extras[...]"``)."""
+    return {_user_path(name): dims for name, dims in self.report.rotated}
+
+
+# The user's parameters inside a fused (``.base.params``) or folded (``.params``) tree.
+_USER_PREFIXES = (".base.params", ".params")
+
+
+def _user_path(name: str) -> str:
+  for prefix in _USER_PREFIXES:
+    if name.startswith(prefix) and name[len(prefix):len(prefix) + 1] in ("[", "."):
+      return name[len(prefix):]
+  return name
 
 
 # ----------------------------------------------------------------------------
