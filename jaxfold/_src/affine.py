@@ -34,12 +34,13 @@ from jaxfold._src import algebra as A
 from jaxfold._src import compat, deferral, display, kernels, pipeline
 from jaxfold._src.analysis import Level, factor_leaf, leaf_of, vector_along
 from jaxfold._src.errors import FuseError
-from jaxfold._src.pipeline import Call, PipelineApply
+from jaxfold._src.pipeline import Call
 from jaxfold._src.program import Node, Val, upstream
 from jaxfold._src.report import param_label
-from jaxfold._src.rewrite import Plan, evaluate
+from jaxfold._src.rewrite import BiasAt, Plan, UntiedUse, evaluate
 from jaxfold._src.rules import Block, rule_for
 from jaxfold._src.rules.rotation import Lin
+from jaxfold._src.step import RestoreContext, Restored, Result, Step, StepRecord, digest, register, register_params
 
 # ----------------------------------------------------------------------------
 # Results.
@@ -99,12 +100,23 @@ class FusedParams(NamedTuple):
   __repr__ = display.fused_params_repr
 
 
-class Fused(NamedTuple):
-  """Result of :func:`fuse_affine`: ``apply_fn(params, *args)`` computes the original."""
-  params: FusedParams
-  apply_fn: Callable
-  report: FuseReport
+register_params(FusedParams, "jaxfold.FusedParams")
+
+
+class Fused(Result):
+  """Result of :func:`fuse_affine` and ``defer_norms`` (a ``step.Result``):
+  ``apply_fn(params, *args)`` computes the original; ``params`` is a
+  :class:`FusedParams`, ``report`` a :class:`FuseReport`."""
+  __slots__ = ()
   __repr__ = display.result_repr
+
+
+class _FuseRecord(NamedTuple):
+  """A saved fuse_affine step, decoded."""
+  example_args: Optional[tuple]   # the step's own example (absent in older saves: the fold's)
+  defer: bool
+  key_sha256: Any
+  num_fused: Any
 
 
 # ----------------------------------------------------------------------------
@@ -132,25 +144,66 @@ class _Affine:
   quantizer: str = ""   # a quantizing cast on γ's or β's way to y (matched only to be named)
 
 
+class Removed(NamedTuple):
+  """A fused γ or β: leaf ``leaf`` becomes the constant ``fill`` (γ → 1, β → 0)."""
+  leaf: int
+  fill: int
+
+
+class Scaled(NamedTuple):
+  """W (leaf ``leaf``) scaled in place by γ (leaf ``gamma``) along its dim ``dim``."""
+  leaf: int
+  gamma: int
+  dim: int
+
+
+class ScaledCopy(NamedTuple):
+  """An untied copy ``name`` of W (leaf ``leaf``) scaled by γ (leaf ``gamma``) along ``dim``."""
+  name: str
+  leaf: int
+  gamma: int
+  dim: int
+
+
+class NewBias(NamedTuple):
+  """A new parameter ``name`` = β·W, added to a reader's output.
+
+  ``beta``, ``leaf``: β's and W's leaf indices; ``side``: W's operand of the
+  contraction; ``numbers``: its dimension numbers; ``y_rank``, ``y_dim``: the
+  rank of the norm's output y and its normalized dim; ``dtype``: the
+  contraction's output dtype tag; ``chain``: the re-indexing equations from W
+  to its use."""
+  name: str
+  beta: int
+  leaf: int
+  side: int
+  numbers: tuple
+  y_rank: int
+  y_dim: int
+  dtype: str
+  chain: tuple
+
+
 @dataclasses.dataclass(frozen=True)
 class FuseAnalysis:
   jaxpr: Any
   consts: list
   out_tree: Any
   plan: Plan
-  removed: tuple       # ((leaf index, fill value), ...): γ → 1, β → 0
-  scaled: tuple        # ((W index, γ index, dim), ...) in place
-  copies: tuple        # ((name, W index, γ index, dim), ...)
-  biases: tuple        # ((name, β index, W index, W side, dimension numbers, y rank, y dim, dtype), ...)
+  removed: tuple[Removed, ...]
+  scaled: tuple[Scaled, ...]          # in place
+  copies: tuple[ScaledCopy, ...]
+  biases: tuple[NewBias, ...]
   report: FuseReport
   defer: bool = False  # defer_norms: deferred readers are in plan.deferred
 
   @property
   def key(self) -> tuple:
     # A bias is β contracted with W: its values do not depend on the rank of
-    # the norm's output y (only where its size-1 axes sit; see _relayout).
-    key = (self.removed, self.scaled, self.copies,
-           tuple(b[:4] + (b[4][0][b[3]], b[7]) for b in self.biases))
+    # the norm's output y (only where its size-1 axes sit; see relayout).
+    # (Plain tuples: saved folds record a digest of this key's repr.)
+    key = (tuple(map(tuple, self.removed)), tuple(map(tuple, self.scaled)), tuple(map(tuple, self.copies)),
+           tuple((b.name, b.beta, b.leaf, b.side, b.numbers[0][b.side], b.dtype) for b in self.biases))
     if self.defer:
       # Per site, which readers are deferred: not their paths, which the jaxpr at
       # another shape numbers differently (a batch-1 trace drops a broadcast) for
@@ -163,12 +216,31 @@ class FuseAnalysis:
     """What another call's analysis must share with the example's to run with its
     parameters: ``key`` without the side each bias's W sits on. A bias's values
     are β·W whichever side W is on; the side orders its axes (W's free axes
-    before or after the size-1 ones for the norm output's), which ``_relayout``
+    before or after the size-1 ones for the norm output's), which ``relayout``
     redoes: ``einsum("dk,...d->...k", W, y)`` puts W on the left at rank 1 and on
     the right at higher ranks. ``key`` itself, which saved folds record a digest
     of, keeps the side (a save re-analyses at its own example)."""
     key = self.key
     return key[:3] + (tuple(b[:3] + b[4:] for b in key[3]),) + key[4:]
+
+  def fuses_like(self, other: "FuseAnalysis") -> bool:
+    """This analysis' call runs with ``other``'s fused parameters: the same γ
+    and β removed, weights scaled, copies and biases (whichever side W is on)."""
+    return self.call_key[:4] == other.call_key[:4]
+
+  def defers_like(self, other: "FuseAnalysis") -> bool:
+    """As ``fuses_like``, and the same readers deferred at every site."""
+    return self.call_key == other.call_key
+
+  def params_tree(self, folded: Any) -> Any:
+    """The tree structure of the fused parameters made from ``folded`` (the
+    parameters this analysis was made at): γ/β leaves None, then the extras."""
+    leaves, tree = jax.tree_util.tree_flatten(folded)
+    removed = dict(self.removed)
+    base = jax.tree_util.tree_unflatten(tree, [None if i in removed else x for i, x in enumerate(leaves)])
+    extras = {c.name: 0 for c in self.copies}
+    extras.update({b.name: 0 for b in self.biases})
+    return jax.tree_util.tree_structure(FusedParams(base, extras))
 
 
 def _mentions(e: A.Expr, banned: set, memo: dict) -> bool:
@@ -541,13 +613,13 @@ def analyse(fn: Callable, params: Any, args: tuple, defer: bool = False) -> Fuse
         nbytes = int(np.prod(wv.shape)) * np.dtype(wv.dtype).itemsize
         if r.in_place:
           claimed.add(r.leaf)
-          scaled.append((r.leaf, aff.gamma, r.dim))
+          scaled.append(Scaled(r.leaf, aff.gamma, r.dim))
         else:
           cname, new = _extra_name(f"{wname}@fused{gname}", (r.leaf, aff.gamma, r.dim), made)
           if new:
-            copies.append((cname, r.leaf, aff.gamma, r.dim))
+            copies.append(ScaledCopy(cname, r.leaf, aff.gamma, r.dim))
             extra += nbytes
-          untied.append((r.node.path, r.w_side, cname, tuple(c.eqn for c in r.chain)))
+          untied.append(UntiedUse(r.node.path, r.w_side, cname, tuple(c.eqn for c in r.chain)))
         if aff.beta is not None:
           z = r.node.outs[0]
           spec = (aff.beta, r.leaf, r.w_side, rule_for(r.node.prim).contraction(r.node).numbers,
@@ -555,9 +627,9 @@ def analyse(fn: Callable, params: Any, args: tuple, defer: bool = False) -> Fuse
           # (a chain of re-indexing steps is its own: equal only when there is none)
           bias, new = _extra_name(f"{wname}@bias{bname}", spec + (tuple(id(c) for c in r.chain),), made)
           if new:
-            biases.append((bias,) + spec + (tuple(c.eqn for c in r.chain),))
+            biases.append(NewBias(bias, *spec, tuple(c.eqn for c in r.chain)))
             extra += int(np.prod(wv.shape)) // wv.shape[r.dim] * np.dtype(z.dtype).itemsize
-          plan_biases.append((z.key, bias))
+          plan_biases.append(BiasAt(z.key, bias))
       reason = "γ into " + ", ".join(
           param_label(names[r.leaf]) + ("" if r.in_place else " (untied copy)") for r in readers)
       if aff.beta is not None:
@@ -572,7 +644,7 @@ def analyse(fn: Callable, params: Any, args: tuple, defer: bool = False) -> Fuse
                               reason))
     if defer:
       modified = {r.node.path for _, rs in accepted for r in rs}
-      deferred, dsites = deferral.analyse(level, accepted, names, modified, sites, norm_impl)
+      deferred, dsites = deferral.defer_sites(level, accepted, names, modified, sites, norm_impl)
     if kernels.may_use_kernel(norm_impl):
       epilogues = _kernel_epilogues(level, removed, changed)
       # A deferred norm's output is dead: no kernel computes it.
@@ -583,7 +655,7 @@ def analyse(fn: Callable, params: Any, args: tuple, defer: bool = False) -> Fuse
   plan = Plan(untied=tuple(untied), biases=tuple(plan_biases), epilogues=epilogues,
               norm_impl=norm_impl, deferred=deferred)
   return FuseAnalysis(traced.jaxpr, traced.consts, traced.out_tree, plan,
-                      tuple(sorted(removed.items())), tuple(scaled), tuple(copies),
+                      tuple(Removed(*x) for x in sorted(removed.items())), tuple(scaled), tuple(copies),
                       tuple(biases), FuseReport(tuple(sites), extra, len(epilogues), norm_impl, dsites),
                       defer)
 
@@ -734,12 +806,14 @@ def _defer_diff(base: tuple, other: tuple) -> str:
   return f"{len(base)} norm sites at the example, {len(other)} here"
 
 
-class FusedApply(PipelineApply):
-  """The fused apply function; re-analyses (and caches) per input signature
-  (and per value of static keyword arguments, as the fold's does)."""
+@register
+class FusedApply(Step):
+  """The fused apply function (the fuse_affine and defer_norms step);
+  re-analyses (and caches) per input signature (and per value of static
+  keyword arguments, as the fold's does)."""
 
   error = FuseError
-  transform = "fuse_affine"
+  kind = "fuse_affine"
 
   def __init__(self, inner: Callable, params_abstract: Any, base: FuseAnalysis, args: tuple,
                kwargs: Optional[dict] = None):
@@ -753,12 +827,49 @@ class FusedApply(PipelineApply):
   def analysis_for(self, args: tuple, kwargs: Optional[dict] = None) -> FuseAnalysis:
     return self.analysed(self.bind(args, kwargs))
 
+  @property
+  def example_analysis(self) -> FuseAnalysis:
+    """The analysis made at the example: the one the fused parameters were made for."""
+    return self._base
+
+  def record(self) -> StepRecord:
+    an = self._base
+    info = {"name": self.kind, "num_fused": an.report.num_fused, "key_sha256": digest(an.key),
+            # The step's own example: its key, and the layout of its new biases (size-1
+            # axes for the norm output's free axes), are those of this rank, which may not
+            # be the fold's (defer_norms(fused, x) / fuse_affine(folded, x) with x of another
+            # rank). Load redoes the step there (absent in older saves: the fold's example).
+            "example_args": tuple(self.example_args)}
+    if an.defer:  # defer_norms: redone on load (an older jaxfold ignores it: same function)
+      info["defer_norms"] = True
+    return StepRecord(info, {})
+
+  @classmethod
+  def parse(cls, info: dict, decode: Callable[[Any], Any]) -> _FuseRecord:
+    args = None
+    if "example_args" in info:
+      args = decode(info["example_args"])
+      if not isinstance(args, tuple):
+        raise TypeError(f"a fuse_affine step's example_args is a {type(args).__name__}")
+    return _FuseRecord(args, bool(info.get("defer_norms")), info.get("key_sha256"), info.get("num_fused"))
+
+  @classmethod
+  def restore(cls, inner: Callable, params: Any, parsed: _FuseRecord, ctx: RestoreContext) -> Restored:
+    args = parsed.example_args if parsed.example_args is not None else tuple(ctx.args)
+    call = pipeline.bind(inner, args, ctx.kwargs, ctx.error)
+    an = analyse(call.fn, params, call.abstract_args(ctx.error), defer=parsed.defer)
+    if ctx.verify and (digest(an.key) != parsed.key_sha256
+                       or an.report.num_fused != parsed.num_fused):
+      raise ctx.refuse(f"fuse_affine ({an.report.num_fused} sites fused now, {parsed.num_fused} "
+                       "when saved)")
+    return Restored(cls(inner, params, an, args, ctx.kwargs), an.report, an.params_tree(params))
+
   def _analyse(self, call: Call) -> FuseAnalysis:
     an = analyse(call.fn, self._params, call.abstract_args(FuseError), self._base.defer)
-    if an.call_key[:4] != self._base.call_key[:4]:
+    if not an.fuses_like(self._base):
       raise FuseError(f"{self._differing(call)} fuse differently from the example fuse_affine was "
                       "given; call fuse_affine again for them")
-    if an.call_key != self._base.call_key:
+    if not an.defers_like(self._base):
       raise FuseError(f"{self._differing(call)} defer differently from the example defer_norms was "
                       "given (the report would not hold for them): "
                       + _defer_diff(self._base.report.deferred, an.report.deferred)
@@ -795,23 +906,22 @@ class FusedApply(PipelineApply):
       else:
         flat.append(x)
     flat += jax.tree_util.tree_leaves(call.args)
-    outs = evaluate(an.jaxpr, an.consts, flat, an.plan, _relayout(params.extras, self._base, an))
+    outs = evaluate(an.jaxpr, an.consts, flat, an.plan, relayout(params.extras, self._base, an))
     return jax.tree_util.tree_unflatten(an.out_tree, outs)
 
 
-def _y_axes(entry: tuple) -> int:
+def _y_axes(b: NewBias) -> int:
   """How many size-1 axes a new bias has for the free axes of the norm's output."""
-  _, _, _, side, dn, y_rank, _, _, _ = entry
-  return y_rank - len(dn[0][1 - side])
+  return b.y_rank - len(b.numbers[0][1 - b.side])
 
 
-def _relayout(extras: dict, base: FuseAnalysis, an: FuseAnalysis) -> dict:
+def relayout(extras: dict, base: FuseAnalysis, an: FuseAnalysis) -> dict:
   """``extras`` (made at the example) with each new bias's size-1 axes for the
   norm output's free axes as this analysis adds it (inputs of another rank)."""
-  made = {b[0]: b for b in base.biases}
+  made = {b.name: b for b in base.biases}
   out = dict(extras)
   for b in an.biases:
-    name, side, was = b[0], b[3], made[b[0]][3]
+    name, side, was = b.name, b.side, made[b.name].side
     old, new = _y_axes(made[name]), _y_axes(b)
     if (old, was) != (new, side) and name in out:
       # W's free axes, in W's order whichever side W is on: before the size-1

@@ -747,11 +747,11 @@ def _constant_along(fid: int, dims: Sequence[int]) -> bool:
   if f.kind == "view":
     return all(f.key.constant_along(d) for d in dims)
   if f.kind == "app" and f.elementwise:
-    return all(_expr_constant_along(x, dims) for x in f.args)
+    return all(expr_constant_along(x, dims) for x in f.args)
   return False
 
 
-def _expr_constant_along(e: Expr, dims) -> bool:
+def expr_constant_along(e: Expr, dims) -> bool:
   return all(_constant_along(f, dims) for m in e.terms for f in m)
 
 
@@ -991,6 +991,11 @@ class Poly:
 
 _syms = itertools.count(1)
 _labels = itertools.count(1)
+
+
+def fresh_symbol() -> int:
+  """A symbol no other value has (a shift that cancels with nothing)."""
+  return next(_syms)
 
 
 def fresh_label() -> tuple:

@@ -260,7 +260,7 @@ class Level:
 
   @staticmethod
   def expr_constant_along(expr: A.Expr, d: int) -> bool:
-    return A._expr_constant_along(expr, (d,))
+    return A.expr_constant_along(expr, (d,))
 
   def _compute_facts(self) -> None:
     prog = self.program

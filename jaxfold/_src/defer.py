@@ -49,8 +49,9 @@ def defer_norms(model: Any, *example_args: Any) -> Any:
   args = tuple(example_args) if example_args else fn.example_args
   kwargs = pipeline.model_kwargs(model, example_args)
   call = fn.bind(args, kwargs)
-  an = affine.analyse(call.fn, fn._params, call.abstract_args(affine.FuseError), defer=True)
-  if an.call_key[:4] != fn._base.call_key[:4]:
+  fused = fn.example_analysis
+  an = affine.analyse(call.fn, fn.params_abstract, call.abstract_args(affine.FuseError), defer=True)
+  if not an.fuses_like(fused):
     raise affine.FuseError("these inputs fuse differently from the example fuse_affine was given; "
                            "pass the same example_args")
   # The new biases were made at fuse_affine's example; the deferred apply takes
@@ -58,7 +59,7 @@ def defer_norms(model: Any, *example_args: Any) -> Any:
   # (At the same rank nothing moves and the parameters stay the fused model's own.)
   params = model.params
   if isinstance(params, affine.FusedParams):
-    extras = affine._relayout(params.extras, fn._base, an)
+    extras = affine.relayout(params.extras, fused, an)
     if any(extras[k] is not x for k, x in params.extras.items()):
       params = affine.FusedParams(params.base, extras)
-  return affine.Fused(params, affine.FusedApply(fn._inner, fn._params, an, args, kwargs), an.report)
+  return affine.Fused(params, affine.FusedApply(fn.inner, fn.params_abstract, an, args, kwargs), an.report)

@@ -432,8 +432,8 @@ def _transposed(level, w) -> bool:
       return False
 
 
-def analyse(level, accepted: list, names: list, modified: set, fuse_sites: list,
-            norm_impl: str = "xla") -> tuple:
+def defer_sites(level, accepted: list, names: list, modified: set, fuse_sites: list,
+                norm_impl: str = "xla") -> tuple:
   """``(entries, sites)`` for fused sites ``accepted`` (``(affine, readers)``
   pairs); ``modified``: paths of the nodes the fused plan changes;
   ``fuse_sites``: every affine site (those not fused are not deferred either);

@@ -74,8 +74,6 @@ import numpy as np
 from jax import export as jax_export
 
 from jaxfold._src import compat, pipeline
-from jaxfold._src.affine import FusedParams
-from jaxfold._src.fold import FoldedParams
 from jaxfold._src.integrity import (
   IntegrityError,
   IsADirectory,
@@ -86,11 +84,8 @@ from jaxfold._src.integrity import (
   versions,
 )
 
-# Artifacts exported with params as an argument may carry these in their input
-# tree (fuse_affine and rotate results hold FusedParams): registered once, under
-# stable names.
-jax_export.register_namedtuple_serialization(FoldedParams, serialized_name="jaxfold.FoldedParams")
-jax_export.register_namedtuple_serialization(FusedParams, serialized_name="jaxfold.FusedParams")
+# Artifacts exported with params as an argument carry each step's parameter type
+# in their input tree: every step module registers its own (step.register_params).
 
 __all__ = ["export", "load_exported", "ExportWarning", "exported_signature", "read_artifact",
            "read_weights", "wrap_artifact", "MAGIC", "ARTIFACT_VERSION"]

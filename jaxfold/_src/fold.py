@@ -4,25 +4,20 @@
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
-import functools
-import math
-import os
 import threading
 import weakref
 from typing import Any, Callable, Literal, NamedTuple, Optional, get_args
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxfold._src import compat, compiled, display, kernels, layout, notices, pipeline
+from jaxfold._src import compiled, display, kernels, layout, notices, pipeline
+from jaxfold._src.centering import DEFAULT_POLICY, Centered, Centering, CenteringPolicy, UntiedCopy
 from jaxfold._src.errors import FoldError
 from jaxfold._src.frameworks import flax_linen
 from jaxfold._src.pipeline import (
   Call,
-  PipelineApply,
   abstract,
   kwargs_text,
   leaves_signature,
@@ -31,7 +26,8 @@ from jaxfold._src.pipeline import (
 )
 from jaxfold._src.planner import Outcome, PlanConflict, Planner
 from jaxfold._src.report import Report
-from jaxfold._src.rewrite import Plan
+from jaxfold._src.rewrite import CenterAt, Plan, UntiedUse
+from jaxfold._src.step import Result, Step, register_params
 
 # The options' values, as types: a type checker sees a misspelt value, and
 # FoldOptions refuses it naming the allowed ones.
@@ -107,8 +103,8 @@ class Analysis:
   consts: list
   out_tree: Any
   plan: Plan
-  leaf_specs: tuple      # ((leaf index, spec tuple), ...)
-  untied: tuple          # ((name, leaf index, spec tuple), ...)
+  leaf_specs: tuple[Centered, ...]     # parameters centered in place
+  untied: tuple[UntiedCopy, ...]       # centered copies of parameters, by name
   report: Report
 
   @property
@@ -139,7 +135,8 @@ def analyse(apply_fn: Callable, params: Any, args: tuple, opts: FoldOptions,
       plan, kernel_sites = _plan(outcome, opts)
       report = planner.report(kernel_sites).on_platform(jax.default_backend(), kernels.may_use_kernel(opts.norm_impl))
     result = Analysis(traced.jaxpr, traced.consts, traced.out_tree, plan,
-                      outcome.leaf_specs, outcome.untied_specs, report)
+                      tuple(Centered(*x) for x in outcome.leaf_specs),
+                      tuple(UntiedCopy(*x) for x in outcome.untied_specs), report)
     del planner, outcome, an
   _ANALYSES.put(traced.closed, key, result)
   return result
@@ -192,7 +189,9 @@ def _plan(outcome: Outcome, opts: FoldOptions) -> tuple:
       if ep is not None:
         epilogues.append(ep)
         kernel_sites.add(e.index)
-  return Plan(zero=zero, aux=outcome.aux, consts=outcome.consts, untied=outcome.untied,
+  return Plan(zero=zero, aux=tuple(CenterAt(*a) for a in outcome.aux),
+              consts=tuple(CenterAt(*c) for c in outcome.consts),
+              untied=tuple(UntiedUse(*u) for u in outcome.untied),
               epilogues=tuple(epilogues), norm_impl=opts.norm_impl), frozenset(kernel_sites)
 
 
@@ -308,28 +307,45 @@ def _reconcile(call: Call, params: Any, opts: FoldOptions, an: Analysis) -> Anal
 # Public entry points.
 
 
-class FoldedApply(PipelineApply):
-  """The folded apply function; re-analyses (and caches) per input signature
-  and per value of static keyword arguments (``train=True``); array keyword
-  arguments (``rngs={"dropout": key}``) are traced like positional ones."""
+class FoldedApply(Step):
+  """The folded apply function (the fold step, the root of a chain); re-analyses
+  (and caches) per input signature and per value of static keyword arguments
+  (``train=True``); array keyword arguments (``rngs={"dropout": key}``) are
+  traced like positional ones. With ``center_in_forward`` it is CBWC's: it
+  takes the original parameters and centers them per call."""
 
   error = FoldError
-  transform = "fold"
-  _example_only = False   # fold(generic_shapes=False) at an example with a size-1 axis
+  kind = "fold"
+  root = True
 
   def __init__(self, apply_fn, params_abstract, params_tree, opts, base: Analysis, call: Call,
-               center_in_forward: bool, example_args: tuple = (), example_kwargs: Optional[dict] = None):
+               center_in_forward: bool, example_args: tuple = (), example_kwargs: Optional[dict] = None,
+               example_only: bool = False):
     super().__init__(apply_fn, params_abstract, example_args, example_kwargs)
     self._tree = params_tree
     self._opts = opts
     self._base = base
     self._param_sig = leaves_signature(jax.tree_util.tree_leaves(params_abstract))
     self._center = center_in_forward
+    self._example_only = example_only   # fold(generic_shapes=False) at an example with a size-1 axis
     self.seed(call, base)
 
   @property
   def options(self) -> FoldOptions:
     return self._opts
+
+  @property
+  def example_analysis(self) -> Analysis:
+    """The analysis made at the example: the plan the parameters were centered for."""
+    return self._base
+
+  @property
+  def unties(self) -> bool:
+    """The fold made untied centered copies of parameters."""
+    return bool(self._base.untied)
+
+  def saveable(self) -> bool:
+    return not self._center   # CBWC's parameters are the user's: there is no fold to save
 
   @property
   def params_treedef(self) -> Any:
@@ -420,11 +436,13 @@ class FoldedParams(NamedTuple):
   __getattr__ = display.not_a_variable_dict
 
 
-class Folded(NamedTuple):
-  """Result of :func:`fold`: ``apply_fn(params, *args)`` computes the original."""
-  params: FoldedParams
-  apply_fn: Callable
-  report: Report
+register_params(FoldedParams, "jaxfold.FoldedParams")
+
+
+class Folded(Result):
+  """Result of :func:`fold` (a ``step.Result``): ``apply_fn(params, *args)``
+  computes the original; ``params`` is a :class:`FoldedParams`, ``report`` a ``Report``."""
+  __slots__ = ()
   __repr__ = display.result_repr
 
 
@@ -433,204 +451,6 @@ class Reparameterized(NamedTuple):
   apply_fn: Callable
   report: Report
   analysis: Analysis
-
-
-def _on_host(x) -> bool:
-  """A concrete array on one CPU device (or NumPy): centered with NumPy."""
-  sharding = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
-  return sharding is None or (all(d.platform == "cpu" for d in sharding.device_set)
-                              and len(sharding.device_set) <= 1)
-
-
-def _host_center(x, spec: dict, out: Optional[np.ndarray] = None, pairwise: Optional[bool] = None) -> np.ndarray:
-  # NumPy on the host: no per-shape compilation, which dominates a cold fold.
-  # Written 64-byte aligned, jax's CPU client adopts the result without a
-  # copy (an unaligned one is copied: as long as the centering itself).
-  # The float64 mean of a float32 table is the fold's critical path; float32
-  # rows take NumPy's pairwise sum (~2 ulp) unless jax computes in float64
-  # (asked on the caller's thread: enable_x64 contexts are thread-local).
-  out = _aligned_empty(np.shape(x), x.dtype) if out is None else out
-  pairwise = not compat.x64_enabled() if pairwise is None else pairwise
-  return layout.center(x, spec, out=out, pairwise=pairwise)
-
-
-def _adopt(y, like):
-  """``y`` (a centered NumPy or jax array) as a jax array placed like ``like``:
-  on its sharding where it is committed to one, else uncommitted as ``like``
-  is (committed to device 0, it refused a ``jit`` whose ``shard_map`` spans
-  several devices: "incompatible devices")."""
-  sharding = getattr(like, "sharding", None) if isinstance(like, jax.Array) else None
-  if sharding is None or not getattr(like, "committed", True):
-    # device_put, not jnp.asarray: jax 0.10's asarray copies even a 64-byte
-    # aligned NumPy array (43 ms for GPT-2's token table); device_put adopts
-    # it (the array is the fold's own, never the caller's).
-    return jax.device_put(y)
-  return jax.device_put(y, sharding)
-
-
-def _center_leaf(x, spec):
-  """Centers one parameter, keeping its dtype, device and sharding."""
-  if isinstance(x, jax.ShapeDtypeStruct):
-    return x
-  y = _host_center(np.asarray(x), dict(spec)) if _on_host(x) else _center_jit(dict(spec))(x)
-  return _adopt(y, x)
-
-
-_POOL: list = []   # the centering workers, made on first use
-# A forked child has none of the parent's threads: it makes its own pool.
-os.register_at_fork(after_in_child=_POOL.clear)
-
-
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-  if not _POOL:
-    _POOL.append(concurrent.futures.ThreadPoolExecutor(
-        max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="jaxfold-center"))
-  return _POOL[0]
-
-
-class _Centering:
-  """The centered parameters of a fold, computed beside the main thread.
-
-  Large leaves center on worker threads: NumPy releases the GIL in its
-  loops, so they center in parallel with each other and beside Python work
-  (the probe's trace at batch 1), and memory bandwidth, not one core, bounds
-  the time. A group of leaves sharing shape, dtype and axes that holds at
-  least ``_XLA_BYTES`` (a transformer's stacked MLP projections) centers in
-  XLA instead: one compiled program per group (compiled on first use, then
-  cached for the process), run asynchronously on XLA's threads in one fused
-  pass, with no GIL to wait for (GPT-2 small's 12 MLP output projections:
-  ~15 ms less per fold once compiled; its compile, ~25 ms, is what keeps
-  smaller groups on NumPy). Jobs are keyed by leaf and axes: a plan that
-  another shape changes keeps the jobs it shares."""
-
-  _PARALLEL_BYTES = 1 << 20   # smaller leaves: a thread hop costs more than it saves
-  _SPLIT_BYTES = 16 << 20     # larger ones (an embedding table) also split into row blocks
-  _XLA_BYTES = 64 << 20       # a group this large centers in XLA (see above)
-
-  def __init__(self, leaves: list):
-    self._leaves = leaves
-    self._x64 = compat.x64_enabled()   # asked here: the workers do not see an enable_x64 context
-    self._pairwise = not self._x64
-    self._futures: dict = {}   # (leaf index, spec) -> Future (or _Blocks, _Dispatched) of the centered array
-
-  def start(self, an: Analysis) -> None:
-    """Starts every large centering of ``an``'s plan not started yet, largest first."""
-    jobs = {(i, s) for i, s in an.leaf_specs} | {(i, s) for _, i, s in an.untied}
-    large = [(i, spec) for i, spec in jobs - self._futures.keys()
-             if not isinstance(self._leaves[i], jax.ShapeDtypeStruct)
-             and _nbytes(self._leaves[i]) >= self._PARALLEL_BYTES and _on_host(self._leaves[i])]
-    groups = collections.Counter()
-    for i, spec in large:
-      groups[self._group(i, spec)] += _nbytes(self._leaves[i])
-    for i, spec in sorted(large, key=lambda k: -_nbytes(self._leaves[k[0]])):
-      x = self._leaves[i]
-      if groups[self._group(i, spec)] >= self._XLA_BYTES and self._xla_exact(x):
-        self._futures[(i, spec)] = _Dispatched(_center_jit(dict(spec))(x))
-      else:
-        self._futures[(i, spec)] = self._submit(np.asarray(x), dict(spec))
-
-  def _group(self, i: int, spec: tuple) -> tuple:
-    x = self._leaves[i]
-    return (tuple(np.shape(x)), np.dtype(x.dtype), spec)
-
-  def _xla_exact(self, x) -> bool:
-    """XLA's mean is as accurate as NumPy's pairwise float32 one, but under
-    x64 the host takes a float64 mean of a float32 leaf, which XLA would not."""
-    dt = np.dtype(x.dtype)
-    return jnp.issubdtype(dt, jnp.floating) and (not self._x64 or dt == np.float64)
-
-  def _submit(self, x: np.ndarray, spec: dict):
-    # The mean is compute-bound (in float64 unless pairwise): one large table on
-    # one thread is the fold's critical path. Blocks of rows along a dim the spec
-    # does not center are independent and contiguous (dim 0 of a C-ordered array).
-    workers = _pool()._max_workers
-    if _nbytes(x) < self._SPLIT_BYTES or workers < 2 or 0 in spec or x.ndim < 2 or x.shape[0] < workers:
-      return _pool().submit(_host_center, x, spec, None, self._pairwise)
-    out = _aligned_empty(x.shape, x.dtype)
-    cuts = np.linspace(0, x.shape[0], workers + 1).astype(int)
-    return _Blocks(out, [_pool().submit(_host_center, x[a:b], spec, out[a:b], self._pairwise)
-                         for a, b in zip(cuts[:-1], cuts[1:])])
-
-  def cancel(self) -> None:
-    for f in self._futures.values():
-      f.cancel()
-
-  def result(self, an: Analysis) -> tuple:
-    """``(new leaves, untied copies)`` of ``an``'s plan; unused jobs are dropped."""
-    done: dict = {}
-
-    def get(i, spec):
-      if (i, spec) not in done:
-        f = self._futures.pop((i, spec), None)
-        done[(i, spec)] = _adopt(f.result(), self._leaves[i]) if f is not None else _center_leaf(self._leaves[i], spec)
-      return done[(i, spec)]
-
-    self.start(an)
-    try:
-      new = list(self._leaves)
-      for i, spec in an.leaf_specs:
-        new[i] = get(i, spec)
-      untied = {name: get(i, spec) for name, i, spec in an.untied}
-    finally:
-      self.cancel()   # speculation the final plan does not use
-    return new, untied
-
-
-class _Dispatched:
-  """A centering XLA runs asynchronously, as a finished future: the array is
-  returned at once, and whoever reads it waits for it."""
-
-  def __init__(self, y):
-    self._y = y
-
-  def result(self):
-    return self._y
-
-  def cancel(self) -> bool:
-    return False
-
-
-class _Blocks:
-  """The futures of one leaf centered by row blocks into ``out``, as one future."""
-
-  def __init__(self, out: np.ndarray, futures: list):
-    self._out, self._futures = out, futures
-
-  def result(self) -> np.ndarray:
-    for f in self._futures:
-      f.result()
-    return self._out
-
-  def cancel(self) -> bool:
-    return all([f.cancel() for f in self._futures])
-
-  def cancelled(self) -> bool:
-    return all(f.cancelled() for f in self._futures)
-
-  def done(self) -> bool:
-    return all(f.done() for f in self._futures)
-
-
-def _nbytes(x) -> int:
-  return math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize
-
-
-def _aligned_empty(shape: tuple, dtype: Any) -> np.ndarray:
-  """An uninitialised host array starting on a 64-byte boundary."""
-  dtype = np.dtype(dtype)
-  n = math.prod(shape) * dtype.itemsize
-  buf = np.empty(n + 64, np.uint8)
-  start = -buf.ctypes.data % 64
-  return buf[start:start + n].view(dtype).reshape(shape)
-
-
-@functools.lru_cache(maxsize=None)
-def _center_jit_cached(spec_items: tuple):
-  return jax.jit(lambda x: layout.center(x, dict(spec_items)))
-
-
-def _center_jit(spec: dict):
-  return _center_jit_cached(tuple(sorted(spec.items())))
 
 
 def _refuse_traced(params: Any) -> None:
@@ -649,9 +469,10 @@ def _refuse_traced(params: Any) -> None:
 def fold(params: Any, apply_fn: Callable, *example_args: Any,
          auxiliary_centering: bool = True, tied_weights: TiedWeights = "auto",
          norm_impl: NormImpl = "auto", example_kwargs: Optional[dict] = None,
-         generic_shapes: bool = True) -> Folded:
+         generic_shapes: bool = True, centering: CenteringPolicy = DEFAULT_POLICY) -> Folded:
   """The fold alone: ``jaxfold.fold`` without ``fuse_affine``/``defer_norms``
-  (``api.fold`` composes those on this result; the arguments are its own).
+  (``api.fold`` composes those on this result; the arguments are its own;
+  ``centering``: where the centered parameters are computed, see ``centering.py``).
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -669,22 +490,21 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
   leaves, tree = jax.tree_util.tree_flatten(params)
   # The example's plan is almost always the fold's: its parameters center on
   # worker threads while the other shapes are proved.
-  centering = _Centering(leaves)
+  engine = Centering(leaves, centering)
   try:
     with pipeline.no_gc(), pipeline.trace_session():   # one collector pause, one trace memo for both shapes
       first = analyse(call.fn, params, call.args, opts)
-      centering.start(first)
+      engine.start(first.leaf_specs, first.untied)
       an = _reconcile(call, params, opts, first) if opts.generic_shapes else first
   except BaseException:
-    centering.cancel()
+    engine.cancel()
     raise
   notices.warn_after_fold(first, len(leaves))
   flax_linen.refuse_as_variables(FoldedParams)   # model.apply(folded.params): our message, not flax's
-  new_leaves, extras = centering.result(an)
+  new_leaves, extras = engine.result(an.leaf_specs, an.untied)
   new_params = FoldedParams(jax.tree_util.tree_unflatten(tree, new_leaves), extras)
   fn = FoldedApply(apply_fn, pipeline.abstract_tree(params), tree, opts, an, call, False, example_args,
-                   example_kwargs)
-  fn._example_only = not opts.generic_shapes and _probe_args(call.args) is not None
+                   example_kwargs, example_only=not opts.generic_shapes and _probe_args(call.args) is not None)
   return Folded(new_params, fn, an.report)
 
 

@@ -323,12 +323,12 @@ class PipelineApply:
   the fold's apply function for ``fuse_affine``, ...); ``params_abstract`` the
   abstract parameters it takes. A subclass analyses one signature in
   ``_analyse(call)`` and runs in ``__call__``; ``analysed(call)`` is the
-  cached lookup. ``error`` is the transform's error class, ``transform`` its
-  name (``save_fold`` walks a chain of wrappers through ``inner``).
+  cached lookup. ``error`` is the transform's error class. Every transform's
+  apply function is a ``step.Step`` (this wrapper with a ``kind`` and its
+  save/load records); ``save_fold`` walks a chain of steps through ``inner``.
   """
 
   error: type = JaxfoldError
-  transform: str = ""         # the transform's name, as save_fold records it in a chain
 
   def __init__(self, inner: Callable, params_abstract: Any, example_args: tuple = (),
                example_kwargs: Optional[dict] = None):

@@ -15,7 +15,7 @@ differentiation rules are kept.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax.numpy as jnp
 
@@ -24,16 +24,38 @@ from jaxfold._src.rules import rule_for
 from jaxfold._src.zero import Zero
 
 
+class CenterAt(NamedTuple):
+  """An auxiliary centering of the value (or captured constant) ``key`` by ``spec``."""
+  key: tuple
+  spec: tuple
+
+
+class UntiedUse(NamedTuple):
+  """Operand ``operand`` of the equation at ``path`` reads the parameter copy
+  ``name`` (in the extras), through ``chain``: the casts and re-indexing
+  equations between the tied parameter and that use."""
+  path: tuple
+  operand: int
+  name: str
+  chain: tuple
+
+
+class BiasAt(NamedTuple):
+  """The extras' parameter ``name`` is added to the value ``key``."""
+  key: tuple
+  name: str
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """Everything the rewrite needs, keyed by paths (see program.Val.key)."""
   zero: frozenset = frozenset()               # paths of reduce_sum to remove
-  aux: tuple = ()                             # ((val key, spec), ...)
-  consts: tuple = ()                          # ((const key, spec), ...)
-  untied: tuple = ()                          # ((use path, operand, name, chain eqns), ...)
+  aux: tuple[CenterAt, ...] = ()
+  consts: tuple[CenterAt, ...] = ()
+  untied: tuple[UntiedUse, ...] = ()
   epilogues: tuple = ()                       # kernels.Epilogue of proven sites
   norm_impl: str = "auto"                     # see kernels.IMPLS
-  biases: tuple = ()                          # ((val key, extras name), ...): added to the value
+  biases: tuple[BiasAt, ...] = ()
   deferred: tuple = ()                        # deferral.Deferred: contractions reading x, scaled by s
 
   @property
@@ -114,7 +136,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
   aux = dict(plan.aux)
   biases = dict(plan.biases)
   centered = dict(plan.consts)
-  untied = {(u, k): (name, chain) for u, k, name, chain in plan.untied}
+  untied = {(u.path, u.operand): (u.name, u.chain) for u in plan.untied}
   deferred = {e.path: e for e in plan.deferred}
   # The add of a kernel reader's own bias: the reader is held (deferral.Pending) until it.
   own_bias = ({e.kernel.add[0]: e for e in plan.deferred if e.kernel is not None and e.kernel.add is not None}

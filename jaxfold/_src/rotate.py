@@ -25,11 +25,12 @@ from jaxfold._src import display, kernels, pipeline
 from jaxfold._src.analysis import LeafNeed, Level, factor_leaf, leaf_of
 from jaxfold._src.errors import RotateError
 from jaxfold._src.fold import FoldedApply, FoldedParams
-from jaxfold._src.pipeline import Call, PipelineApply
+from jaxfold._src.pipeline import Call
 from jaxfold._src.program import Val
 from jaxfold._src.report import param_label
 from jaxfold._src.rules import Block, rule_for
 from jaxfold._src.rules.rotation import Lin, Quad, Want
+from jaxfold._src.step import RestoreContext, Restored, Result, Step, StepRecord, register
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,17 +47,31 @@ class RotateReport:
     return "\n".join(lines)
 
 
-class Rotated(NamedTuple):
-  """Result of :func:`rotate`: ``apply_fn(params, *args)`` computes the original."""
-  params: Any
-  apply_fn: Callable
-  report: RotateReport
+class Rotated(Result):
+  """Result of :func:`rotate` (a ``step.Result``): ``apply_fn(params, *args)``
+  computes the original; ``params`` has the structure of the model rotated
+  (a ``FusedParams``), ``report`` is a :class:`RotateReport`."""
+  __slots__ = ()
   __repr__ = display.result_repr
 
   @property
   def stream_axes(self) -> dict:
-    """``{leaf name: dims}``: where each rotated parameter meets the stream."""
-    return dict(self.report.rotated)
+    """``{leaf name: dims}``: where each rotated parameter meets the stream. A
+    parameter of the user's is named by its path in the user's parameters
+    (``"['params']['wte']['embedding']"``); one that fuse_affine made (an untied
+    copy, a new bias) by its path in ``params`` (``".extras[...]"``)."""
+    return {_user_path(name): dims for name, dims in self.report.rotated}
+
+
+# The user's parameters inside a fused (``.base.params``) or folded (``.params``) tree.
+_USER_PREFIXES = (".base.params", ".params")
+
+
+def _user_path(name: str) -> str:
+  for prefix in _USER_PREFIXES:
+    if name.startswith(prefix) and name[len(prefix):len(prefix) + 1] in ("[", "."):
+      return name[len(prefix):]
+  return name
 
 
 # ----------------------------------------------------------------------------
@@ -329,19 +344,54 @@ def _apply(x, dims: tuple, q: np.ndarray):
   return jnp.asarray(y.astype(x.dtype))
 
 
-class RotatedApply(PipelineApply):
+class _RotateRecord(NamedTuple):
+  """A saved rotate step, decoded."""
+  size: int
+  rotated: tuple    # ((leaf, dims), ...), as _solve's key spells them
+  has_q: bool
+
+
+@register
+class RotatedApply(Step):
   """The model's apply function, re-proving the rotation per input signature
   (the program is the model's: only its parameters are rotated)."""
 
   error = RotateError
-  transform = "rotate"
+  kind = "rotate"
 
   def __init__(self, fn: Callable, params_abstract: Any, key: tuple, n: int, args: tuple,
-               kwargs: Optional[dict] = None):
+               kwargs: Optional[dict] = None, q: Optional[np.ndarray] = None):
     super().__init__(fn, params_abstract, args, kwargs)
     self._key, self._n = key, n
-    self.q: Optional[np.ndarray] = None   # the rotation, kept so that save_fold records it
+    self._q = q   # the rotation, kept so that save_fold records it
     self.seed(self.bind(args, kwargs), key)
+
+  @property
+  def q(self) -> Optional[np.ndarray]:
+    """The orthogonal matrix the parameters were rotated by (None: not kept)."""
+    return self._q
+
+  def record(self) -> StepRecord:
+    info = {"name": self.kind, "size": self._n,
+            "rotated": [[int(i), [int(d) for d in dims]] for i, dims in self._key],
+            "q": self._q is not None}
+    return StepRecord(info, {} if self._q is None else {"rotation": np.asarray(self._q, np.float64)})
+
+  @classmethod
+  def parse(cls, info: dict, decode: Callable[[Any], Any]) -> _RotateRecord:
+    rotated = tuple((int(i), tuple(int(d) for d in dims)) for i, dims in info["rotated"])
+    return _RotateRecord(int(info["size"]), rotated, bool(info.get("q")))
+
+  @classmethod
+  def restore(cls, inner: Callable, params: Any, parsed: _RotateRecord, ctx: RestoreContext) -> Restored:
+    args = tuple(ctx.args)
+    call = pipeline.bind(inner, args, ctx.kwargs, ctx.error)
+    key, norms, names = _solve(call.fn, params, call.abstract_args(ctx.error), parsed.size)
+    if ctx.verify and key != parsed.rotated:
+      raise ctx.refuse("rotation (other parameters meet the residual stream)")
+    q = ctx.array("rotation") if parsed.has_q else None
+    report = RotateReport(tuple((names[i], d) for i, d in key), norms, parsed.size)
+    return Restored(cls(inner, params, key, parsed.size, args, ctx.kwargs, q=q), report, None)
 
   def _analyse(self, call: Call) -> tuple:
     key, _, _ = _solve(call.fn, self._params, call.abstract_args(RotateError), self._n)
@@ -395,6 +445,5 @@ def rotate(model: Any, q: Any, *example_args: Any) -> Rotated:
   dims = dict(key)
   new = [_apply(x, dims[i], q) if i in dims else x for i, x in enumerate(leaves)]
   report = RotateReport(tuple((names[i], d) for i, d in key), norms, len(q))
-  apply = RotatedApply(fn, abstract, key, len(q), args, kwargs)
-  apply.q = q
+  apply = RotatedApply(fn, abstract, key, len(q), args, kwargs, q=q)
   return Rotated(jax.tree_util.tree_unflatten(tree, new), apply, report)

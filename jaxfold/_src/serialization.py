@@ -67,6 +67,7 @@ from jaxfold._src.integrity import (
 )
 from jaxfold._src.integrity import versions as _versions
 from jaxfold._src.report import Report
+from jaxfold._src.step import RestoreContext, chain_of, restorer
 
 __all__ = ["save_fold", "load_fold", "load_report", "load_meta", "LoadedFold",
            "report_from_dict", "FORMAT_VERSION", "IntegrityError"]
@@ -185,12 +186,12 @@ _FOLD_FILES = ("params", "report.json", "fold.json", "meta.json")
 
 
 def _check_folded(folded: Any) -> None:
-  """Refuses anything but a fold (or a fold fused/rotated by jaxfold) *before* a
+  """Refuses anything but a fold (or a chain of steps on one) *before* a
   byte is written or removed."""
   from jaxfold._src.fold import FoldedParams
   params = getattr(folded, "params", None)
   apply_fn = getattr(folded, "apply_fn", None)
-  chain = _chain_of(folded)
+  chain = chain_of(apply_fn)
   if chain is not None and len(chain) > 1 and hasattr(folded, "report"):
     return
   if (not isinstance(params, FoldedParams) or getattr(apply_fn, "options", None) is None
@@ -202,52 +203,20 @@ def _check_folded(folded: Any) -> None:
                     f"applied to one, or of jaxfold.load_fold(...), got {got}; nothing was written")
 
 
-_CHAIN_STEPS = ("fuse_affine", "rotate")   # what _transforms_info and _load_chain know
-
-
-def _chain_of(result: Any) -> Optional[list]:
-  """``[(transform name, its apply object), ...]`` from the fold outwards, when
-  ``result`` was made by fold, then fuse_affine, then rotate (any number of
-  times); None for anything else (e.g. fuse_affine of an unfolded model)."""
-  from jaxfold._src.pipeline import PipelineApply
-  fn, steps = getattr(result, "apply_fn", None), []
-  while isinstance(fn, PipelineApply):
-    if fn.transform == "fold":
-      if fn._center or getattr(fn, "options", None) is None:   # a CBWC apply_fn is no fold
-        return None
-      steps.append(("fold", fn))
-      return steps[::-1]
-    if fn.transform not in _CHAIN_STEPS:   # a transform save_fold cannot redo on load
-      return None
-    steps.append((fn.transform, fn))
-    fn = fn.inner
-  return None
-
-
-def _key_digest(key: Any) -> str:
-  import hashlib
-  return hashlib.sha256(repr(key).encode()).hexdigest()
-
-
-def _transforms_info(chain: list) -> list:
-  """What load_fold needs to redo (abstractly) and check each step after the fold."""
-  out = []
-  for name, fn in chain[1:]:
-    if name == "fuse_affine":
-      an = fn._base
-      out.append({"name": name, "num_fused": an.report.num_fused, "key_sha256": _key_digest(an.key),
-                  # The step's own example: its key, and the layout of its new biases (size-1
-                  # axes for the norm output's free axes), are those of this rank, which may not
-                  # be the fold's (defer_norms(fused, x) / fuse_affine(folded, x) with x of another
-                  # rank). Load redoes the step there (absent in older saves: the fold's example).
-                  "example_args": _encode_args(tuple(fn.example_args))})
-      if an.defer:  # defer_norms: redone on load (an older jaxfold ignores it: same function)
-        out[-1]["defer_norms"] = True
-    else:
-      out.append({"name": name, "size": fn._n,
-                  "rotated": [[int(i), [int(d) for d in dims]] for i, dims in fn._key],
-                  "q": getattr(fn, "q", None) is not None})
-  return out
+def _transforms_info(chain: list) -> tuple:
+  """What load_fold needs to redo (abstractly) and check each step after the
+  fold, and the arrays they save (``(file stem, array)``, numbered per name)."""
+  out, arrays, count = [], [], {}
+  for fn in chain[1:]:
+    rec = fn.record()
+    info = dict(rec.info)
+    if "example_args" in info:
+      info["example_args"] = _encode_args(info["example_args"])
+    out.append(info)
+    for name, array in rec.arrays.items():
+      arrays.append((f"{name}-{count.get(name, 0)}", array))
+      count[name] = count.get(name, 0) + 1
+  return out, arrays
 
 
 def _leaf_table(params: Any) -> list:
@@ -373,9 +342,9 @@ def save_fold(folded: Any, directory: str | os.PathLike, *, meta: Optional[dict]
   _check_folded(folded)
   directory = os.path.abspath(os.fspath(directory))
   check_target(directory, overwrite)
-  chain = _chain_of(folded)
+  chain = chain_of(folded.apply_fn)
   transformed = chain is not None and len(chain) > 1
-  base = chain[0][1] if transformed else folded.apply_fn   # the FoldedApply
+  base = chain[0] if transformed else folded.apply_fn   # the fold step
   options = base.options.to_dict()
   args = example_args if example_args is not None else base.example_args
   fold_info = {
@@ -385,27 +354,27 @@ def save_fold(folded: Any, directory: str | os.PathLike, *, meta: Optional[dict]
       "example_kwargs": _encode_args(dict(getattr(base, "example_kwargs", {}))),
       "jax_version": jax.__version__,
   }
-  rotations = []
+  arrays = []
   if transformed:
-    # fuse_affine/rotate results: the parameters as a flat list of leaves (their
+    # A chain of steps on the fold: the parameters as a flat list of leaves (their
     # tree holds None for fused-away γ/β), rebuilt on load by redoing each step
     # abstractly on the original parameter shapes recorded here.
+    original = base.params_abstract
     try:
-      fold_info["params_abstract"] = _encode_args(base._params)
+      fold_info["params_abstract"] = _encode_args(original)
     except TypeError:
       # Another pytree (an nnx.State, ...): JSON cannot rebuild it, so load_fold
       # takes its structure from target= and checks it against this table.
       fold_info["params_abstract"] = None
-      fold_info["params_type"] = type(base._params).__name__
-    fold_info["params_leaves"] = _leaf_table(base._params)
-    fold_info["transforms"] = _transforms_info(chain)
-    fold_info["untied"] = bool(base._base.untied)
+      fold_info["params_type"] = type(original).__name__
+    fold_info["params_leaves"] = _leaf_table(original)
+    fold_info["transforms"], arrays = _transforms_info(chain)
+    fold_info["untied"] = base.unties
     fold_info["leaves"] = _leaf_table(folded.params)
     leaves = jax.tree_util.tree_leaves(folded.params)
     params = {"leaves": {f"{i:05d}": _host_array(x) for i, x in enumerate(leaves)}}
-    rotations = [fn.q for name, fn in chain[1:] if name == "rotate" and getattr(fn, "q", None) is not None]
     report_json = base.analysis_for(base.example_args, kwargs=base.example_kwargs).report.to_json() + "\n"
-    program = _program_of_fn(base, base._params, args)
+    program = _program_of_fn(base, original, args)
   else:
     fold_info["untied"] = _is_untied(folded)
     program = _program_of(folded, args)
@@ -441,8 +410,8 @@ def save_fold(folded: Any, directory: str | os.PathLike, *, meta: Optional[dict]
       _write_json(os.path.join(tmp, "meta.json"), dict(meta or {}))
       if program is not None:
         _write_json(os.path.join(tmp, "program.json"), program)
-      for k, q in enumerate(rotations):   # the Q of each rotate, for the record
-        np.save(os.path.join(tmp, f"rotation-{k}.npy"), np.asarray(q, np.float64))
+      for stem, array in arrays:   # arrays the steps keep (a rotation's Q), for the record
+        np.save(os.path.join(tmp, f"{stem}.npy"), array)
       if extra_files is not None:
         extra_files(tmp)
       write_manifest(tmp, kind="jaxfold-fold", extra={"format_version": fold_info["format_version"]})
@@ -747,17 +716,6 @@ def _refold(copy: str, directory: str, apply_fn: Callable, abstract: Any, args: 
   return _fold(abstract, apply_fn, *args, example_kwargs=kwargs, **opts)
 
 
-def _fused_treedef(an: Any, folded_abstract: Any) -> Any:
-  """The tree structure of ``fuse_affine``'s parameters for this analysis."""
-  from jaxfold._src.affine import FusedParams
-  leaves, tree = jax.tree_util.tree_flatten(folded_abstract)
-  removed = dict(an.removed)
-  base = jax.tree_util.tree_unflatten(tree, [None if i in removed else x for i, x in enumerate(leaves)])
-  extras = {c[0]: 0 for c in an.copies}
-  extras.update({b[0]: 0 for b in an.biases})
-  return jax.tree_util.tree_structure(FusedParams(base, extras))
-
-
 def _chain_params(directory: str, info: dict, saved: Any, want: Optional[list], target: Any) -> Any:
   """The original parameters' abstract pytree of a transformed fold: from
   ``target`` when given (any pytree: an ``nnx.State``, ...), else ``saved``
@@ -784,10 +742,9 @@ def _chain_params(directory: str, info: dict, saved: Any, want: Optional[list], 
 
 def _load_chain(copy: str, directory: str, apply_fn: Callable, info: dict, args: Any, kwargs: dict,
                 opts: dict, *, verify: bool, target: Any = None) -> LoadedFold:
-  """Loads a fuse_affine/rotate result: refolds and redoes every step on abstract
+  """Loads a chain of steps on a fold: refolds and redoes every step on abstract
   parameters (no weights touched), checks that each makes the saved decisions,
   and puts the saved leaves into the tree the last step takes."""
-  from jaxfold._src import affine, pipeline, rotate
   from jaxfold._src.fold import FoldError
 
   def refuse(what: str) -> FoldError:
@@ -795,22 +752,16 @@ def _load_chain(copy: str, directory: str, apply_fn: Callable, info: dict, args:
                      "pass the apply_fn of the model the fold was made from, or fold the model again")
 
   try:
-    steps = list(info["transforms"])
+    records = list(info["transforms"])
     table = list(info["leaves"])
-    if not steps:
+    if not records:
       raise ValueError("no transforms")
-    rotated = {}   # step -> its rotated (leaf, dims) pairs, as rotate's key spells them
-    step_examples = {}   # fuse step -> the example it was made at, where recorded
-    for k, step in enumerate(steps):   # well-formed steps (a fold loaded with integrity=False)
-      if not isinstance(step, dict):
-        raise TypeError(f"transform {k} is a {type(step).__name__}, not an object")
-      if step.get("name") == "fuse_affine" and "example_args" in step:
-        step_examples[k] = _decode_args(step["example_args"])
-        if not isinstance(step_examples[k], tuple):
-          raise TypeError(f"transform {k}'s example_args is a {type(step_examples[k]).__name__}")
-      if step.get("name") == "rotate":
-        int(step["size"])
-        rotated[k] = tuple((int(i), tuple(int(d) for d in dims)) for i, dims in step["rotated"])
+    parsed = []   # (step class, decoded record), checked before anything is restored
+    for k, record in enumerate(records):   # well-formed steps (a fold loaded with integrity=False)
+      if not isinstance(record, dict):
+        raise TypeError(f"transform {k} is a {type(record).__name__}, not an object")
+      cls = restorer(record.get("name"))
+      parsed.append((k, record.get("name"), cls, None if cls is None else cls.parse(record, _decode_args)))
     abstract = None if info["params_abstract"] is None else _decode_args(info["params_abstract"])
     want = info.get("params_leaves")   # (absent in folds saved before it was recorded)
     if want is not None and not isinstance(want, list):
@@ -818,6 +769,10 @@ def _load_chain(copy: str, directory: str, apply_fn: Callable, info: dict, args:
   except (KeyError, TypeError, ValueError, AttributeError) as e:
     raise IntegrityError(f"{directory}/fold.json does not describe a transformed fold "
                          f"({type(e).__name__}: {e}); re-create the fold") from None
+  for k, name, cls, _ in parsed:
+    if cls is None:
+      raise IntegrityError(f"{directory}/fold.json: unknown transform {name!r} (step {k}); this "
+                           f"jaxfold {_versions().get('jaxfold')} may be too old: upgrade jaxfold")
   abstract = _chain_params(directory, info, abstract, want, target)   # (its refusals are no IntegrityError)
   try:
     restored = _restore_params(os.path.join(copy, "params"))
@@ -828,45 +783,28 @@ def _load_chain(copy: str, directory: str, apply_fn: Callable, info: dict, args:
                          f"({type(e).__name__}: {first}); re-create the fold") from None
   leaves = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in leaves]
   refold = _refold(copy, directory, apply_fn, abstract, args, kwargs, opts, verify=verify)
-  if verify and bool(refold.params.untied) != bool(info.get("untied")):
+  if verify and refold.apply_fn.unties != bool(info.get("untied")):
     raise refuse("fold")
-  fn, report, treedef, struct = refold.apply_fn, refold.report, None, refold.params
-  rot = 0
-  for k, step in enumerate(steps):
-    name = step.get("name")
-    call = pipeline.bind(fn, tuple(args), kwargs, FoldError)   # at the fold's keyword arguments
-    if name == "fuse_affine":
-      step_args = tuple(step_examples[k]) if k in step_examples else tuple(args)
-      call = pipeline.bind(fn, step_args, kwargs, FoldError)
-      an = affine.analyse(call.fn, struct, call.abstract_args(FoldError),
-                          defer=bool(step.get("defer_norms")))
-      if verify and (_key_digest(an.key) != step.get("key_sha256")
-                     or an.report.num_fused != step.get("num_fused")):
-        raise refuse(f"fuse_affine ({an.report.num_fused} sites fused now, {step.get('num_fused')} "
-                     "when saved)")
-      fn, report = affine.FusedApply(fn, struct, an, step_args, kwargs), an.report
-      treedef = _fused_treedef(an, struct)
-    elif name == "rotate":
-      if treedef is None:
-        raise IntegrityError(f"{directory}/fold.json: a rotate step before fuse_affine; re-create it")
-      n = int(step["size"])
-      key, norms, names = rotate._solve(call.fn, struct, call.abstract_args(FoldError), n)
-      if verify and key != rotated[k]:
-        raise refuse("rotation (other parameters meet the residual stream)")
-      fn = rotate.RotatedApply(fn, struct, key, n, tuple(args), kwargs)
-      qpath = os.path.join(copy, f"rotation-{rot}.npy")
-      if step.get("q") and os.path.exists(qpath):
-        fn.q = np.load(qpath, allow_pickle=False)
-        rot += 1
-      report = rotate.RotateReport(tuple((names[i], d) for i, d in key), norms, n)
-    else:
-      raise IntegrityError(f"{directory}/fold.json: unknown transform {name!r} (step {k}); this "
-                           f"jaxfold {_versions().get('jaxfold')} may be too old: upgrade jaxfold")
-    if treedef is not None:
-      if treedef.num_leaves != len(leaves):
-        raise refuse(f"parameters ({treedef.num_leaves} tensors now, {len(leaves)} saved)")
-      struct = jax.tree_util.tree_unflatten(
-          treedef, [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves])
+  count: dict = {}
+
+  def array(name: str) -> Optional[np.ndarray]:
+    """A step's next saved array of this name (numbered per name along the chain)."""
+    path = os.path.join(copy, f"{name}-{count.get(name, 0)}.npy")
+    if not os.path.exists(path):
+      return None
+    count[name] = count.get(name, 0) + 1
+    return np.load(path, allow_pickle=False)
+
+  ctx = RestoreContext(tuple(args), kwargs, verify, refuse, FoldError, array)
+  fn, report, struct = refold.apply_fn, refold.report, refold.params
+  treedef = jax.tree_util.tree_structure(struct)
+  for _, _, cls, record in parsed:
+    fn, report, tree = cls.restore(fn, struct, record, ctx)
+    treedef = treedef if tree is None else tree
+    if treedef.num_leaves != len(leaves):
+      raise refuse(f"parameters ({treedef.num_leaves} tensors now, {len(leaves)} saved)")
+    struct = jax.tree_util.tree_unflatten(
+        treedef, [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves])
   params = jax.tree_util.tree_unflatten(treedef, leaves)
   if _leaf_table(params) != table:
     raise refuse("parameter names, shapes or dtypes")

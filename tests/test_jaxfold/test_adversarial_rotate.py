@@ -290,12 +290,13 @@ def test_fused_across_ranks_saves_and_loads(x64, tmp_path):
 def test_call_key_differs_from_key_only_in_the_side():
   # (name, β, W, W side, dimension numbers, y rank, y dim, dtype, chain): W (d, k) on the
   # left of y (d,), then on the right of y (b, d); W's contracting dims are (0,) in both.
-  left = ("w2", 1, 2, 0, (((0,), (0,)), ((), ())), 1, 0, "float64", ())
-  right = ("w2", 1, 2, 1, (((1,), (0,)), ((), ())), 2, 1, "float64", ())
+  left = affine.NewBias("w2", 1, 2, 0, (((0,), (0,)), ((), ())), 1, 0, "float64", ())
+  right = affine.NewBias("w2", 1, 2, 1, (((1,), (0,)), ((), ())), 2, 1, "float64", ())
   a, b = (affine.FuseAnalysis(None, [], None, None, (), (), (), (e,), None) for e in (left, right))
-  assert a.key != b.key and a.call_key == b.call_key
-  other_w = right[:2] + (3,) + right[3:]
-  assert affine.FuseAnalysis(None, [], None, None, (), (), (), (other_w,), None).call_key != b.call_key
+  assert a.key != b.key and a.call_key == b.call_key and a.fuses_like(b) and a.defers_like(b)
+  other_w = right._replace(leaf=3)
+  other = affine.FuseAnalysis(None, [], None, None, (), (), (), (other_w,), None)
+  assert other.call_key != b.call_key and not other.fuses_like(b)
 
 
 # ----------------------------------------------------------------------------

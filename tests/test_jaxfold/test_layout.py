@@ -78,15 +78,15 @@ def test_pairwise_center_is_within_ulps_of_the_float64_mean(shape, spec):
 def test_fold_centers_float64_under_x64_and_pairwise_without():
   from helpers import x64_context
 
-  from jaxfold._src import compat, fold
+  from jaxfold._src import centering, compat
   x = (np.random.default_rng(2).normal(size=(64, 512)) * 0.02 + 0.01).astype(np.float32)
   fast = layout.center(x, {1: 512}, pairwise=True)
   assert not np.array_equal(fast, layout.center(x, {1: 512}))   # the two paths differ here
   with x64_context():
     assert compat.x64_enabled()
-    assert np.array_equal(fold._host_center(x, {1: 512}), layout.center(x, {1: 512}))
+    assert np.array_equal(centering.host_center(x, {1: 512}), layout.center(x, {1: 512}))
   assert not compat.x64_enabled()
-  assert np.array_equal(fold._host_center(x, {1: 512}), fast)
+  assert np.array_equal(centering.host_center(x, {1: 512}), fast)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])

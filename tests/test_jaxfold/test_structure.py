@@ -377,3 +377,129 @@ def test_mirror_check_finds_a_missing_mirror(tmp_path):
   missing = unmirrored_modules(tmp_path)
   assert "_src/rules/dims.py" not in missing and "_src/serve/batcher.py" not in missing
   assert "_src/fold.py" in missing and "_src/rules/control.py" in missing
+
+
+# Steps keep their state to themselves (issue 35).
+#
+# A transform's state is read through its public records (``Step.record``,
+# ``analysis_for``, ``params_abstract``, ...), never as ``x._private`` from
+# another module, and save/load/export never branch on a transform's name:
+# adding a step is one new module, not an edit of theirs.
+
+# Names with a leading underscore that are public API of their type.
+PUBLIC_UNDERSCORED = frozenset({"_replace", "_fields", "_asdict", "_make", "_field_defaults"})
+# Modules whose job is to read other packages' internals (jax's, through compat).
+PRIVATE_READS_ALLOWED = frozenset({"_src/compat.py"})
+TRANSFORM_NAMES = frozenset({"fold", "cbwc", "fuse_affine", "defer_norms", "rotate"})
+# Modules that persist or export any chain: they must not branch on a step's name.
+CHAIN_CONSUMERS = ("_src/serialization.py", "_src/export.py", "_src/defer.py", "serialization.py",
+                   "exporting.py", "_src/serve/")
+
+
+def _own_private_names(tree: ast.AST) -> set:
+  """The underscored names a module defines itself: functions, classes,
+  attributes it assigns (``self._x = ...``, ``obj._x = ...``), class fields,
+  parameters."""
+  own = set()
+  for n in ast.walk(tree):
+    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      own.add(n.name)
+    elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+      own.add(n.attr)
+    elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+      own.add(n.id)
+    elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+      own.add(n.target.id)
+    elif isinstance(n, ast.arg):
+      own.add(n.arg)
+  return {x for x in own if x.startswith("_")}
+
+
+def _foreign_modules(tree: ast.AST) -> set:
+  """Names bound to modules outside jaxfold (``import jax``, ``import numpy as np``)."""
+  out = set()
+  for n in ast.walk(tree):
+    if isinstance(n, ast.Import):
+      for a in n.names:
+        if a.name.split(".")[0] != "jaxfold":
+          out.add((a.asname or a.name).split(".")[0])
+    elif isinstance(n, ast.ImportFrom) and not n.level and (n.module or "").split(".")[0] != "jaxfold":
+      out.update(a.asname or a.name for a in n.names)
+  return out
+
+
+def private_read_offenders(sources: dict | None = None) -> list:
+  """``file:line: x._name`` for every read of a private attribute that the
+  module does not define itself (another module's function, another class's
+  state), under ``jaxfold/_src``. ``self``/``cls`` reads of a module's own
+  names are fine; third-party internals are compat.py's business."""
+  if sources is None:
+    sources = {f.relative_to(ROOT).as_posix(): f.read_text() for f in sorted((ROOT / "_src").rglob("*.py"))}
+  out = []
+  for rel, text in sources.items():
+    if rel in PRIVATE_READS_ALLOWED:
+      continue
+    tree = ast.parse(text, rel)
+    own, foreign = _own_private_names(tree), _foreign_modules(tree)
+    for n in ast.walk(tree):
+      if not (isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)):
+        continue
+      a = n.attr
+      if not a.startswith("_") or a.startswith("__") or a in PUBLIC_UNDERSCORED or a in own:
+        continue
+      base = n.value
+      if isinstance(base, ast.Name) and (base.id in foreign or base.id in ("self", "cls")):
+        continue
+      out.append(f"jaxfold/{rel}:{n.lineno}: {ast.unparse(n)}")
+  return sorted(set(out))
+
+
+def name_branch_offenders(sources: dict | None = None) -> list:
+  """``file:line: ...`` for every comparison with a transform's name
+  (``== "rotate"``, ``in ("fuse_affine", "rotate")``) in the modules that
+  save, load, export or serve a chain."""
+  if sources is None:
+    sources = {}
+    for f in sorted(ROOT.rglob("*.py")):
+      rel = f.relative_to(ROOT).as_posix()
+      if any(rel == c or (c.endswith("/") and rel.startswith(c)) for c in CHAIN_CONSUMERS):
+        sources[rel] = f.read_text()
+  out = []
+  for rel, text in sources.items():
+    for n in ast.walk(ast.parse(text, rel)):
+      if isinstance(n, ast.Compare):
+        for side in [n.left, *n.comparators]:
+          names = [side] + (list(side.elts) if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [])
+          if any(isinstance(c, ast.Constant) and c.value in TRANSFORM_NAMES for c in names):
+            out.append(f"jaxfold/{rel}:{n.lineno}: {ast.unparse(n)}")
+            break
+      elif (isinstance(n, ast.Assign) and isinstance(n.value, (ast.Tuple, ast.Set, ast.List))
+            and not any(getattr(t, "id", None) == "__all__" for t in n.targets)):
+        # a module-level table of names a branch then tests (_CHAIN_STEPS = ("fuse_affine", ...))
+        if any(isinstance(c, ast.Constant) and c.value in TRANSFORM_NAMES for c in n.value.elts):
+          out.append(f"jaxfold/{rel}:{n.lineno}: {ast.unparse(n)[:80]}")
+  return sorted(set(out))
+
+
+def test_no_private_reads_of_other_modules_objects():
+  offenders = private_read_offenders()
+  assert not offenders, (f"{len(offenders)} read(s) of another module's private attribute under jaxfold/_src "
+                         "(give the owner a public method or record):\n" + "\n".join(offenders))
+
+
+def test_no_transform_name_branches_in_save_export():
+  offenders = name_branch_offenders()
+  assert not offenders, (f"{len(offenders)} branch(es) on a transform's name in save/load/export/serve "
+                         "(iterate over the steps instead):\n" + "\n".join(offenders))
+
+
+def test_step_scans_find_planted_offenders():
+  """The two scans above are not vacuous."""
+  planted = {"_src/x.py": "from jaxfold._src import affine\nimport numpy as np\n"
+                          "class A:\n  def f(self, fn):\n    self._mine = 1\n"
+                          "    return fn._base, affine._relayout, self._mine, np._core, fn._replace(a=1)\n"}
+  got = private_read_offenders(planted)
+  assert [g.split(": ")[1] for g in got] == ["affine._relayout", "fn._base"]   # not self's, np's, _replace
+  planted = {"_src/serialization.py": "if step['name'] == 'rotate':\n  pass\nX = ('fuse_affine', 'rotate')\n"
+                                      "ok = kind == 'other'\n"}
+  assert len(name_branch_offenders(planted)) == 2

@@ -20,7 +20,7 @@ def _big(s) -> bool:
   return s > 1 if isinstance(s, int) else True
 
 
-def _same(a, b) -> bool:
+def same(a, b) -> bool:
   try:
     return bool(a == b)
   except Exception:  # undecidable symbolic comparison
@@ -40,7 +40,7 @@ def _groups(in_shape, out_shape):
   n, m = len(in_shape), len(out_shape)
   while i < n or j < m:
     if (i < n and j < m and not isinstance(in_shape[i], int)
-        and _same(in_shape[i], out_shape[j])):
+        and same(in_shape[i], out_shape[j])):
       out.append(([i], [j]))  # a symbolic dim carried through unchanged
       i += 1
       j += 1
@@ -50,16 +50,16 @@ def _groups(in_shape, out_shape):
       gi.append(i); pi *= in_shape[i]; i += 1
     if j < m:
       gj.append(j); pj *= out_shape[j]; j += 1
-    while not _same(pi, pj):
+    while not same(pi, pj):
       if pi < pj and i < n:
         gi.append(i); pi *= in_shape[i]; i += 1
       elif j < m:
         gj.append(j); pj *= out_shape[j]; j += 1
       else:
         return None
-    while i < n and _same(in_shape[i], 1) and (j >= m or not _same(out_shape[j], 1)):
+    while i < n and same(in_shape[i], 1) and (j >= m or not same(out_shape[j], 1)):
       gi.append(i); i += 1
-    while j < m and _same(out_shape[j], 1) and (i >= n or not _same(in_shape[i], 1)):
+    while j < m and same(out_shape[j], 1) and (i >= n or not same(in_shape[i], 1)):
       gj.append(j); j += 1
     out.append((gi, gj))
   return out
@@ -267,7 +267,7 @@ class GatherDims:
 
   def full(self, d: int) -> bool:
     """The slice spans operand dim ``d`` entirely (its start is then 0)."""
-    return _same(self.sizes[d], self.operand_shape[d])
+    return same(self.sizes[d], self.operand_shape[d])
 
   @property
   def may_fill(self) -> bool:

@@ -108,7 +108,7 @@ def _bcast_shift(node, ins, ctx):
   out_shape, in_shape = node.outs[0].shape, node.ins[0].shape
   dims = [None] * len(out_shape)
   for i, d in enumerate(bd):
-    if D._same(in_shape[i], out_shape[d]):
+    if D.same(in_shape[i], out_shape[d]):
       dims[d] = p.dims[i]
     elif p.dims[i] is not None:
       dims[d] = _ONE_BLOCK  # a labelled size-1 dim repeated
@@ -124,7 +124,7 @@ def _bcast_zero_sum(node, k, spec, ctx):
   in_shape, out_shape = node.ins[0].shape, node.outs[0].shape
   res = {}
   for d, b in spec:
-    if d not in bd or not D._same(in_shape[bd.index(d)], out_shape[d]):
+    if d not in bd or not D.same(in_shape[bd.index(d)], out_shape[d]):
       raise Block("`broadcast_in_dim` repeats a value along the normalized axes")
     res[bd.index(d)] = b
   return [Need(0, freeze(res), transparent=True)]
@@ -294,7 +294,7 @@ def _one_block(dims, make):
   if _ONE_BLOCK not in dims:
     return make(dims)
   r = make(tuple(None if e == _ONE_BLOCK else e for e in dims))
-  return r if r is None else A.Poly(next(A._syms), r.dims, r.coeffs)
+  return r if r is None else A.Poly(A.fresh_symbol(), r.dims, r.coeffs)
 
 
 def _slice_dims(p, starts, steps, in_shape, out_shape):
@@ -322,14 +322,14 @@ def _slice_shift(node, ins, ctx):
 
 def _slice_zero_sum(node, k, spec, ctx):
   in_shape, out_shape = node.ins[0].shape, node.outs[0].shape
-  if all(D._same(in_shape[d], out_shape[d]) for d, _ in spec):
+  if all(D.same(in_shape[d], out_shape[d]) for d, _ in spec):
     return [Need(0, spec, transparent=True)]
   # A slice starting on a block boundary keeps whole blocks: it is zero-sum
   # when every aligned block of its source is.
   starts = node.params["start_indices"]
   steps = node.params["strides"] or (1,) * len(starts)
   for d, b in spec:
-    if not D._same(in_shape[d], out_shape[d]) and (
+    if not D.same(in_shape[d], out_shape[d]) and (
         steps[d] != 1 or not isinstance(b, int) or starts[d] % b):
       raise Block("a slice along the normalized axes that does not start on a block boundary")
   return [Need(0, spec)]
@@ -347,7 +347,7 @@ def _dslice_shift(node, ins, ctx):
   _no_shift_in(ins, 1, "dynamic slice indices")
   p = ins[0]
   in_shape, out_shape = node.ins[0].shape, node.outs[0].shape
-  cut = [d for d in range(len(in_shape)) if not D._same(in_shape[d], out_shape[d])]
+  cut = [d for d in range(len(in_shape)) if not D.same(in_shape[d], out_shape[d])]
   dims = tuple(_moved_dim(e, False) if d in cut else e for d, e in enumerate(p.dims))
   idx = [ctx.canon(a) for a in node.ins[1:]]
   tag = node.tag()
@@ -374,7 +374,7 @@ def _copies_of(v, dim: int):
 
 def _dslice_zero_sum(node, k, spec, ctx):
   in_shape, out_shape = node.ins[0].shape, node.outs[0].shape
-  cut = [d for d, _ in spec if not D._same(in_shape[d], out_shape[d])]
+  cut = [d for d, _ in spec if not D.same(in_shape[d], out_shape[d])]
   if not cut:
     return [Need(0, spec, transparent=True)]
   # A window of one copy's length over copies of one value (``jnp.roll`` by a
@@ -649,7 +649,7 @@ register(Rule("pad", (lax.pad_p,), facts=_pad_facts,
 
 def _dus_covered(node) -> list:
   upd, out_shape = node.ins[1].shape, node.outs[0].shape
-  return [D._same(upd[d], out_shape[d]) for d in range(len(out_shape))]
+  return [D.same(upd[d], out_shape[d]) for d in range(len(out_shape))]
 
 
 def _dus_shift(node, ins, ctx):
