@@ -1313,6 +1313,25 @@ def _token_mix(g, sc, st):
             frozenset({("dot_general", "weight side")}))
 
 
+@op(("dot_general", "activation side"))
+def _resize_tokens(g, sc, st):
+  """An image resize along the tokens (a grid axis; Dinov2 resizes its
+  position table so): a weight matrix the program computes, contracted with
+  the tokens. Scaled and translated at the same length, outputs that sample
+  outside the input get zero weight: its rows sum to one or to zero."""
+  method = g.choice(["linear", "cubic", "lanczos3", "cubic-pytorch"])
+  aa = g.coin()
+  if not st.keep_t and g.coin():
+    t2 = g.choice([2, 5, 9])
+    return Op(f"jax.image.resize(h, T->{t2}, {method}, antialias={aa})",
+              lambda P, h, E: jax.image.resize(h, (h.shape[0], t2, h.shape[2]), method, antialias=aa), t2, st.D)
+  scale, shift = g.choice([0.7, 1.3, 2.0]), g.choice([0.0, 0.4, -1.2])
+  return Op(f"jax.image.scale_and_translate(h, tokens, scale={scale}, translation={shift}, {method})",
+            lambda P, h, E: jax.image.scale_and_translate(h, h.shape, (1,), jnp.array([scale], h.dtype),
+                                                          jnp.array([shift], h.dtype), method, antialias=aa),
+            st.T, st.D)
+
+
 @op(("dot_general", "batched"), ("exp", "nonlinear"), ("reduce_max", ""))
 def _attention(g, sc, st):
   causal = g.coin()
