@@ -9,7 +9,9 @@
            residual:  h + Dense([post ops](norm([pre ops](h))))       (pre-LN)
            postln:    norm(h + MLP(h))                                (post-LN)
            wrapped:   one jax.jit / jax.checkpoint / custom_jvp / custom_vjp
-                      block function called 2-3 times with different params
+                      block function called 2-3 times with different params,
+                      or a custom one called once whose first norm's input the
+                      caller normalizes too (one mean inside and outside)
            scan / cond / while / vmap over residual blocks
       -> outputs (head, final norm, tied head, side outputs, integer outputs)
 
