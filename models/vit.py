@@ -12,6 +12,12 @@ cls token, position table, attention output dense, MLP output dense) is a parame
 linear output centerable along d, and every consumer of the stream is a LayerNorm over d.
 So a ViT with L layers has 2L + 1 LayerNorms, all foldable without auxiliary centering.
 
+With ``interpolate_pos_encoding=True`` (HF's ``ViTModel(..., interpolate_pos_encoding=True)``)
+other resolutions are accepted: the patch positions are resized bicubically to the patch
+grid (PyTorch's kernel, ``jax.image.resize(..., "bicubic-pytorch", antialias=False)``), the
+CLS position kept apart. The resize is a linear map along the grid, so a shift constant
+along the channels stays one: the same fold serves every resolution.
+
 Example:
     >>> import jax
     >>> spec = CONFIGS["vit-tiny"]
@@ -48,6 +54,7 @@ class ViTConfig:
   intermediate_size: int = 3072
   num_labels: int = 1000
   layer_norm_eps: float = 1e-12
+  interpolate_pos_encoding: bool = False   # accept other resolutions (bicubic positions)
 
   @property
   def num_patches(self) -> int:
@@ -81,8 +88,14 @@ class ViTEmbeddings(nn.Module):
     cls = self.param("cls_token", _INIT, (1, 1, cfg.hidden_size))
     pos = self.param("position_embeddings", _INIT, (1, cfg.num_patches + 1, cfg.hidden_size))
     x = ViTPatchEmbeddings(cfg, name="patch_embeddings")(pixels)
-    if x.shape[1] != cfg.num_patches:  # positions are learned per patch, not interpolated
-      raise ValueError(f"ViT expects {cfg.image_size}px images; got {pixels.shape[1:3]}")
+    grid = (pixels.shape[1] // cfg.patch_size, pixels.shape[2] // cfg.patch_size)
+    side = cfg.image_size // cfg.patch_size
+    if grid != (side, side):
+      if not cfg.interpolate_pos_encoding:  # positions are learned per patch
+        raise ValueError(f"ViT expects {cfg.image_size}px images; got {pixels.shape[1:3]}")
+      patches = jax.image.resize(pos[:, 1:].reshape(1, side, side, -1), (1, *grid, cfg.hidden_size),
+                                 "bicubic-pytorch", antialias=False)
+      pos = jnp.concatenate([pos[:, :1], patches.reshape(1, -1, cfg.hidden_size)], axis=1)
     cls = jnp.broadcast_to(cls, (x.shape[0], 1, cfg.hidden_size))
     return jnp.concatenate([cls, x], axis=1) + pos
 

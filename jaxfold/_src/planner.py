@@ -206,9 +206,15 @@ class Planner:
     """(actions, blockers) for one site given the commitments so far."""
     before = self.an.random_uses
     self._inexact = False
-    if self.an.cbwc and any(r.custom_calls for r in site.reduces):
-      c = site.node.custom_calls[-1]
-      return [], [Blocker(site.input, (), f"the norm is inside {c.kind} `{c.name}` (called at "
+    # A site's reductions are every sum of its input over its axes: the same
+    # mean may be computed both outside and inside a custom-derivative call
+    # (which one comes first is the program's order), so name the call of the
+    # reduction inside one, not the site's first.
+    inside = next((r for r in site.reduces if r.custom_calls), None)
+    if self.an.cbwc and inside is not None:
+      c = inside.custom_calls[-1]
+      what = "the norm is" if all(r.custom_calls for r in site.reduces) else "its mean is also computed"
+      return [], [Blocker(site.input, (), f"{what} inside {c.kind} `{c.name}` (called at "
                                           f"{c.source}); CBWC keeps its custom rule")]
     try:
       level, value, spec = site.target()

@@ -209,6 +209,9 @@ def _confirm(label: str, err_np: float, tol: float, jax_err: Optional[Callable])
   return f"{label}: rel err {err_j:.3g} (confirmed with JAX)"
 
 
+_CBWC_OPTIONS = ("auxiliary_centering", "tied_weights", "through_dropout")
+
+
 def check_fold(apply: Callable, params: Any, args: list, other_params: Any = None, *,
                fold_kwargs: Optional[dict] = None, tol: float = 1e-9, grad_tol: float = 1e-8,
                grads: bool = True, cbwc: bool = True) -> Result:
@@ -256,7 +259,8 @@ def check_fold(apply: Callable, params: Any, args: list, other_params: Any = Non
   r = None
   if cbwc:
     try:
-      r = jaxfold.cbwc(params, apply, *a0)
+      # the options both take (norm_impl and generic_shapes are the fold's alone)
+      r = jaxfold.cbwc(params, apply, *a0, **{k: v for k, v in fold_kwargs.items() if k in _CBWC_OPTIONS})
       res.cbwc_report = r.report
     except Exception as e:  # noqa: BLE001
       fails.append(f"(a) jaxfold.cbwc raised {type(e).__name__}: {e}\n{_exc(e)}")

@@ -1,7 +1,8 @@
 """Fuzzing jaxfold with seeded random programs (``fuzz_programs.py``).
 
 ``test_fuzz[seed]``: for each program, in float64 (see ``fold_checks.check_fold``):
-  (a) fold and cbwc never raise (refusing a site is fine);
+  (a) fold and cbwc (both with the program's options) never raise (refusing a
+      site is fine);
   (b) folded == original (rel err < 1e-9) at the example arguments (batch 2)
       and at batch 3 with ``fuzz_programs.OTHER_T`` more tokens (at batch 3 only
       where the program is defined for one sequence length: ~8%); a FoldError
@@ -15,7 +16,7 @@ regularizer, a kernel at a second use, a transposed tied head) and loops that
 run zero times (scan of length 0, fori_loop with equal static or traced
 bounds, a while loop false at entry).
 
-N programs: ``len(fuzz_programs.KEYS)`` (176) by default, one built around each
+N programs: ``len(fuzz_programs.KEYS)`` (184) by default, one built around each
 (rule, variant) key (seeds 0..N-1, ``JAXFOLD_FUZZ_N`` overrides);
 ``pytest -m slow`` runs ``test_fuzz_slow`` over seeds 0..4999
 (``JAXFOLD_FUZZ_N_SLOW``). A failure prints the program (op list, seed); rerun it

@@ -7,8 +7,10 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
+import jaxfold
 from jaxfold._src import pipeline
 from jaxfold._src.fold import FoldOptions
 from jaxfold._src.planner import Decision, Outcome, Planner
@@ -99,3 +101,66 @@ def test_the_plan_does_not_depend_on_the_batch_shape():
   b, _ = _outcome(PreLN(), jnp.ones((3, 7, 4)))
   assert a.leaf_specs == b.leaf_specs
   assert [e.decision.folded for e in a.sites] == [e.decision.folded for e in b.sites]
+
+
+def _ln(h, g, b):
+  m = h.mean(-1, keepdims=True)
+  return (h - m) * jax.lax.rsqrt(((h - m) ** 2).mean(-1, keepdims=True) + 1e-5) * g + b
+
+
+def _custom_block(kind: str):
+  """``LN(h) @ w`` behind a custom derivative (the true one)."""
+  body = lambda h, lp: _ln(h, lp["g"], lp["b"]) @ lp["w"]
+  if kind == "custom_jvp":
+    f = jax.custom_jvp(body)
+    f.defjvp(lambda primals, tangents: jax.jvp(body, primals, tangents))
+  else:
+    f = jax.custom_vjp(body)
+    f.defvjp(lambda h, lp: jax.vjp(body, h, lp), lambda vjp, ct: vjp(ct))
+  return f
+
+
+@pytest.mark.parametrize("kind", ["custom_jvp", "custom_vjp"])
+@pytest.mark.parametrize("outside_first", [True, False])
+def test_cbwc_a_mean_computed_outside_and_inside_a_custom_call(x64, kind, outside_first):
+  """The class of the CBWC crash (IndexError in Planner.decide): one site
+  whose sums of the same value over the same axes lie both outside and inside
+  a custom-derivative call (the caller normalizes the block's input too, here
+  a side output). CBWC keeps the custom rule, so the site stays a LayerNorm,
+  named with its call; the fold removes both sums. Exact either way."""
+  block = _custom_block(kind)
+
+  def f(p, x):
+    h = x @ p["win"] + p["bin"]
+    side = lambda: _ln(h, p["g0"], p["b0"]) @ p["head"]
+    inner = lambda: block(h, p["blk"])
+    if outside_first:
+      a = side()
+      return a, inner()
+    b = inner()
+    return side(), b
+
+  rng = np.random.default_rng(0)
+  draw = lambda seed: {k: jnp.asarray(np.random.default_rng([seed, i]).normal(size=s) + (1.0 if k[0] == "g" else 0.3))
+                       for i, (k, s) in enumerate(dict(win=(4, D), bin=(D,), g0=(D,), b0=(D,), head=(D, 3)).items())}
+  p = draw(1)
+  p["blk"] = {"g": jnp.asarray(1 + 0.5 * rng.normal(size=D)), "b": jnp.asarray(0.3 + rng.normal(size=D)),
+              "w": jnp.asarray(rng.normal(size=(D, D)))}
+  q = dict(draw(2), blk=jax.tree_util.tree_map(lambda a: a + 0.1 * jnp.asarray(rng.normal(size=a.shape)), p["blk"]))
+  xs = [jnp.asarray(rng.normal(size=s)) for s in ((2, 5, 4), (1, 3, 4))]
+
+  r = jaxfold.cbwc(p, f, xs[0])
+  (site,) = r.report.sites
+  assert not site.folded and f"inside {kind} `" in site.reason and "CBWC keeps its custom rule" in site.reason
+  loss = lambda fn: lambda u: sum(jnp.sum(jnp.sin(o)) for o in fn(u, xs[0]))
+  for a, b in zip(r.apply_fn(q, xs[0]), f(q, xs[0])):
+    assert jnp.max(jnp.abs(a - b)) < 1e-12
+  ga, gb = jax.grad(loss(r.apply_fn))(q), jax.grad(loss(f))(q)
+  leaves = jax.tree_util.tree_leaves
+  assert all(jnp.max(jnp.abs(u - v)) < 1e-12 for u, v in zip(leaves(ga), leaves(gb)))
+
+  folded = jaxfold.fold(p, f, xs[0])
+  assert folded.report.num_folded == 1
+  for x in xs:
+    for a, b in zip(folded.apply_fn(folded.params, x), f(p, x)):
+      assert jnp.max(jnp.abs(a - b)) < 1e-12 * (1 + jnp.max(jnp.abs(b)))

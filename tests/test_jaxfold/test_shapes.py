@@ -14,9 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import rel_err
+from dinov2_model import Dinov2Config, Dinov2Model
 
 import jaxfold
 import models
+from models.vit import ViTConfig, ViTModel
 
 # name -> (example size, four other (batch, size) call shapes). The size is the
 # sequence length, the image side or None (the model's only resolution: ViT and
@@ -291,3 +293,105 @@ def test_vit_at_other_resolutions_with_interpolated_positions(x64):
   for shape in [(1, 16, 16, 3), (3, 24, 24, 3), (2, 32, 16, 3), (4, 8, 8, 3)]:
     x = n(*shape)
     assert rel_err(r.apply_fn(r.params, x), _vit_interpolated(p, x)) < 1e-9, shape
+
+
+# ----------------------------------------------------------------------------
+# Position tables interpolated to the patch grid (issue 38): Dinov2 reads its
+# table directly at the pretraining grid and resizes it bicubically at any
+# other, so the example's program and a later call's differ. The resize is a
+# linear map along the grid: a shift constant along the channels stays one,
+# and a table zero-sum along the channels stays so (whatever its rows sum
+# to). One fold serves every resolution, each proved at its first call.
+
+def _vision_params(params, seed: int):
+  """Float64 parameters with non-uniform γ (scale, layer scale), β and biases
+  with non-zero means, kernels and tables N(0, 0.3²)."""
+  rng = np.random.default_rng(seed)
+
+  def draw(path, x):
+    if x.ndim <= 1:
+      base = 1.0 if path[-1].key in ("scale", "lambda1") else 0.0
+      return jnp.asarray(base + 0.5 * rng.standard_normal(x.shape) + rng.uniform(-1, 1))
+    return jnp.asarray(0.3 * rng.standard_normal(x.shape))
+  return jax.tree_util.tree_map_with_path(draw, params)
+
+
+def _dinov2(**kw):
+  m = Dinov2Model(Dinov2Config(**kw))
+  return m.apply, lambda x: m.init(jax.random.key(0), x)
+
+
+def _vit(**kw):
+  m = ViTModel(ViTConfig(interpolate_pos_encoding=True, num_labels=3, **kw))
+  nhwc = lambda p, x: m.apply(p, jnp.transpose(x, (0, 2, 3, 1)))   # NCHW pixels, as Dinov2's
+  return nhwc, lambda x: m.init(jax.random.key(0), jnp.transpose(x, (0, 2, 3, 1)))
+
+
+VISION = {"dinov2": _dinov2, "vit": _vit}
+CONFIG32 = dict(image_size=32, patch_size=8, hidden_size=16, num_hidden_layers=2, num_attention_heads=2)
+CONFIG16 = dict(CONFIG32, image_size=16, patch_size=4)
+SIDES = [16, 24, 32, 48, (24, 20)]
+
+
+def resolution_matrix(model: str, config: dict, fold_batch: int, sides: list, batches=(1, 2),
+                      dtype=jnp.float64) -> dict:
+  """``{(batch, h, w): relative error}`` of the fold (at ``config``'s image
+  size, batch ``fold_batch``) against the original, in ``dtype``; a refusal
+  is recorded as its FoldError's text."""
+  apply, init = VISION[model](**config)
+  s = config["image_size"]
+  rng = np.random.default_rng(7)
+  pixels = lambda b, h, w: jnp.asarray(rng.normal(size=(b, 3, h, w)), dtype)
+  x0 = pixels(fold_batch, s, s)
+  params = jax.tree_util.tree_map(lambda a: a.astype(dtype), _vision_params(init(x0), 1))
+  folded = jaxfold.fold(params, apply, x0)
+  out = {"folded": f"{folded.report.num_folded}/{len(folded.report.sites)}"}
+  original, fn = jax.jit(apply), jax.jit(folded.apply_fn)
+  for side in sides:
+    h, w = side if isinstance(side, tuple) else (side, side)
+    for b in batches:
+      x = pixels(b, h, w)
+      try:
+        out[(b, h, w)] = rel_err(original(params, x), fn(folded.params, x))
+      except jaxfold.FoldError as e:
+        out[(b, h, w)] = str(e)
+  return out
+
+
+def _assert_exact(matrix: dict):
+  bad = {k: v for k, v in matrix.items() if k != "folded" and not (isinstance(v, float) and v < 1e-9)}
+  assert not bad, bad
+
+
+@pytest.mark.parametrize("model", ["dinov2", "vit"])
+def test_interpolated_positions_one_fold_serves_other_resolutions(x64, model):
+  """Folded at 32 px, batch 1: exact at 24 px (resized table), 32 px (the
+  table read directly) and 24×20 (a non-square grid), batches 1 and 2."""
+  m = resolution_matrix(model, CONFIG32, 1, [24, 32, (24, 20)])
+  _assert_exact(m)
+  assert m["folded"] == ("1/5" if model == "dinov2" else "5/5")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["dinov2", "vit"])
+@pytest.mark.parametrize("fold_batch", [1, 2])
+def test_interpolated_positions_resolution_matrix(x64, model, fold_batch):
+  """The whole matrix: folded at 32 px (batch 1 or 2), called at 16, 24, 32,
+  48 px and 24×20 at batches 1 and 2; and folded at 16 px, called at 24×20."""
+  _assert_exact(resolution_matrix(model, CONFIG32, fold_batch, SIDES))
+  _assert_exact(resolution_matrix(model, CONFIG16, fold_batch, [(24, 20), 8]))
+
+
+def test_a_float32_interpolation_in_a_float64_model_is_refused_with_the_cast(x64):
+  """HF's Flax Dinov2 interpolates in float32 (``.astype(jnp.float32)``) even
+  in a float64 model: the centered table's float32 rounding is not the
+  original's rounding shifted (~2e-8 at the outputs, measured), so the
+  example's in-place centering fails at another resolution: refused, naming
+  the cast. In a float32 model the same program is served."""
+  hf = dict(CONFIG32, interpolate_in_float32=True)
+  refused = resolution_matrix("dinov2", hf, 1, [24], batches=(1,))[(1, 24, 24)]
+  assert isinstance(refused, str) and "need different folded parameters" in refused
+  assert "position_embeddings[2]" in refused and "[float64 -> float32]" in refused
+  assert "fold the float32 model" in refused
+  m = resolution_matrix("dinov2", hf, 1, [24, (24, 20)], dtype=jnp.float32)
+  assert all(isinstance(v, float) and v < 1e-5 for k, v in m.items() if k != "folded"), m

@@ -556,9 +556,12 @@ def _convert_canon(node, ins, ctx):
 
 
 def _quantizer_reason(node, ctx, what: str) -> str:
-  return (f"{what} [{node.ins[0].dtype} -> {node.outs[0].dtype}] rounds the shifted value more "
-          f"coarsely than the program's outputs ({np.dtype(ctx.tolerance).name}), so the shift "
-          "would not stay exact")
+  src, dst = np.dtype(node.ins[0].dtype).name, np.dtype(node.outs[0].dtype).name
+  # e.g. HF's Flax Dinov2 interpolates its position table in float32 in a float64 model
+  hint = (f": the program computes this part in {dst} on {src} values; compute in {src} throughout "
+          f"or fold the {dst} model") if _is_float(node.ins[0].dtype) else ""
+  return (f"{what} [{src} -> {dst}] rounds the shifted value more coarsely than the program's "
+          f"outputs ({np.dtype(ctx.tolerance).name}), so the shift would not stay exact{hint}")
 
 
 def _convert_shift(node, ins, ctx):

@@ -64,6 +64,22 @@ def test_activation_side_token_mixing(x64):
   assert_sound(apply, dict(GB, m=(T, T), w=(DIN, D), b=(D,)), x_args(), expect_folded=1)
 
 
+@pytest.mark.parametrize("method", ["linear", "cubic", "cubic-pytorch"])
+def test_activation_side_image_resize(x64, method):
+  # An image resize along the tokens (Dinov2 resizes its position table to the
+  # patch grid) contracts the tokens with a weight matrix the program computes:
+  # a shift constant along the features stays so, whatever the matrix's rows
+  # sum to (jax's: one, or zero for outputs sampled outside the input, as in
+  # the scaled and translated resize here), and a zero-sum input stays so.
+  def apply(p, x):
+    h = x @ p["w"] + p["b"]
+    a = jax.image.resize(h, (h.shape[0], 6, D), method)
+    c = jax.image.scale_and_translate(h, h.shape, (1,), jnp.array([0.7]), jnp.array([-1.2]), method)
+    return fp.ln_fast(a, p["g"], p["be"]), fp.ln_two_pass(c, p["g2"], p["be2"])
+  args = x_args() + x_args(seed=1, tokens=7)[1:]   # and another length
+  assert_sound(apply, dict(GB, g2=(D,), be2=(D,), w=(DIN, D), b=(D,)), args, expect_folded=2)
+
+
 def test_activation_side_contracts_the_shift(x64):
   # h1 = x W1 + b1 feeds h1 W2 + b2 directly: centering W1 is visible (contracted
   # over its features); W2 can be centered.
