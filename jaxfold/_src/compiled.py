@@ -6,7 +6,7 @@ compilation per primitive and shape on the first call at each shape (seconds
 for a small transformer), which a user calling ``folded.apply_fn`` directly
 pays at every new shape. :func:`run` evaluates under ``jax.jit`` instead,
 one wrapper per analysis (jit caches one program per shape under it); inside
-an outer ``jit``/``grad``/``vmap`` the inner ``jit`` is an ordinary nested call.
+an outer ``jit``/``grad``/``vmap`` the plan is evaluated inline, as before.
 
 Example:
     >>> outs = run(analysis, leaves_and_args, extras)   # what FoldedApply.__call__ does
@@ -47,6 +47,18 @@ def _jitted(analysis: Any) -> Callable:
   return fn
 
 
+def _traced(values: Sequence[Any]) -> bool:
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(values))
+
+
 def run(analysis: Any, flat: Sequence[Any], extras: dict) -> list:
-  """``evaluate(analysis.jaxpr, analysis.consts, flat, analysis.plan, extras)`` compiled."""
+  """``evaluate(analysis.jaxpr, analysis.consts, flat, analysis.plan, extras)`` compiled.
+
+  Under a caller's trace (``jit``, ``grad``, ``make_jaxpr``) the plan is evaluated
+  inline, so the caller's program is the folded program itself, not a nested call
+  (what the report's counts and a user reading the jaxpr see); only an eager call
+  goes through the cached ``jit``.
+  """
+  if _traced((flat, extras)):
+    return evaluate(analysis.jaxpr, analysis.consts, list(flat), analysis.plan, dict(extras))
   return _jitted(analysis)(list(analysis.consts), list(flat), dict(extras))
