@@ -31,7 +31,7 @@ from jaxfold._src.analysis import (
   scan_levels,
 )
 from jaxfold._src.program import Val, call_note
-from jaxfold._src.report import Auxiliary, Centering, Changes, Report, param_label
+from jaxfold._src.report import Auxiliary, Centering, Changes, Report, bound_name, merged_where, param_label
 from jaxfold._src.report import Site as ReportSite
 from jaxfold._src.rules import Block, rule_for
 
@@ -527,12 +527,17 @@ class Planner:
     return cache[key]
 
   def _epilogue(self, j: int) -> dict:
-    cache = self.__dict__.setdefault("_epi", {})
-    if j in cache:
-      return cache[j]
     site = self.sites[j]
-    prog = site.level.program
-    dist, frontier = {}, collections.deque((r.outs[0], 0) for r in site.reduces)
+    return self._epilogue_of(site.reduces, site.level.program)
+
+  def _epilogue_of(self, reduces: tuple, prog) -> dict:
+    """Values within 12 elementwise steps of ``reduces``' outputs (their
+    norm's epilogue), by distance."""
+    cache = self.__dict__.setdefault("_epi", {})
+    key = tuple(id(r) for r in reduces)
+    if key in cache:
+      return cache[key]
+    dist, frontier = {}, collections.deque((r.outs[0], 0) for r in reduces)
     while frontier:
       v, d = frontier.popleft()
       if v in dist or d > 12:
@@ -543,7 +548,7 @@ class Planner:
         if rule.kind or rule.epilogue in ("subtract", "step") or (
             rule.epilogue == "bias" and self._adds_param(node)):
           frontier.append((node.outs[0], d + 1))
-    cache[j] = dist
+    cache[key] = dist
     return dist
 
   def _adds_param(self, node) -> bool:
@@ -563,15 +568,17 @@ class Planner:
     aux_index = {v: k + 1 for k, v in enumerate(self.aux_commit)}
     aux_users: dict = {v: [] for v in self.aux_commit}
     sites, seen = [], set()
-    wheres = _distinct([self.site_where(i) for i in range(len(self.sites))],
-                       [s.node for s in self.sites])
+    wheres = [bound_name(w) for w in _distinct([self.site_where(i) for i in range(len(self.sites))],
+                                               [s.node for s in self.sites])]
     for i, s in enumerate(self.sites):
       d = self.decisions[i]
       own = tuple(c for c in d.centered if (c.param, c.spec, c.mode) not in seen)
       seen |= {(c.param, c.spec, c.mode) for c in d.centered}
       for v in d.aux_vars:
         aux_users[v].append(len(sites))
-      sites.append(ReportSite(index=len(sites), where=wheres[i], shape=s.input.shape,
+      norms = self.norm_names(i)
+      sites.append(ReportSite(index=len(sites), where=merged_where(norms) if norms else wheres[i],
+                              shape=s.input.shape, norms=norms,
                               axes=s.axes, folded=d.folded, reason=d.reason,
                               centered=own, auxiliary=d.auxiliary,
                               num_reductions=len(s.reduces), exact=d.exact,
@@ -579,7 +586,7 @@ class Planner:
                               aux=tuple(aux_index[v] for v in d.aux_vars),
                               kernel=d.folded and i in kernel_sites))
     for loop, s in nested_sites(self.top):
-      sites.append(ReportSite(index=len(sites), where=_site_where(s.node), shape=s.input.shape,
+      sites.append(ReportSite(index=len(sites), where=bound_name(_site_where(s.node)), shape=s.input.shape,
                               axes=s.axes, folded=False,
                               reason=f"inside a `{loop.prim.name}` body, which the analysis "
                                      "does not enter yet",
@@ -607,11 +614,13 @@ class Planner:
       text += " " + call_note(node.calls)
     return text
 
-  def _param_module(self, j: int) -> str:
+  def _param_module(self, j: int, reduces: Optional[tuple] = None) -> str:
     """``h_0/ln_1`` from a γ or β leaf (``['h_0']['ln_1']['scale']``) that the
-    site's epilogue multiplies by or adds."""
+    site's epilogue (or that of ``reduces``, some of its reductions)
+    multiplies by or adds."""
     prog = self.sites[j].level.program
-    for v in sorted(self._epilogue(j), key=lambda v: self._epilogue(j)[v]):
+    epi = self._epilogue_of(reduces or self.sites[j].reduces, prog)
+    for v in sorted(epi, key=epi.__getitem__):
       for node, _ in prog.consumers.get(v, ()):
         if rule_for(node.prim).arith not in ("+", "*"):
           continue
@@ -622,6 +631,20 @@ class Planner:
             parts = param_label(self.name(a)).split(".")
             return "/".join(parts[:-1]) if len(parts) > 1 else ""
     return ""
+
+  def norm_names(self, j: int) -> tuple:
+    """The normalizations whose mean site ``j`` computes, by name, when more
+    than one does: two norms reading one value (GPT-NeoX's parallel
+    residual, Falcon-40B's ``ln_mlp``) share one mean site. A reduction is
+    named by its module path or its own γ/β's path; one with neither (a
+    second reduction of a single norm, e.g. inside ``jnp.var``) is not
+    counted as a norm of its own. ``()`` for a site of one norm."""
+    site = self.sites[j]
+    if len(site.reduces) < 2:
+      return ()
+    names = [r.module() or self._param_module(j, (r,)) for r in site.reduces]
+    names = tuple(dict.fromkeys(n for n in names if n))
+    return names if len(names) > 1 else ()
 
   def untied_name(self, n: LeafNeed) -> str:
     # Named by parameter and axes, not by equation position, so the same
@@ -707,8 +730,8 @@ def _value_where(v: Val) -> tuple:
     return "", ""
   if node.calls:
     c = node.calls[0]   # the outermost call: the user's line, not a jnp internal
-    return node.module() or c.stack, c.source
-  return node.module(), node.source()
+    return bound_name(node.module() or c.stack), c.source
+  return bound_name(node.module()), node.source()
 
 
 def seed_poly(shape: tuple, spec: tuple):

@@ -85,6 +85,12 @@ class Site:
   requires: int = 0     # all centerings its proof relies on (own + earlier sites')
   aux: tuple = ()       # indices of the Auxiliary centerings it relies on
   kernel: bool = False  # proved equal to the Pallas RMSNorm kernel's formula
+  norms: tuple = ()     # names of the norms sharing this mean (they read one value); () for one norm
+
+  @property
+  def num_norms(self) -> int:
+    """The normalizations this site is the mean of (2 where two norms read one value)."""
+    return max(1, len(self.norms))
 
   def as_dict(self) -> dict:
     d = dataclasses.asdict(self)
@@ -134,11 +140,17 @@ class Report:
 
   @property
   def num_sites(self) -> int:
-    return len(self.sites)
+    """Normalizations: a mean site that norms reading one value share counts each."""
+    return sum(s.num_norms for s in self.sites)
 
   @property
   def num_folded(self) -> int:
-    return sum(s.folded for s in self.sites)
+    return sum(s.num_norms for s in self.sites if s.folded)
+
+  @property
+  def num_shared(self) -> int:
+    """Normalizations that share their mean site with another norm reading the same value."""
+    return sum(s.num_norms for s in self.sites if s.num_norms > 1)
 
   @property
   def num_auxiliary(self) -> int:
@@ -147,7 +159,7 @@ class Report:
   # -- data ------------------------------------------------------------------
 
   def as_dict(self) -> dict:
-    d = {"num_sites": self.num_sites, "num_folded": self.num_folded,
+    d = {"num_sites": self.num_sites, "num_folded": self.num_folded, "num_mean_sites": len(self.sites),
          "num_auxiliary": self.num_auxiliary, "untied_bytes": self.untied_bytes,
          "auxiliary": [dataclasses.asdict(a) for a in self.auxiliary],
          "sites": [s.as_dict() for s in self.sites]}
@@ -167,7 +179,7 @@ class Report:
       s = dict(s)
       s["centered"] = tuple(Centering(**{**c, "spec": tuple(tuple(x) for x in c.get("spec", ()))})
                             for c in s.get("centered", ()))
-      for k in ("shape", "axes", "aux"):
+      for k in ("shape", "axes", "aux", "norms"):
         s[k] = tuple(s.get(k, ()))
       sites.append(Site(**s))
     aux = []
@@ -196,6 +208,9 @@ class Report:
   def summary(self) -> str:
     s = (f"{self.num_folded}/{self.num_sites} normalization sites folded, "
          f"{self.num_auxiliary} auxiliary centering(s)")
+    if self.num_shared:
+      s += (f" ({self.num_shared} of them read a value another norm reads: they share "
+            f"{sum(x.num_norms > 1 for x in self.sites)} mean site(s), {len(self.sites)} in all)")
     if self.untied_bytes:
       s += f", {_bytes(self.untied_bytes)} of untied parameter copies"
     return s
@@ -222,6 +237,8 @@ class Report:
           what = "[inexact] " + what
       else:
         what = _merge_texts([m.reason for m in members])
+      if s.num_norms > 1:
+        what = f"{_shared_text(s)}: " + what
       idx = _indices([m.index for m in members])
       rows.append((idx, "yes" if s.folded else "no", label, "x".join(map(str, s.shape)),
                    ",".join(map(str, s.axes)), what))
@@ -265,7 +282,10 @@ class Report:
       label = _group_label([m.where for m in members])
       n = sum(m.num_reductions for m in members)
       each = f" ({members[0].num_reductions} each)" if len(members) > 1 else ""
-      lines.append(f"    {label}: -{n} reduction(s){each}, LayerNorm -> RMSNorm")
+      norms = "LayerNorm -> RMSNorm"
+      if members[0].num_norms > 1:
+        norms = f"{members[0].num_norms} LayerNorms -> RMSNorms ({_shared_text(members[0])})"
+      lines.append(f"    {label}: -{n} reduction(s){each}, {norms}")
     for a in self.auxiliary:
       lines.append(f"  + auxiliary centering {a.describe()}")
     lines.append("  kernels substituted: " + _kernels_text(ch, sum(s.kernel for s in folded)))
@@ -280,7 +300,7 @@ class Report:
         lines.append(f"    {Centering(p, ax, 'untied copy').label()}: {_bytes(b)}")
     else:
       lines.append("  untied centered copies: none (0 B extra)")
-    not_folded = self.num_sites - len(folded)
+    not_folded = self.num_sites - self.num_folded
     if not_folded:
       lines.append(f"  unchanged: {not_folded} site(s) keep their LayerNorm (see str(report))")
     return "\n".join(lines)
@@ -288,6 +308,56 @@ class Report:
 
 # ----------------------------------------------------------------------------
 # Formatting helpers.
+
+
+def _shared_text(s: Site) -> str:
+  return f"{s.num_norms} norms read this one value and share its mean"
+
+
+NAME_LIMIT = 100
+
+
+def bound_name(text: str, limit: int = NAME_LIMIT) -> str:
+  """``text`` in at most ``limit`` characters, keeping its informative end.
+
+  A module path keeps its end (the norm's own name: ``…/h_11/ln_2``). A chain
+  ``site ← caller ← caller`` (sites told apart by their callers) keeps the
+  site's name and the outermost callers it needs, the middle written ``…``.
+
+  Example:
+    >>> bound_name("a/" * 60 + "ln_2", 20)
+    '…a/a/a/a/a/a/a/ln_2'
+  """
+  if len(text) <= limit:
+    return text
+  parts = text.split(" ← ")
+  if len(parts) == 1:
+    return _tail(text, limit)
+  head = _tail(parts[0], max(limit // 2, limit - 3 - len(" ← ".join(parts[1:]))))
+  tail = [parts[-1]]
+  for p in reversed(parts[1:-1]):
+    if len(head) + sum(len(t) + 3 for t in tail) + len(p) + 7 > limit:
+      break
+    tail.insert(0, p)
+  more = " ← …" if len(tail) < len(parts) - 1 else ""
+  rest = _tail(" ← ".join(tail), limit - len(head) - 3 - len(more))
+  return f"{head}{more} ← {rest}"
+
+
+def _tail(text: str, n: int) -> str:
+  """The end of ``text`` in ``n`` characters, from a separator where one is near."""
+  if len(text) <= n:
+    return text
+  cut = text[len(text) - (n - 1):]
+  seps = [i for i in (cut.find("/"), cut.find(" ")) if 0 <= i < len(cut) // 2]
+  if seps:
+    cut = cut[min(seps) + 1:]
+  return "…" + cut
+
+
+def merged_where(norms: tuple) -> str:
+  """One row's name for norms sharing a mean: every norm's, ``a + b``, bounded."""
+  return bound_name(" + ".join(norms), max(NAME_LIMIT, 40 * len(norms)))
 
 
 def _kernels_text(ch: Changes, kern: int) -> str:
@@ -401,9 +471,25 @@ def _groups(sites) -> list:
     if len(members) == 1 or _varying(m.where for m in members) is not None:
       out.append(members)
     else:
-      out.extend([m] for m in members)
+      out.extend(_split_by_one_number(members))
   out.sort(key=lambda g: g[0].index)
   return out
+
+
+def _split_by_one_number(members: list) -> list:
+  """Rows whose names differ in several numbers (layer and head:
+  ``l_0/norms_1``), grouped along the one number that leaves fewest groups."""
+  nums = [_NUM.findall(m.where) for m in members]
+  if len({len(n) for n in nums}) != 1 or not nums[0]:
+    return [[m] for m in members]
+  best = None
+  for k in range(len(nums[0])):
+    parts: dict = {}
+    for m, n in zip(members, nums):
+      parts.setdefault(tuple(n[:k] + n[k + 1:]), []).append(m)
+    if best is None or len(parts) < len(best):
+      best = list(parts.values())
+  return best
 
 
 def _varying(texts) -> Optional[int]:
@@ -428,10 +514,10 @@ def _group_label(texts: list) -> str:
   values = [int(_NUM.findall(t)[k]) for t in texts]
   spans = list(_NUM.finditer(texts[0]))
   m = spans[k]
-  # the token the number belongs to (e.g. "h_0" in "h_0/ln_1"), repeated at both ends
-  start = max(texts[0].rfind("/", 0, m.start()), texts[0].rfind(".", 0, m.start())) + 1
-  end_candidates = [i for i in (texts[0].find("/", m.end()), texts[0].find(".", m.end())) if i >= 0]
-  end = min(end_candidates) if end_candidates else len(texts[0])
+  # the token the number belongs to (e.g. "h_0" in "h_0/ln_1"): its run of word
+  # characters, repeated at both ends (never past a bracket, so labels stay balanced)
+  start = _WORD_START.search(texts[0][:m.start()]).start()
+  end = m.end() + _WORD_END.match(texts[0], m.end()).end() - m.end()
   token_pre, token_post = texts[0][start:m.start()], texts[0][m.end():end]
   lo, hi = min(values), max(values)
   if sorted(values) == list(range(lo, hi + 1)):
@@ -439,6 +525,10 @@ def _group_label(texts: list) -> str:
   else:
     rng = "{" + ",".join(f"{token_pre}{v}{token_post}" for v in values) + "}"
   return texts[0][:start] + rng + texts[0][end:]
+
+
+_WORD_START = re.compile(r"[A-Za-z0-9_-]*$")
+_WORD_END = re.compile(r"[A-Za-z0-9_-]*")
 
 
 def _indices(ix: list) -> str:
