@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfold._src import compat, display, kernels, layout, pipeline
+from jaxfold._src.counts import fold_counts
 from jaxfold._src.errors import FoldError
 from jaxfold._src.pipeline import (
   Call,
@@ -185,13 +186,14 @@ def _plan(outcome: Outcome, opts: FoldOptions) -> tuple:
   zero = frozenset(r.path for e in folded for r in e.site.reduces)
   epilogues, kernel_sites = [], set()
   if kernels.may_use_kernel(opts.norm_impl):
-    changed = frozenset(k for k, _ in outcome.aux)
+    changed = frozenset(k for k, _ in outcome.aux + outcome.aux_constants)
     for e in folded:
       ep, _ = kernels.prove_epilogue(e.site, changed=changed)
       if ep is not None:
         epilogues.append(ep)
         kernel_sites.add(e.index)
   return Plan(zero=zero, aux=outcome.aux, consts=outcome.consts, untied=outcome.untied,
+              constants=outcome.aux_constants,
               epilogues=tuple(epilogues), norm_impl=opts.norm_impl), frozenset(kernel_sites)
 
 
@@ -682,7 +684,10 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
   fn = FoldedApply(apply_fn, pipeline.abstract_tree(params), tree, opts, an, call, False, example_args,
                    example_kwargs)
   fn._example_only = not opts.generic_shapes and _probe_args(call.args) is not None
-  return Folded(new_params, fn, an.report)
+  # report.diff() counts the two programs (traced on first use)
+  report = dataclasses.replace(an.report, programs=fold_counts(call, params, fn, new_params, example_args,
+                                                               example_kwargs))
+  return Folded(new_params, fn, report)
 
 
 def cbwc(params: Any, apply_fn: Callable, *example_args: Any,

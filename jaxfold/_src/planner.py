@@ -97,6 +97,8 @@ class Outcome(NamedTuple):
   untied: tuple           # UntiedUse, ...
   leaf_specs: tuple       # ((leaf index, spec), ...): parameters centered in place
   untied_specs: tuple     # ((copy name, leaf index, spec), ...)
+  aux_constants: tuple = ()   # ((value key, centered array), ...): auxiliary centerings of
+                              # values no input reaches, computed once at fold time
 
   @property
   def folded(self) -> tuple:
@@ -591,8 +593,9 @@ class Planner:
                               reason=f"inside a `{loop.prim.name}` body, which the analysis "
                                      "does not enter yet",
                               num_reductions=len(s.reduces), source=s.node.source()))
+    constant = self.constant_aux()
     aux = tuple(Auxiliary(aux_index[v], tuple(v.shape), layout.fmt_spec(_spec_dict(sp), v.shape),
-                          _value_text(v), *_value_where(v), tuple(aux_users[v]))
+                          _value_text(v), *_value_where(v), tuple(aux_users[v]), v in constant)
                 for v, sp in self.aux_commit.items())
     copies = {(n.var, n.spec) for n in self.untie_commit.values()}
     leaves = [v for v in self.leaf_commit if self.is_leaf(v)]
@@ -600,7 +603,7 @@ class Planner:
         reductions_before=sum(rule_for(n.prim).sum_axes(n) is not None
                               for p in self.top.program.programs() for n in p.nodes),
         reductions_removed=sum(len(s.reduces) for s in self.folded_sites()),
-        reductions_added=len(self.aux_commit),
+        reductions_added=len(self.aux_commit) - len(constant), constant_aux=len(constant),
         params_centered=len(leaves), params_centered_bytes=sum(_nbytes(v) for v in leaves),
         norm_impl=self.opts.norm_impl)
     return Report(tuple(sites), aux, sum(_nbytes(v) for v, _ in copies), changes)
@@ -663,14 +666,31 @@ class Planner:
 
   def outcome(self) -> Outcome:
     """The decisions of ``run()``, frozen (what ``fold`` builds the plan from)."""
+    constant = self.constant_aux()
     return Outcome(
         sites=tuple(SiteEntry(i, s, self.decisions[i]) for i, s in enumerate(self.sites)),
-        aux=tuple((v.key, s) for v, s in self.aux_commit.items()),
+        aux=tuple((v.key, s) for v, s in self.aux_commit.items() if v not in constant),
         consts=tuple((v.key, s) for v, s in self.leaf_commit.items() if v.kind == "const"),
         untied=tuple(UntiedUse(n.use[0].path, n.use[1], self.untied_name(n),
                                tuple(c.eqn for c in reversed(n.chain)))
                      for n in self.untie_commit.values()),
-        leaf_specs=self.leaf_specs(), untied_specs=self.untied_specs())
+        leaf_specs=self.leaf_specs(), untied_specs=self.untied_specs(),
+        aux_constants=tuple((v.key, x) for v, x in constant.items()))
+
+  def constant_aux(self) -> dict:
+    """Val -> its centered value, for each auxiliary centering of a value no
+    input (parameter or argument) reaches, e.g. a sinusoidal position table
+    the program computes from ``iota``: computed once here and written into
+    the folded program as a constant instead of being recomputed and
+    re-centered on every call."""
+    if "_constant_aux" not in self.__dict__:
+      out = {}
+      for v, spec in self.aux_commit.items():
+        nodes = _input_free_nodes(v)
+        if nodes is not None:
+          out[v] = layout.center(np.asarray(_evaluate_constant(v, nodes)), _spec_dict(spec))
+      self._constant_aux = out
+    return self._constant_aux
 
 
 def _distinct(wheres: list, nodes: list) -> list:
@@ -698,6 +718,47 @@ def _distinct(wheres: list, nodes: list) -> list:
       for n, i in enumerate(members):
         out[i] = f"{w} (use {n + 1} of {len(members)})"
   return out
+
+
+def _input_free_nodes(v: Val) -> Optional[list]:
+  """The equations computing ``v`` in program order when it depends on no
+  input of the program (only on literals and captured constants) and none
+  has effects; else None. Values inside loop or branch bodies are left to
+  run time."""
+  nodes, seen, stack = {}, set(), [v]
+  while stack:
+    u = stack.pop()
+    if not isinstance(u, Val) or u in seen:
+      continue
+    seen.add(u)
+    if not u.program.is_top:
+      return None
+    if u.producer is None:
+      if u.kind != "const":
+        return None
+      continue
+    node = u.producer
+    if getattr(node.eqn, "effects", None):
+      return None
+    nodes[id(node)] = node
+    stack.extend(node.ins)
+  return sorted(nodes.values(), key=lambda n: n.index)
+
+
+def _evaluate_constant(v: Val, nodes: list):
+  """``v``'s value, computed eagerly from ``nodes`` (even under a caller's trace)."""
+  import jax
+  env: dict = {}
+
+  def read(a):
+    if isinstance(a, Val):
+      return env[a] if a.producer is not None else a.const
+    return a.value
+  with jax.ensure_compile_time_eval():
+    for node in nodes:
+      for o, x in zip(node.outs, compat.bind_eqn(node.eqn, [read(a) for a in node.ins])):
+        env[o] = x
+    return read(v)
 
 
 def _position(v: Val) -> int:

@@ -11,7 +11,7 @@ import dataclasses
 import html
 import json
 import re
-from typing import Optional
+from typing import Any, Optional
 
 LEGEND = (
     "legend: p[d]: parameter p made zero-mean along its dim d (0-based; p[d, e]: jointly; "
@@ -49,6 +49,7 @@ class Auxiliary:
   where: str = ""       # module path, may be empty
   source: str = ""      # the user's line, file.py:line (function)
   sites: tuple = ()     # indices of the sites that rely on it
+  constant: bool = False  # the value depends on no input: centered once at fold time, a constant
 
   @property
   def name(self) -> str:
@@ -65,7 +66,9 @@ class Auxiliary:
     at = f" at {self.source}" if self.source else ""
     used = f"; lets {len(self.sites)} site(s) fold" if self.sites else ""
     shape = "x".join(map(str, self.shape))
-    return f"{self.name}: centers {what}{at} over [{dims}] of {shape}{used}"
+    once = ("; the value depends on no input: centered once at fold time, a constant of the folded "
+            "program (no reduction per call)") if self.constant else ""
+    return f"{self.name}: centers {what}{at} over [{dims}] of {shape}{used}{once}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,10 +112,23 @@ class Changes:
   norm_impl: str = "auto"
   kernel_proof: Optional[bool] = None  # whether the kernel's proof ran (None: a report from before this field)
   platform: str = ""                   # jax.default_backend() where the fold was made
+  counted_before: int = -1      # reduce_sum equations counted in the original program (-1: not counted)
+  counted_after: int = -1       # ... in the folded program
+  primitives: tuple = ()        # ((primitive, before, after), ...): every count that changed
+  constant_aux: int = 0         # auxiliary centerings computed at fold time (no reduction per call)
+
+  @property
+  def counted(self) -> bool:
+    """Whether the counts were taken from the two programs (not the plan's)."""
+    return self.counted_after >= 0
+
+  @property
+  def planned_after(self) -> int:
+    return self.reductions_before - self.reductions_removed + self.reductions_added
 
   @property
   def reductions_after(self) -> int:
-    return self.reductions_before - self.reductions_removed + self.reductions_added
+    return self.counted_after if self.counted else self.planned_after
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +153,20 @@ class Report:
   auxiliary: tuple = ()        # tuple[Auxiliary, ...]
   untied_bytes: int = 0
   changes: Optional[Changes] = None
+  # counts.ProgramCounts of the fold's two programs, traced on first use (not data: never
+  # compared, saved or pickled; what it counts is saved in ``changes``)
+  programs: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+  def __reduce__(self):
+    return (_report, (self.sites, self.auxiliary, self.untied_bytes, self.counted_changes()))
+
+  def counted_changes(self) -> Optional[Changes]:
+    """``changes`` with the reductions and primitive counts of the two
+    programs (traced now, once, where this report knows them)."""
+    if self.programs is None or self.changes is None or self.changes.counted:
+      return self.changes
+    before, after, prims = self.programs()
+    return dataclasses.replace(self.changes, counted_before=before, counted_after=after, primitives=prims)
 
   @property
   def num_sites(self) -> int:
@@ -163,9 +193,9 @@ class Report:
          "num_auxiliary": self.num_auxiliary, "untied_bytes": self.untied_bytes,
          "auxiliary": [dataclasses.asdict(a) for a in self.auxiliary],
          "sites": [s.as_dict() for s in self.sites]}
-    if self.changes is not None:
-      d["changes"] = {**dataclasses.asdict(self.changes),
-                      "reductions_after": self.changes.reductions_after}
+    ch = self.counted_changes()
+    if ch is not None:
+      d["changes"] = {**dataclasses.asdict(ch), "reductions_after": ch.reductions_after}
     return d
 
   def to_json(self) -> str:
@@ -192,7 +222,8 @@ class Report:
     ch = d.get("changes")
     changes = None
     if ch:
-      changes = Changes(**{k: v for k, v in ch.items() if k != "reductions_after"})
+      changes = Changes(**{k: (tuple(tuple(x) for x in v) if k == "primitives" else v)
+                           for k, v in ch.items() if k != "reductions_after"})
     return cls(tuple(sites), tuple(aux), int(d.get("untied_bytes", 0)), changes)
 
   def on_platform(self, platform: str, kernel_proof: bool) -> "Report":
@@ -270,14 +301,14 @@ class Report:
   def diff(self) -> str:
     """What the fold changed: mean reductions per site, auxiliary centerings
     inserted, kernels substituted, parameters centered and untied copies."""
-    ch = self.changes or Changes()
+    ch = self.counted_changes() or Changes()
     folded = [s for s in self.sites if s.folded]
     lines = ["what changed (original -> folded program):"]
     if self.changes is not None:
-      added = f", +{ch.reductions_added} for auxiliary centering(s)" if ch.reductions_added else ""
-      lines.append(f"  reductions (reduce_sum, all): {ch.reductions_before} -> "
-                   f"{ch.reductions_after} (-{ch.reductions_removed} mean reduction(s) at "
-                   f"{len(folded)} folded site(s){added})")
+      lines.append(_reductions_text(ch, len(folded)))
+      if ch.primitives:
+        lines.append("  equations per primitive (counted in the two programs): "
+                     + ", ".join(f"{k} {a} -> {b}" for k, a, b in ch.primitives))
     for members in _groups(folded):
       label = _group_label([m.where for m in members])
       n = sum(m.num_reductions for m in members)
@@ -308,6 +339,27 @@ class Report:
 
 # ----------------------------------------------------------------------------
 # Formatting helpers.
+
+
+def _report(sites, auxiliary, untied_bytes, changes) -> "Report":
+  return Report(sites, auxiliary, untied_bytes, changes)
+
+
+def _reductions_text(ch: Changes, folded: int) -> str:
+  """The reductions line of ``diff``: the programs' counts where they were
+  taken, with the plan's account of the difference."""
+  added = f", +{ch.reductions_added} for auxiliary centering(s)" if ch.reductions_added else ""
+  if ch.constant_aux:
+    added += f"; {ch.constant_aux} auxiliary centering(s) of constants computed at fold time, none per call"
+  before = ch.counted_before if ch.counted_before >= 0 else ch.reductions_before
+  text = (f"  reductions (reduce_sum, all): {before} -> {ch.reductions_after} "
+          f"(-{ch.reductions_removed} mean reduction(s) at {folded} folded site(s){added})")
+  if not ch.counted:
+    return text + " [planned: the programs were not counted]"
+  if (before, ch.counted_after) != (ch.reductions_before, ch.planned_after):
+    text += (f" [counted in the two programs; the plan expected {ch.reductions_before} -> "
+             f"{ch.planned_after}]")
+  return text
 
 
 def _shared_text(s: Site) -> str:

@@ -35,12 +35,13 @@ class Plan:
   norm_impl: str = "auto"                     # see kernels.IMPLS
   biases: tuple = ()                          # ((val key, extras name), ...): added to the value
   deferred: tuple = ()                        # deferral.Deferred: contractions reading x, scaled by s
+  constants: tuple = ()                       # ((val key, array), ...): replaced by a fold-time constant
 
   @property
   def touched(self) -> frozenset:
     paths = set(self.zero) | {k[0] for k, _ in self.aux} | {k[0] for k, _ in self.consts}
     paths |= {u for u, *_ in self.untied}
-    paths |= {k[0] for k, _ in self.biases}
+    paths |= {k[0] for k, _ in self.biases} | {k[0] for k, _ in self.constants}
     paths |= {e.path for e in self.deferred} | {k[0] for e in self.deferred for k in (e.x, e.s)}
     paths |= {e.kernel.add[0] for e in self.deferred if e.kernel is not None and e.kernel.add is not None}
     if self.norm_impl != "xla":
@@ -112,6 +113,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
   fused_at = {e.add_path: e for e in plan.epilogues
               if e.add_path is not None and plan.norm_impl != "xla"}
   aux = dict(plan.aux)
+  constants = dict(plan.constants)
   biases = dict(plan.biases)
   centered = dict(plan.consts)
   untied = {(u, k): (name, chain) for u, k, name, chain in plan.untied}
@@ -126,6 +128,8 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
     return compat.literal_value(a) if compat.is_literal(a) else env[a]
 
   def write(v, val, key, biased=False):
+    if key in constants:
+      val = constants[key]
     if key in aux:
       val = _aux(val, aux[key])
     if key in biases and not biased:
