@@ -159,7 +159,14 @@ def source_summary(eqn: Any) -> str:
     return "<unknown>"
 
 
-# Frames inside these packages are library code, never "the user's line".
+# Library code, never "the user's line": any file installed in site-packages,
+# dist-packages, the standard library or the scripts directory (flax, haliax,
+# keras, EasyDeL, transformers, ... wherever pip put them; ``_installed_dirs``),
+# and these packages wherever they are (jaxfold itself; editable installs).
+# A user's own package installed in site-packages is installed too: when no
+# frame outside the installed code made an equation, the user's line is the
+# innermost frame of the installed package that called into the trace
+# (``_caller_frames``), e.g. ``mypkg/model.py`` for ``python -m mypkg.train``.
 _LIBRARIES = ("flax", "optax", "chex", "numpy", "jaxfold", "pallas_kernels", "transformers",
               "orbax", "einops", "equinox", "haiku")
 
@@ -178,9 +185,59 @@ def _library_dirs() -> tuple:
   return tuple(dirs)
 
 
+def made_in_package(eqn: Any, package: str) -> bool:
+  """Whether a frame of the code that made ``eqn`` lies in the installed
+  ``package`` (e.g. "keras"): a hint names a framework's setting only then."""
+  try:
+    import importlib.util
+    spec = importlib.util.find_spec(package)
+    dirs = tuple(os.path.join(os.path.realpath(d), "") for d in (spec.submodule_search_locations or []))
+    if not dirs:
+      return False
+    from jax._src import source_info_util as siu
+    return any(os.path.realpath(f.file_name).startswith(dirs) for f in siu.user_frames(eqn.source_info.traceback))
+  except Exception:  # noqa: BLE001 - best effort only: no hint
+    return False
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_dirs() -> tuple:
+  """Where installed code lives: site-packages and dist-packages (also of
+  virtual environments on ``sys.path``), the standard library, the scripts
+  directory (console-script wrappers)."""
+  import site
+  import sys
+  import sysconfig
+  dirs = set()
+  try:
+    dirs.update(site.getsitepackages())
+    dirs.add(site.getusersitepackages())
+  except Exception:  # noqa: BLE001 - some embedded interpreters lack them
+    pass
+  paths = sysconfig.get_paths()
+  dirs.update(paths.get(k) for k in ("purelib", "platlib", "stdlib", "platstdlib", "scripts"))
+  dirs.update(p for p in sys.path if os.path.basename(p.rstrip(os.sep)) in ("site-packages", "dist-packages"))
+  return tuple(sorted({os.path.join(os.path.realpath(d), "") for d in dirs if d}, key=len, reverse=True))
+
+
 @functools.lru_cache(maxsize=4096)
 def _is_library_file(path: str) -> bool:
-  return os.path.realpath(path).startswith(_library_dirs())
+  real = os.path.realpath(path)
+  return real.startswith(_library_dirs()) or real.startswith(_installed_dirs())
+
+
+@functools.lru_cache(maxsize=4096)
+def _installed_package(path: str) -> str:
+  """The top-level package directory of an installed file ("" if not installed
+  in site-packages/dist-packages or one of the packages jaxfold never names)."""
+  real = os.path.realpath(path)
+  if real.startswith(_library_dirs()):
+    return ""
+  for d in _installed_dirs():
+    base = os.path.basename(d.rstrip(os.sep))
+    if base in ("site-packages", "dist-packages") and real.startswith(d):
+      return os.path.join(d, real[len(d):].split(os.sep)[0])
+  return ""
 
 
 def _short_path(path: str) -> str:
@@ -205,7 +262,17 @@ def user_frames(eqn: Any) -> list[str]:
 
 def _user_frames(eqn: Any):
   from jax._src import source_info_util as siu
-  return (f for f in siu.user_frames(eqn.source_info.traceback) if not _is_library_file(f.file_name))
+  frames = list(siu.user_frames(eqn.source_info.traceback))
+  own = [f for f in frames if not _is_library_file(f.file_name)]
+  return iter(own or _caller_frames(frames))
+
+
+def _caller_frames(frames: list) -> list:
+  """When every frame is installed code: the frames of the installed package
+  whose code called into the trace (the outermost frame in site-packages),
+  innermost first: a user's own installed package, never a framework it calls."""
+  pkg = next((p for p in map(_installed_package, (f.file_name for f in reversed(frames))) if p), "")
+  return [f for f in frames if pkg and _installed_package(f.file_name) == pkg]
 
 
 def _frame_text(f: Any) -> str:
