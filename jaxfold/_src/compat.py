@@ -162,11 +162,14 @@ def source_summary(eqn: Any) -> str:
 # Library code, never "the user's line": any file installed in site-packages,
 # dist-packages, the standard library or the scripts directory (flax, haliax,
 # keras, EasyDeL, transformers, ... wherever pip put them; ``_installed_dirs``),
-# and these packages wherever they are (jaxfold itself; editable installs).
-# A user's own package installed in site-packages is installed too: when no
-# frame outside the installed code made an equation, the user's line is the
-# innermost frame of the installed package that called into the trace
-# (``_caller_frames``), e.g. ``mypkg/model.py`` for ``python -m mypkg.train``.
+# and these packages wherever they are (jaxfold itself; editable installs of
+# the frameworks jaxfold knows). A user's own package installed into
+# site-packages (not ``pip install -e``) is installed code too: jaxfold cannot
+# tell it from a framework by location (nor by the traceback, which starts at
+# the traced function), and naming a framework's line is the error to avoid,
+# so its sites are named by module or parameter path, else by what they are
+# (the report's ``Site.source`` is then empty). An editable install stays the
+# user's code.
 _LIBRARIES = ("flax", "optax", "chex", "numpy", "jaxfold", "pallas_kernels", "transformers",
               "orbax", "einops", "equinox", "haiku")
 
@@ -226,20 +229,6 @@ def _is_library_file(path: str) -> bool:
   return real.startswith(_library_dirs()) or real.startswith(_installed_dirs())
 
 
-@functools.lru_cache(maxsize=4096)
-def _installed_package(path: str) -> str:
-  """The top-level package directory of an installed file ("" if not installed
-  in site-packages/dist-packages or one of the packages jaxfold never names)."""
-  real = os.path.realpath(path)
-  if real.startswith(_library_dirs()):
-    return ""
-  for d in _installed_dirs():
-    base = os.path.basename(d.rstrip(os.sep))
-    if base in ("site-packages", "dist-packages") and real.startswith(d):
-      return os.path.join(d, real[len(d):].split(os.sep)[0])
-  return ""
-
-
 def _short_path(path: str) -> str:
   try:
     rel = os.path.relpath(path)
@@ -262,17 +251,7 @@ def user_frames(eqn: Any) -> list[str]:
 
 def _user_frames(eqn: Any):
   from jax._src import source_info_util as siu
-  frames = list(siu.user_frames(eqn.source_info.traceback))
-  own = [f for f in frames if not _is_library_file(f.file_name)]
-  return iter(own or _caller_frames(frames))
-
-
-def _caller_frames(frames: list) -> list:
-  """When every frame is installed code: the frames of the installed package
-  whose code called into the trace (the outermost frame in site-packages),
-  innermost first: a user's own installed package, never a framework it calls."""
-  pkg = next((p for p in map(_installed_package, (f.file_name for f in reversed(frames))) if p), "")
-  return [f for f in frames if pkg and _installed_package(f.file_name) == pkg]
+  return (f for f in siu.user_frames(eqn.source_info.traceback) if not _is_library_file(f.file_name))
 
 
 def _frame_text(f: Any) -> str:

@@ -485,7 +485,7 @@ class Planner:
     j = self._norm_output_of(b.var)
     if j is None:
       return b.reason
-    src = self.sites[j].node.source()
+    src = _user_line(self.sites[j].node)
     return (f"it carries the output of normalization #{j} ({self.site_where(j)}"
             f"{', ' + src if src else ''}): γ ⊙ n + β is not zero-mean when γ is non-uniform")
 
@@ -584,7 +584,7 @@ class Planner:
                               axes=s.axes, folded=d.folded, reason=d.reason,
                               centered=own, auxiliary=d.auxiliary,
                               num_reductions=len(s.reduces), exact=d.exact,
-                              source=s.node.source(), requires=len(d.centered),
+                              source=_user_line(s.node), requires=len(d.centered),
                               aux=tuple(aux_index[v] for v in d.aux_vars),
                               kernel=d.folded and i in kernel_sites))
     for loop, s in nested_sites(self.top):
@@ -592,7 +592,7 @@ class Planner:
                               axes=s.axes, folded=False,
                               reason=f"inside a `{loop.prim.name}` body, which the analysis "
                                      "does not enter yet",
-                              num_reductions=len(s.reduces), source=s.node.source()))
+                              num_reductions=len(s.reduces), source=_user_line(s.node)))
     constant = self.constant_aux()
     aux = tuple(Auxiliary(aux_index[v], tuple(v.shape), layout.fmt_spec(_spec_dict(sp), v.shape),
                           _value_text(v), *_value_where(v), tuple(aux_users[v]), v in constant)
@@ -612,7 +612,8 @@ class Planner:
     """Module path of site ``j``: the name stack (linen), else the path of the
     norm's own γ/β parameters (nnx, plain functions), else the user's line."""
     node = self.sites[j].node
-    text = node.module() or self._param_module(j) or node.source()
+    site = self.sites[j]
+    text = node.module() or self._param_module(j) or _user_line(node) or _unnamed(site.axes, site.input.shape)
     if node.calls and not node.module():
       text += " " + call_note(node.calls)
     return text
@@ -761,12 +762,24 @@ def _evaluate_constant(v: Val, nodes: list):
     return read(v)
 
 
+def _user_line(node) -> str:
+  """``file.py:line (function)`` of the innermost frame outside installed
+  libraries that made ``node``; "" when only installed code did (a library's
+  line is never named: see compat's ``_LIBRARIES``)."""
+  return compat.user_source(node.eqn)
+
+
+def _unnamed(axes: tuple, shape: tuple) -> str:
+  """A site no module path, parameter or user's line names."""
+  return f"a mean over axes {','.join(map(str, axes))} of a {'x'.join(map(str, shape))} value (in installed code)"
+
+
 def _position(v: Val) -> int:
   return v.producer.index if v.producer is not None else -1
 
 
 def _site_where(node) -> str:
-  text = node.module() or node.source()
+  text = node.module() or _user_line(node) or "a norm inside installed libraries"
   if node.calls:
     text += " " + call_note(node.calls)
   return text
@@ -792,7 +805,7 @@ def _value_where(v: Val) -> tuple:
   if node.calls:
     c = node.calls[0]   # the outermost call: the user's line, not a jnp internal
     return bound_name(node.module() or c.stack), c.source
-  return bound_name(node.module()), node.source()
+  return bound_name(node.module()), _user_line(node)
 
 
 def seed_poly(shape: tuple, spec: tuple):

@@ -131,7 +131,7 @@ class Changes:
     return self.counted_after if self.counted else self.planned_after
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Report:
   """Per-site results of :func:`jaxfold.fold` (or :func:`jaxfold.cbwc`).
 
@@ -159,6 +159,16 @@ class Report:
 
   def __reduce__(self):
     return (_report, (self.sites, self.auxiliary, self.untied_bytes, self.counted_changes()))
+
+  def __eq__(self, other) -> bool:
+    # (a report equals its saved form: the programs' counts, taken or not yet, are its data)
+    if not isinstance(other, Report):
+      return NotImplemented
+    return ((self.sites, self.auxiliary, self.untied_bytes, self.counted_changes())
+            == (other.sites, other.auxiliary, other.untied_bytes, other.counted_changes()))
+
+  def __hash__(self) -> int:
+    return hash((self.sites, self.auxiliary, self.untied_bytes))
 
   def counted_changes(self) -> Optional[Changes]:
     """``changes`` with the reductions and primitive counts of the two
