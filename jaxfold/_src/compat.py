@@ -197,8 +197,7 @@ def made_in_package(eqn: Any, package: str) -> bool:
     dirs = tuple(os.path.join(os.path.realpath(d), "") for d in (spec.submodule_search_locations or []))
     if not dirs:
       return False
-    from jax._src import source_info_util as siu
-    return any(os.path.realpath(f.file_name).startswith(dirs) for f in siu.user_frames(eqn.source_info.traceback))
+    return any(os.path.realpath(f.file_name).startswith(dirs) for f in eqn.source_info.traceback.frames)
   except Exception:  # noqa: BLE001 - best effort only: no hint
     return False
 
