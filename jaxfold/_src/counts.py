@@ -13,6 +13,9 @@ from __future__ import annotations
 import collections
 from typing import Any, Callable
 
+import jax
+
+from jaxfold._src import pipeline
 from jaxfold._src.program import Program
 from jaxfold._src.rules import rule_for
 
@@ -58,11 +61,34 @@ def fold_counts(call: Any, params: Any, folded_fn: Callable, folded_params: Any,
                 example_kwargs: Any) -> ProgramCounts:
   """The counts of a fold: ``call`` (``pipeline.Call``) as the analysis traced
   it, the folded ``apply_fn`` at the example's arguments (abstract parameters)."""
-  import jax
-
-  from jaxfold._src import pipeline
   params, folded_params = pipeline.abstract_tree(params), pipeline.abstract_tree(folded_params)
-  args, kwargs = call.abstract_args(), dict(example_kwargs or {})
-  return ProgramCounts(
-      lambda: jax.make_jaxpr(call.fn)(params, *args),
-      lambda: jax.make_jaxpr(lambda p: folded_fn(p, *example_args, **kwargs))(folded_params))
+  folded = pipeline.bind(folded_fn, tuple(example_args), example_kwargs)
+  return ProgramCounts(lambda: jax.make_jaxpr(call.fn)(params, *call.abstract_args()),
+                       lambda: jax.make_jaxpr(folded.fn)(folded_params, *folded.abstract_args()))
+
+
+def result_counts(params: Any, apply_fn: Any) -> ProgramCounts:
+  """The counts of a transform's result (``fuse_affine``, ``defer_norms``):
+  the user's original program (the start of ``apply_fn``'s chain of
+  transforms, at its abstract parameters) and ``apply_fn`` at ``params``,
+  both at the example's arguments."""
+  first = apply_fn
+  while isinstance(first.inner, pipeline.PipelineApply):
+    first = first.inner
+  args, kwargs = apply_fn.example_args, apply_fn.example_kwargs
+  original = pipeline.bind(first.inner, args, kwargs)
+  after = pipeline.bind(apply_fn, args, kwargs)
+  before_params, after_params = first.params_abstract, pipeline.abstract_tree(params)
+  return ProgramCounts(lambda: jax.make_jaxpr(original.fn)(before_params, *original.abstract_args()),
+                       lambda: jax.make_jaxpr(after.fn)(after_params, *after.abstract_args()))
+
+
+def diff_text(programs: ProgramCounts, what: str) -> str:
+  """``report.diff()`` of a transform whose report has no per-site counts:
+  the two programs' reductions and every primitive count that changed."""
+  before, after, prims = programs()
+  lines = [f"what changed (original -> {what} program), counted in the two programs:",
+           f"  reductions (reduce_sum, all): {before} -> {after}"]
+  if prims:
+    lines.append("  equations per primitive: " + ", ".join(f"{k} {a} -> {b}" for k, a, b in prims))
+  return "\n".join(lines)
