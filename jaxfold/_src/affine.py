@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfold._src import algebra as A
-from jaxfold._src import compat, deferral, display, kernels, pipeline
+from jaxfold._src import compat, counts, deferral, display, kernels, pipeline
 from jaxfold._src.analysis import Level, factor_leaf, leaf_of, vector_along
 from jaxfold._src.errors import FuseError
 from jaxfold._src.pipeline import Call
@@ -65,6 +65,11 @@ class FuseReport:
   kernels: int = 0        # norms the RMSNorm kernel computes in the fused program
   norm_impl: str = "xla"  # the fold's, kept for the fused program
   deferred: tuple = ()    # deferral.DeferSite per affine site, with defer_norms
+  programs: Any = dataclasses.field(default=None, compare=False, repr=False)   # counts.ProgramCounts
+
+  def diff(self) -> str:
+    """What changed, counted in the original and this program (traced on first use)."""
+    return counts.diff_text(self.programs, "deferred" if self.deferred else "fused")
 
   @property
   def num_fused(self) -> int:
@@ -963,4 +968,4 @@ def fuse_affine(model: Any, *example_args: Any) -> Fused:
   an = analyse(call.fn, abstract, call.abstract_args(FuseError))
   new = _fused_params(an, leaves, tree)
   apply = FusedApply(fn, abstract, an, example_args, kwargs)
-  return Fused(new, apply, an.report)
+  return Fused(new, apply, dataclasses.replace(an.report, programs=counts.result_counts(new, apply)))

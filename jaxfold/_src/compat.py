@@ -160,7 +160,17 @@ def source_summary(eqn: Any) -> str:
     return "<unknown>"
 
 
-# Frames inside these packages are library code, never "the user's line".
+# Library code, never "the user's line": any file installed in site-packages,
+# dist-packages, the standard library or the scripts directory (flax, haliax,
+# keras, EasyDeL, transformers, ... wherever pip put them; ``_installed_dirs``),
+# and these packages wherever they are (jaxfold itself; editable installs of
+# the frameworks jaxfold knows). A user's own package installed into
+# site-packages (not ``pip install -e``) is installed code too: jaxfold cannot
+# tell it from a framework by location (nor by the traceback, which starts at
+# the traced function), and naming a framework's line is the error to avoid,
+# so its sites are named by module or parameter path, else by what they are
+# (the report's ``Site.source`` is then empty). An editable install stays the
+# user's code.
 _LIBRARIES = ("flax", "optax", "chex", "numpy", "jaxfold", "pallas_kernels", "transformers",
               "orbax", "einops", "equinox", "haiku")
 
@@ -179,9 +189,44 @@ def _library_dirs() -> tuple:
   return tuple(dirs)
 
 
+def made_in_package(eqn: Any, package: str) -> bool:
+  """Whether a frame of the code that made ``eqn`` lies in the installed
+  ``package`` (e.g. "keras"): a hint names a framework's setting only then."""
+  try:
+    import importlib.util
+    spec = importlib.util.find_spec(package)
+    dirs = tuple(os.path.join(os.path.realpath(d), "") for d in (spec.submodule_search_locations or []))
+    if not dirs:
+      return False
+    return any(os.path.realpath(f.file_name).startswith(dirs) for f in eqn.source_info.traceback.frames)
+  except Exception:  # noqa: BLE001 - best effort only: no hint
+    return False
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_dirs() -> tuple:
+  """Where installed code lives: site-packages and dist-packages (also of
+  virtual environments on ``sys.path``), the standard library, the scripts
+  directory (console-script wrappers)."""
+  import site
+  import sys
+  import sysconfig
+  dirs = set()
+  try:
+    dirs.update(site.getsitepackages())
+    dirs.add(site.getusersitepackages())
+  except Exception:  # noqa: BLE001 - some embedded interpreters lack them
+    pass
+  paths = sysconfig.get_paths()
+  dirs.update(paths.get(k) for k in ("purelib", "platlib", "stdlib", "platstdlib", "scripts"))
+  dirs.update(p for p in sys.path if os.path.basename(p.rstrip(os.sep)) in ("site-packages", "dist-packages"))
+  return tuple(sorted({os.path.join(os.path.realpath(d), "") for d in dirs if d}, key=len, reverse=True))
+
+
 @functools.lru_cache(maxsize=4096)
 def _is_library_file(path: str) -> bool:
-  return os.path.realpath(path).startswith(_library_dirs())
+  real = os.path.realpath(path)
+  return real.startswith(_library_dirs()) or real.startswith(_installed_dirs())
 
 
 def _short_path(path: str) -> str:

@@ -7,9 +7,10 @@ fold first, and re-analyses with ``affine.analyse(..., defer=True)``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from jaxfold._src import affine, pipeline, rotate
+from jaxfold._src import affine, counts, pipeline, rotate
 from jaxfold._src.deferral import Deferred, DeferSite
 
 __all__ = ["DeferSite", "Deferred", "defer_norms"]
@@ -62,4 +63,5 @@ def defer_norms(model: Any, *example_args: Any) -> Any:
     extras = affine.relayout(params.extras, fused, an)
     if any(extras[k] is not x for k, x in params.extras.items()):
       params = affine.FusedParams(params.base, extras)
-  return affine.Fused(params, affine.FusedApply(fn.inner, fn.params_abstract, an, args, kwargs), an.report)
+  apply = affine.FusedApply(fn.inner, fn.params_abstract, an, args, kwargs)
+  return affine.Fused(params, apply, dataclasses.replace(an.report, programs=counts.result_counts(params, apply)))

@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxfold._src import compiled, display, kernels, layout, notices, pipeline
 from jaxfold._src.centering import DEFAULT_POLICY, Centered, Centering, CenteringPolicy, UntiedCopy
+from jaxfold._src.counts import fold_counts
 from jaxfold._src.errors import FoldError
 from jaxfold._src.frameworks import flax_linen
 from jaxfold._src.pipeline import (
@@ -26,7 +27,7 @@ from jaxfold._src.pipeline import (
 )
 from jaxfold._src.planner import Outcome, PlanConflict, Planner
 from jaxfold._src.report import Report
-from jaxfold._src.rewrite import CenterAt, Plan, UntiedUse
+from jaxfold._src.rewrite import CenterAt, ConstantAt, Plan, UntiedUse
 from jaxfold._src.step import Result, Step, register_params
 
 # The options' values, as types: a type checker sees a misspelt value, and
@@ -183,7 +184,7 @@ def _plan(outcome: Outcome, opts: FoldOptions) -> tuple:
   zero = frozenset(r.path for e in folded for r in e.site.reduces)
   epilogues, kernel_sites = [], set()
   if kernels.may_use_kernel(opts.norm_impl):
-    changed = frozenset(k for k, _ in outcome.aux)
+    changed = frozenset(k for k, _ in outcome.aux + outcome.aux_constants)
     for e in folded:
       ep, _ = kernels.prove_epilogue(e.site, changed=changed)
       if ep is not None:
@@ -192,6 +193,7 @@ def _plan(outcome: Outcome, opts: FoldOptions) -> tuple:
   return Plan(zero=zero, aux=tuple(CenterAt(*a) for a in outcome.aux),
               consts=tuple(CenterAt(*c) for c in outcome.consts),
               untied=tuple(UntiedUse(*u) for u in outcome.untied),
+              constants=tuple(ConstantAt(*c) for c in outcome.aux_constants),
               epilogues=tuple(epilogues), norm_impl=opts.norm_impl), frozenset(kernel_sites)
 
 
@@ -505,7 +507,10 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
   new_params = FoldedParams(jax.tree_util.tree_unflatten(tree, new_leaves), extras)
   fn = FoldedApply(apply_fn, pipeline.abstract_tree(params), tree, opts, an, call, False, example_args,
                    example_kwargs, example_only=not opts.generic_shapes and _probe_args(call.args) is not None)
-  return Folded(new_params, fn, an.report)
+  # report.diff() counts the two programs (traced on first use)
+  report = dataclasses.replace(an.report, programs=fold_counts(call, params, fn, new_params, example_args,
+                                                               example_kwargs))
+  return Folded(new_params, fn, report)
 
 
 def cbwc(params: Any, apply_fn: Callable, *example_args: Any,

@@ -31,7 +31,7 @@ from jaxfold._src.analysis import (
   scan_levels,
 )
 from jaxfold._src.program import Val, call_note, read_at
-from jaxfold._src.report import Auxiliary, Centering, Changes, Report, param_label
+from jaxfold._src.report import Auxiliary, Centering, Changes, Report, bound_name, merged_where, param_label
 from jaxfold._src.report import Site as ReportSite
 from jaxfold._src.rules import Block, rule_for
 
@@ -97,6 +97,8 @@ class Outcome(NamedTuple):
   untied: tuple           # UntiedUse, ...
   leaf_specs: tuple       # ((leaf index, spec), ...): parameters centered in place
   untied_specs: tuple     # ((copy name, leaf index, spec), ...)
+  aux_constants: tuple = ()   # ((value key, centered array), ...): auxiliary centerings of
+                              # values no input reaches, computed once at fold time
 
   @property
   def folded(self) -> tuple:
@@ -490,7 +492,7 @@ class Planner:
     j = self._norm_output_of(b.var)
     if j is None:
       return b.reason
-    src = self.sites[j].node.source()
+    src = _user_line(self.sites[j].node)
     return (f"it carries the output of normalization #{j} ({self.site_where(j)}"
             f"{', ' + src if src else ''}): γ ⊙ n + β is not zero-mean when γ is non-uniform")
 
@@ -534,12 +536,17 @@ class Planner:
     return cache[key]
 
   def _epilogue(self, j: int) -> dict:
-    cache = self.__dict__.setdefault("_epi", {})
-    if j in cache:
-      return cache[j]
     site = self.sites[j]
-    prog = site.level.program
-    dist, frontier = {}, collections.deque((r.outs[0], 0) for r in site.reduces)
+    return self._epilogue_of(site.reduces, site.level.program)
+
+  def _epilogue_of(self, reduces: tuple, prog) -> dict:
+    """Values within 12 elementwise steps of ``reduces``' outputs (their
+    norm's epilogue), by distance."""
+    cache = self.__dict__.setdefault("_epi", {})
+    key = tuple(id(r) for r in reduces)
+    if key in cache:
+      return cache[key]
+    dist, frontier = {}, collections.deque((r.outs[0], 0) for r in reduces)
     while frontier:
       v, d = frontier.popleft()
       if v in dist or d > 12:
@@ -550,7 +557,7 @@ class Planner:
         if rule.kind or rule.epilogue in ("subtract", "step") or (
             rule.epilogue == "bias" and self._adds_param(node)):
           frontier.append((node.outs[0], d + 1))
-    cache[j] = dist
+    cache[key] = dist
     return dist
 
   def _adds_param(self, node) -> bool:
@@ -570,29 +577,32 @@ class Planner:
     aux_index = {v: k + 1 for k, v in enumerate(self.aux_commit)}
     aux_users: dict = {v: [] for v in self.aux_commit}
     sites, seen = [], set()
-    wheres = _distinct([self.site_where(i) for i in range(len(self.sites))],
-                       [s.node for s in self.sites])
+    wheres = [bound_name(w) for w in _distinct([self.site_where(i) for i in range(len(self.sites))],
+                                               [s.node for s in self.sites])]
     for i, s in enumerate(self.sites):
       d = self.decisions[i]
       own = tuple(c for c in d.centered if (c.param, c.spec, c.mode) not in seen)
       seen |= {(c.param, c.spec, c.mode) for c in d.centered}
       for v in d.aux_vars:
         aux_users[v].append(len(sites))
-      sites.append(ReportSite(index=len(sites), where=wheres[i], shape=s.input.shape,
+      norms = self.norm_names(i)
+      sites.append(ReportSite(index=len(sites), where=merged_where(norms) if norms else wheres[i],
+                              shape=s.input.shape, norms=norms,
                               axes=s.axes, folded=d.folded, reason=d.reason,
                               centered=own, auxiliary=d.auxiliary,
                               num_reductions=len(s.reduces), exact=d.exact,
-                              source=s.node.source(), requires=len(d.centered),
+                              source=_user_line(s.node), requires=len(d.centered),
                               aux=tuple(aux_index[v] for v in d.aux_vars),
                               kernel=d.folded and i in kernel_sites))
     for loop, s in nested_sites(self.top):
-      sites.append(ReportSite(index=len(sites), where=_site_where(s.node), shape=s.input.shape,
+      sites.append(ReportSite(index=len(sites), where=bound_name(_site_where(s.node)), shape=s.input.shape,
                               axes=s.axes, folded=False,
                               reason=f"inside a `{loop.prim.name}` body, which the analysis "
                                      "does not enter yet",
-                              num_reductions=len(s.reduces), source=s.node.source()))
+                              num_reductions=len(s.reduces), source=_user_line(s.node)))
+    constant = self.constant_aux()
     aux = tuple(Auxiliary(aux_index[v], tuple(v.shape), layout.fmt_spec(_spec_dict(sp), v.shape),
-                          _value_text(v), *_value_where(v), tuple(aux_users[v]))
+                          _value_text(v), *_value_where(v), tuple(aux_users[v]), v in constant)
                 for v, sp in self.aux_commit.items())
     copies = {(n.var, n.spec) for n in self.untie_commit.values()}
     leaves = [v for v in self.leaf_commit if self.is_leaf(v)]
@@ -600,7 +610,7 @@ class Planner:
         reductions_before=sum(rule_for(n.prim).sum_axes(n) is not None
                               for p in self.top.program.programs() for n in p.nodes),
         reductions_removed=sum(len(s.reduces) for s in self.folded_sites()),
-        reductions_added=len(self.aux_commit),
+        reductions_added=len(self.aux_commit) - len(constant), constant_aux=len(constant),
         params_centered=len(leaves), params_centered_bytes=sum(_nbytes(v) for v in leaves),
         norm_impl=self.opts.norm_impl)
     return Report(tuple(sites), aux, sum(_nbytes(v) for v, _ in copies), changes)
@@ -609,16 +619,19 @@ class Planner:
     """Module path of site ``j``: the name stack (linen), else the path of the
     norm's own γ/β parameters (nnx, plain functions), else the user's line."""
     node = self.sites[j].node
-    text = node.module() or self._param_module(j) or node.source()
+    site = self.sites[j]
+    text = node.module() or self._param_module(j) or _user_line(node) or _unnamed(site.axes, site.input.shape)
     if node.calls and not node.module():
       text += " " + call_note(node.calls)
     return text
 
-  def _param_module(self, j: int) -> str:
+  def _param_module(self, j: int, reduces: Optional[tuple] = None) -> str:
     """``h_0/ln_1`` from a γ or β leaf (``['h_0']['ln_1']['scale']``) that the
-    site's epilogue multiplies by or adds."""
+    site's epilogue (or that of ``reduces``, some of its reductions)
+    multiplies by or adds."""
     prog = self.sites[j].level.program
-    for v in sorted(self._epilogue(j), key=lambda v: self._epilogue(j)[v]):
+    epi = self._epilogue_of(reduces or self.sites[j].reduces, prog)
+    for v in sorted(epi, key=epi.__getitem__):
       for node, _ in prog.consumers.get(v, ()):
         if rule_for(node.prim).arith not in ("+", "*"):
           continue
@@ -629,6 +642,20 @@ class Planner:
             parts = param_label(self.name(a)).split(".")
             return "/".join(parts[:-1]) if len(parts) > 1 else ""
     return ""
+
+  def norm_names(self, j: int) -> tuple:
+    """The normalizations whose mean site ``j`` computes, by name, when more
+    than one does: two norms reading one value (GPT-NeoX's parallel
+    residual, Falcon-40B's ``ln_mlp``) share one mean site. A reduction is
+    named by its module path or its own γ/β's path; one with neither (a
+    second reduction of a single norm, e.g. inside ``jnp.var``) is not
+    counted as a norm of its own. ``()`` for a site of one norm."""
+    site = self.sites[j]
+    if len(site.reduces) < 2:
+      return ()
+    names = [r.module() or self._param_module(j, (r,)) for r in site.reduces]
+    names = tuple(dict.fromkeys(n for n in names if n))
+    return names if len(names) > 1 else ()
 
   def untied_name(self, n: LeafNeed) -> str:
     # Named by parameter and axes, not by equation position, so the same
@@ -647,14 +674,31 @@ class Planner:
 
   def outcome(self) -> Outcome:
     """The decisions of ``run()``, frozen (what ``fold`` builds the plan from)."""
+    constant = self.constant_aux()
     return Outcome(
         sites=tuple(SiteEntry(i, s, self.decisions[i]) for i, s in enumerate(self.sites)),
-        aux=tuple((v.key, s) for v, s in self.aux_commit.items()),
+        aux=tuple((v.key, s) for v, s in self.aux_commit.items() if v not in constant),
         consts=tuple((v.key, s) for v, s in self.leaf_commit.items() if v.kind == "const"),
         untied=tuple(UntiedUse(n.use[0].path, n.use[1], self.untied_name(n),
                                tuple(c.eqn for c in reversed(n.chain)))
                      for n in self.untie_commit.values()),
-        leaf_specs=self.leaf_specs(), untied_specs=self.untied_specs())
+        leaf_specs=self.leaf_specs(), untied_specs=self.untied_specs(),
+        aux_constants=tuple((v.key, x) for v, x in constant.items()))
+
+  def constant_aux(self) -> dict:
+    """Val -> its centered value, for each auxiliary centering of a value no
+    input (parameter or argument) reaches, e.g. a sinusoidal position table
+    the program computes from ``iota``: computed once here and written into
+    the folded program as a constant instead of being recomputed and
+    re-centered on every call."""
+    if "_constant_aux" not in self.__dict__:
+      out = {}
+      for v, spec in self.aux_commit.items():
+        nodes = _input_free_nodes(v)
+        if nodes is not None:
+          out[v] = layout.center(np.asarray(_evaluate_constant(v, nodes)), _spec_dict(spec))
+      self._constant_aux = out
+    return self._constant_aux
 
 
 def _distinct(wheres: list, nodes: list) -> list:
@@ -684,12 +728,65 @@ def _distinct(wheres: list, nodes: list) -> list:
   return out
 
 
+def _input_free_nodes(v: Val) -> Optional[list]:
+  """The equations computing ``v`` in program order when it depends on no
+  input of the program (only on literals and captured constants) and none
+  has effects; else None. Values inside loop or branch bodies are left to
+  run time."""
+  nodes, seen, stack = {}, set(), [v]
+  while stack:
+    u = stack.pop()
+    if not isinstance(u, Val) or u in seen:
+      continue
+    seen.add(u)
+    if not u.program.is_top:
+      return None
+    if u.producer is None:
+      if u.kind != "const":
+        return None
+      continue
+    node = u.producer
+    if getattr(node.eqn, "effects", None):
+      return None
+    nodes[id(node)] = node
+    stack.extend(node.ins)
+  return sorted(nodes.values(), key=lambda n: n.index)
+
+
+def _evaluate_constant(v: Val, nodes: list):
+  """``v``'s value, computed eagerly from ``nodes`` (even under a caller's trace)."""
+  import jax
+  env: dict = {}
+
+  def read(a):
+    if isinstance(a, Val):
+      return env[a] if a.producer is not None else a.const
+    return a.value
+  with jax.ensure_compile_time_eval():
+    for node in nodes:
+      for o, x in zip(node.outs, compat.bind_eqn(node.eqn, [read(a) for a in node.ins])):
+        env[o] = x
+    return read(v)
+
+
+def _user_line(node) -> str:
+  """``file.py:line (function)`` of the innermost frame outside installed
+  libraries that made ``node``; "" when only installed code did (a library's
+  line is never named: see compat's ``_LIBRARIES``)."""
+  return compat.user_source(node.eqn)
+
+
+def _unnamed(axes: tuple, shape: tuple) -> str:
+  """A site no module path, parameter or user's line names."""
+  return f"a mean over axes {','.join(map(str, axes))} of a {'x'.join(map(str, shape))} value (in installed code)"
+
+
 def _position(v: Val) -> int:
   return v.producer.index if v.producer is not None else -1
 
 
 def _site_where(node) -> str:
-  text = node.module() or node.source()
+  text = node.module() or _user_line(node) or "a norm inside installed libraries"
   if node.calls:
     text += " " + call_note(node.calls)
   return text
@@ -714,8 +811,8 @@ def _value_where(v: Val) -> tuple:
     return "", ""
   if node.calls:
     c = node.calls[0]   # the outermost call: the user's line, not a jnp internal
-    return node.module() or c.stack, c.source
-  return node.module(), node.source()
+    return bound_name(node.module() or c.stack), c.source
+  return bound_name(node.module()), _user_line(node)
 
 
 def seed_poly(shape: tuple, spec: tuple):

@@ -11,7 +11,7 @@ import dataclasses
 import html
 import json
 import re
-from typing import Optional
+from typing import Any, Optional
 
 LEGEND = (
     "legend: p[d]: parameter p made zero-mean along its dim d (0-based; p[d, e]: jointly; "
@@ -54,6 +54,7 @@ class Auxiliary:
   where: str = ""       # module path, may be empty
   source: str = ""      # the user's line, file.py:line (function)
   sites: tuple = ()     # indices of the sites that rely on it
+  constant: bool = False  # the value depends on no input: centered once at fold time, a constant
 
   @property
   def name(self) -> str:
@@ -70,7 +71,9 @@ class Auxiliary:
     at = f" at {self.source}" if self.source else ""
     used = f"; lets {len(self.sites)} site(s) fold" if self.sites else ""
     shape = "x".join(map(str, self.shape))
-    return f"{self.name}: centers {what}{at} over [{dims}] of {shape}{used}"
+    once = ("; the value depends on no input: centered once at fold time, a constant of the folded "
+            "program (no reduction per call)") if self.constant else ""
+    return f"{self.name}: centers {what}{at} over [{dims}] of {shape}{used}{once}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +93,12 @@ class Site:
   requires: int = 0     # all centerings its proof relies on (own + earlier sites')
   aux: tuple = ()       # indices of the Auxiliary centerings it relies on
   kernel: bool = False  # proved equal to the Pallas RMSNorm kernel's formula
+  norms: tuple = ()     # names of the norms sharing this mean (they read one value); () for one norm
+
+  @property
+  def num_norms(self) -> int:
+    """The normalizations this site is the mean of (2 where two norms read one value)."""
+    return max(1, len(self.norms))
 
   def as_dict(self) -> dict:
     d = dataclasses.asdict(self)
@@ -108,13 +117,26 @@ class Changes:
   norm_impl: str = "auto"
   kernel_proof: Optional[bool] = None  # whether the kernel's proof ran (None: a report from before this field)
   platform: str = ""                   # jax.default_backend() where the fold was made
+  counted_before: int = -1      # reduce_sum equations counted in the original program (-1: not counted)
+  counted_after: int = -1       # ... in the folded program
+  primitives: tuple = ()        # ((primitive, before, after), ...): every count that changed
+  constant_aux: int = 0         # auxiliary centerings computed at fold time (no reduction per call)
+
+  @property
+  def counted(self) -> bool:
+    """Whether the counts were taken from the two programs (not the plan's)."""
+    return self.counted_after >= 0
+
+  @property
+  def planned_after(self) -> int:
+    return self.reductions_before - self.reductions_removed + self.reductions_added
 
   @property
   def reductions_after(self) -> int:
-    return self.reductions_before - self.reductions_removed + self.reductions_added
+    return self.counted_after if self.counted else self.planned_after
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Report:
   """Per-site results of :func:`jaxfold.fold` (or :func:`jaxfold.cbwc`).
 
@@ -136,14 +158,44 @@ class Report:
   auxiliary: tuple = ()        # tuple[Auxiliary, ...]
   untied_bytes: int = 0
   changes: Optional[Changes] = None
+  # counts.ProgramCounts of the fold's two programs, traced on first use (not data: never
+  # compared, saved or pickled; what it counts is saved in ``changes``)
+  programs: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+  def __reduce__(self):
+    return (_report, (self.sites, self.auxiliary, self.untied_bytes, self.counted_changes()))
+
+  def __eq__(self, other) -> bool:
+    # (a report equals its saved form: the programs' counts, taken or not yet, are its data)
+    if not isinstance(other, Report):
+      return NotImplemented
+    return ((self.sites, self.auxiliary, self.untied_bytes, self.counted_changes())
+            == (other.sites, other.auxiliary, other.untied_bytes, other.counted_changes()))
+
+  def __hash__(self) -> int:
+    return hash((self.sites, self.auxiliary, self.untied_bytes))
+
+  def counted_changes(self) -> Optional[Changes]:
+    """``changes`` with the reductions and primitive counts of the two
+    programs (traced now, once, where this report knows them)."""
+    if self.programs is None or self.changes is None or self.changes.counted:
+      return self.changes
+    before, after, prims = self.programs()
+    return dataclasses.replace(self.changes, counted_before=before, counted_after=after, primitives=prims)
 
   @property
   def num_sites(self) -> int:
-    return len(self.sites)
+    """Normalizations: a mean site that norms reading one value share counts each."""
+    return sum(s.num_norms for s in self.sites)
 
   @property
   def num_folded(self) -> int:
-    return sum(s.folded for s in self.sites)
+    return sum(s.num_norms for s in self.sites if s.folded)
+
+  @property
+  def num_shared(self) -> int:
+    """Normalizations that share their mean site with another norm reading the same value."""
+    return sum(s.num_norms for s in self.sites if s.num_norms > 1)
 
   @property
   def num_auxiliary(self) -> int:
@@ -152,13 +204,13 @@ class Report:
   # -- data ------------------------------------------------------------------
 
   def as_dict(self) -> dict:
-    d = {"num_sites": self.num_sites, "num_folded": self.num_folded,
+    d = {"num_sites": self.num_sites, "num_folded": self.num_folded, "num_mean_sites": len(self.sites),
          "num_auxiliary": self.num_auxiliary, "untied_bytes": self.untied_bytes,
          "auxiliary": [dataclasses.asdict(a) for a in self.auxiliary],
          "sites": [s.as_dict() for s in self.sites]}
-    if self.changes is not None:
-      d["changes"] = {**dataclasses.asdict(self.changes),
-                      "reductions_after": self.changes.reductions_after}
+    ch = self.counted_changes()
+    if ch is not None:
+      d["changes"] = {**dataclasses.asdict(ch), "reductions_after": ch.reductions_after}
     return d
 
   def to_json(self) -> str:
@@ -172,7 +224,7 @@ class Report:
       s = dict(s)
       s["centered"] = tuple(Centering(**{**c, "spec": tuple(tuple(x) for x in c.get("spec", ()))})
                             for c in s.get("centered", ()))
-      for k in ("shape", "axes", "aux"):
+      for k in ("shape", "axes", "aux", "norms"):
         s[k] = tuple(s.get(k, ()))
       sites.append(Site(**s))
     aux = []
@@ -185,7 +237,8 @@ class Report:
     ch = d.get("changes")
     changes = None
     if ch:
-      changes = Changes(**{k: v for k, v in ch.items() if k != "reductions_after"})
+      changes = Changes(**{k: (tuple(tuple(x) for x in v) if k == "primitives" else v)
+                           for k, v in ch.items() if k != "reductions_after"})
     return cls(tuple(sites), tuple(aux), int(d.get("untied_bytes", 0)), changes)
 
   def on_platform(self, platform: str, kernel_proof: bool) -> "Report":
@@ -201,6 +254,9 @@ class Report:
   def summary(self) -> str:
     s = (f"{self.num_folded}/{self.num_sites} normalization sites folded, "
          f"{self.num_auxiliary} auxiliary centering(s)")
+    if self.num_shared:
+      s += (f" ({self.num_shared} of them read a value another norm reads: they share "
+            f"{sum(x.num_norms > 1 for x in self.sites)} mean site(s), {len(self.sites)} in all)")
     if self.untied_bytes:
       s += f", {_bytes(self.untied_bytes)} of untied parameter copies"
     return s
@@ -227,6 +283,8 @@ class Report:
           what = "[inexact] " + what
       else:
         what = _merge_texts([m.reason for m in members])
+      if s.num_norms > 1:
+        what = f"{_shared_text(s)}: " + what
       idx = _indices([m.index for m in members])
       rows.append((idx, "yes" if s.folded else "no", label, "x".join(map(str, s.shape)),
                    ",".join(map(str, s.axes)), what))
@@ -258,19 +316,22 @@ class Report:
   def diff(self) -> str:
     """What the fold changed: mean reductions per site, auxiliary centerings
     inserted, kernels substituted, parameters centered and untied copies."""
-    ch = self.changes or Changes()
+    ch = self.counted_changes() or Changes()
     folded = [s for s in self.sites if s.folded]
     lines = ["what changed (original -> folded program):"]
     if self.changes is not None:
-      added = f", +{ch.reductions_added} for auxiliary centering(s)" if ch.reductions_added else ""
-      lines.append(f"  reductions (reduce_sum, all): {ch.reductions_before} -> "
-                   f"{ch.reductions_after} (-{ch.reductions_removed} mean reduction(s) at "
-                   f"{len(folded)} folded site(s){added})")
+      lines.append(_reductions_text(ch, len(folded)))
+      if ch.primitives:
+        lines.append("  equations per primitive (counted in the two programs): "
+                     + ", ".join(f"{k} {a} -> {b}" for k, a, b in ch.primitives))
     for members in _groups(folded):
       label = _group_label([m.where for m in members])
       n = sum(m.num_reductions for m in members)
       each = f" ({members[0].num_reductions} each)" if len(members) > 1 else ""
-      lines.append(f"    {label}: -{n} reduction(s){each}, LayerNorm -> RMSNorm")
+      norms = "LayerNorm -> RMSNorm"
+      if members[0].num_norms > 1:
+        norms = f"{members[0].num_norms} LayerNorms -> RMSNorms ({_shared_text(members[0])})"
+      lines.append(f"    {label}: -{n} reduction(s){each}, {norms}")
     for a in self.auxiliary:
       lines.append(f"  + auxiliary centering {a.describe()}")
     lines.append("  kernels substituted: " + _kernels_text(ch, sum(s.kernel for s in folded)))
@@ -285,7 +346,7 @@ class Report:
         lines.append(f"    {Centering(p, ax, 'untied copy').label()}: {_bytes(b)}")
     else:
       lines.append("  untied centered copies: none (0 B extra)")
-    not_folded = self.num_sites - len(folded)
+    not_folded = self.num_sites - self.num_folded
     if not_folded:
       lines.append(f"  unchanged: {not_folded} site(s) keep their LayerNorm (see str(report))")
     return "\n".join(lines)
@@ -293,6 +354,77 @@ class Report:
 
 # ----------------------------------------------------------------------------
 # Formatting helpers.
+
+
+def _report(sites, auxiliary, untied_bytes, changes) -> "Report":
+  return Report(sites, auxiliary, untied_bytes, changes)
+
+
+def _reductions_text(ch: Changes, folded: int) -> str:
+  """The reductions line of ``diff``: the programs' counts where they were
+  taken, with the plan's account of the difference."""
+  added = f", +{ch.reductions_added} for auxiliary centering(s)" if ch.reductions_added else ""
+  if ch.constant_aux:
+    added += f"; {ch.constant_aux} auxiliary centering(s) of constants computed at fold time, none per call"
+  before = ch.counted_before if ch.counted_before >= 0 else ch.reductions_before
+  text = (f"  reductions (reduce_sum, all): {before} -> {ch.reductions_after} "
+          f"(-{ch.reductions_removed} mean reduction(s) at {folded} folded site(s){added})")
+  if not ch.counted:
+    return text + " [planned: the programs were not counted]"
+  if (before, ch.counted_after) != (ch.reductions_before, ch.planned_after):
+    text += (f" [counted in the two programs; the plan expected {ch.reductions_before} -> "
+             f"{ch.planned_after}]")
+  return text
+
+
+def _shared_text(s: Site) -> str:
+  return f"{s.num_norms} norms read this one value and share its mean"
+
+
+NAME_LIMIT = 100
+
+
+def bound_name(text: str, limit: int = NAME_LIMIT) -> str:
+  """``text`` in at most ``limit`` characters, keeping its informative end.
+
+  A module path keeps its end (the norm's own name: ``…/h_11/ln_2``). A chain
+  ``site ← caller ← caller`` (sites told apart by their callers) keeps the
+  site's name and the outermost callers it needs, the middle written ``…``.
+
+  Example:
+    >>> bound_name("a/" * 60 + "ln_2", 20)
+    '…a/a/a/a/a/a/a/ln_2'
+  """
+  if len(text) <= limit:
+    return text
+  parts = text.split(" ← ")
+  if len(parts) == 1:
+    return _tail(text, limit)
+  head = _tail(parts[0], max(limit // 2, limit - 3 - len(" ← ".join(parts[1:]))))
+  tail = [parts[-1]]
+  for p in reversed(parts[1:-1]):
+    if len(head) + sum(len(t) + 3 for t in tail) + len(p) + 7 > limit:
+      break
+    tail.insert(0, p)
+  more = " ← …" if len(tail) < len(parts) - 1 else ""
+  rest = _tail(" ← ".join(tail), limit - len(head) - 3 - len(more))
+  return f"{head}{more} ← {rest}"
+
+
+def _tail(text: str, n: int) -> str:
+  """The end of ``text`` in ``n`` characters, from a separator where one is near."""
+  if len(text) <= n:
+    return text
+  cut = text[len(text) - (n - 1):]
+  seps = [i for i in (cut.find("/"), cut.find(" ")) if 0 <= i < len(cut) // 2]
+  if seps:
+    cut = cut[min(seps) + 1:]
+  return "…" + cut
+
+
+def merged_where(norms: tuple) -> str:
+  """One row's name for norms sharing a mean: every norm's, ``a + b``, bounded."""
+  return bound_name(" + ".join(norms), max(NAME_LIMIT, 40 * len(norms)))
 
 
 def _kernels_text(ch: Changes, kern: int) -> str:
@@ -408,9 +540,25 @@ def _groups(sites) -> list:
     if len(members) == 1 or _varying(m.where for m in members) is not None:
       out.append(members)
     else:
-      out.extend([m] for m in members)
+      out.extend(_split_by_one_number(members))
   out.sort(key=lambda g: g[0].index)
   return out
+
+
+def _split_by_one_number(members: list) -> list:
+  """Rows whose names differ in several numbers (layer and head:
+  ``l_0/norms_1``), grouped along the one number that leaves fewest groups."""
+  nums = [_NUM.findall(m.where) for m in members]
+  if len({len(n) for n in nums}) != 1 or not nums[0]:
+    return [[m] for m in members]
+  best = None
+  for k in range(len(nums[0])):
+    parts: dict = {}
+    for m, n in zip(members, nums):
+      parts.setdefault(tuple(n[:k] + n[k + 1:]), []).append(m)
+    if best is None or len(parts) < len(best):
+      best = list(parts.values())
+  return best
 
 
 def _varying(texts) -> Optional[int]:
@@ -435,10 +583,10 @@ def _group_label(texts: list) -> str:
   values = [int(_NUM.findall(t)[k]) for t in texts]
   spans = list(_NUM.finditer(texts[0]))
   m = spans[k]
-  # the token the number belongs to (e.g. "h_0" in "h_0/ln_1"), repeated at both ends
-  start = max(texts[0].rfind("/", 0, m.start()), texts[0].rfind(".", 0, m.start())) + 1
-  end_candidates = [i for i in (texts[0].find("/", m.end()), texts[0].find(".", m.end())) if i >= 0]
-  end = min(end_candidates) if end_candidates else len(texts[0])
+  # the token the number belongs to (e.g. "h_0" in "h_0/ln_1"): its run of word
+  # characters, repeated at both ends (never past a bracket, so labels stay balanced)
+  start = _WORD_START.search(texts[0][:m.start()]).start()
+  end = m.end() + _WORD_END.match(texts[0], m.end()).end() - m.end()
   token_pre, token_post = texts[0][start:m.start()], texts[0][m.end():end]
   lo, hi = min(values), max(values)
   if sorted(values) == list(range(lo, hi + 1)):
@@ -446,6 +594,10 @@ def _group_label(texts: list) -> str:
   else:
     rng = "{" + ",".join(f"{token_pre}{v}{token_post}" for v in values) + "}"
   return texts[0][:start] + rng + texts[0][end:]
+
+
+_WORD_START = re.compile(r"[A-Za-z0-9_-]*$")
+_WORD_END = re.compile(r"[A-Za-z0-9_-]*")
 
 
 def _indices(ix: list) -> str:

@@ -46,6 +46,13 @@ class BiasAt(NamedTuple):
   name: str
 
 
+class ConstantAt(NamedTuple):
+  """The value ``key`` (one no input reaches) is replaced by ``value``, its
+  auxiliary centering computed once at fold time."""
+  key: tuple
+  value: Any
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """Everything the rewrite needs, keyed by paths (see program.Val.key)."""
@@ -57,12 +64,13 @@ class Plan:
   norm_impl: str = "auto"                     # see kernels.IMPLS
   biases: tuple[BiasAt, ...] = ()
   deferred: tuple = ()                        # deferral.Deferred: contractions reading x, scaled by s
+  constants: tuple[ConstantAt, ...] = ()      # values replaced by fold-time constants
 
   @property
   def touched(self) -> frozenset:
     paths = set(self.zero) | {k[0] for k, _ in self.aux} | {k[0] for k, _ in self.consts}
     paths |= {u for u, *_ in self.untied}
-    paths |= {k[0] for k, _ in self.biases}
+    paths |= {k[0] for k, _ in self.biases} | {k[0] for k, _ in self.constants}
     paths |= {e.path for e in self.deferred} | {k[0] for e in self.deferred for k in (e.x, e.s)}
     paths |= {e.kernel.add[0] for e in self.deferred if e.kernel is not None and e.kernel.add is not None}
     if self.norm_impl != "xla":
@@ -134,6 +142,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
   fused_at = {e.add_path: e for e in plan.epilogues
               if e.add_path is not None and plan.norm_impl != "xla"}
   aux = dict(plan.aux)
+  constants = dict(plan.constants)
   biases = dict(plan.biases)
   centered = dict(plan.consts)
   untied = {(u.path, u.operand): (u.name, u.chain) for u in plan.untied}
@@ -148,6 +157,8 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
     return compat.literal_value(a) if compat.is_literal(a) else env[a]
 
   def write(v, val, key, biased=False):
+    if key in constants:
+      val = constants[key]
     if key in aux:
       val = _aux(val, aux[key])
     if key in biases and not biased:

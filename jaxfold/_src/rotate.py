@@ -25,6 +25,7 @@ from jaxfold._src import display, kernels, pipeline
 from jaxfold._src.analysis import LeafNeed, Level, factor_leaf, leaf_of
 from jaxfold._src.errors import RotateError
 from jaxfold._src.fold import FoldedApply, FoldedParams
+from jaxfold._src.hints import rotation_aux_hint
 from jaxfold._src.pipeline import Call
 from jaxfold._src.program import Val
 from jaxfold._src.report import param_label
@@ -323,9 +324,7 @@ def _hints(model: Any) -> str:
   if fn is not None:
     report = fn.analysis_for(fn.example_args, kwargs=fn.example_kwargs).report
     if report.num_auxiliary:
-      hints.append(f"the fold has {report.num_auxiliary} auxiliary centering(s) (a mean over the "
-                   "stream, e.g. of a tied embedding): fold with tied_weights=\"copy\" (or "
-                   "auxiliary_centering=False) before fuse_affine and rotate")
+      hints.append(rotation_aux_hint(report, not fn.options.tie_by_aux()))
     unfolded = [s for s in report.sites if not s.folded and not s.auxiliary]
     if unfolded:   # a LayerNorm the fold kept still subtracts a mean over the stream
       hints.append(f"the fold left {len(unfolded)} of {len(report.sites)} norm site(s) unfolded (they "

@@ -51,6 +51,7 @@ def test_float64_keras_layernorm_runs_in_float32_and_is_refused(x64):
   folded = jaxfold.fold(params, f, _x(2, 3, "float64"))
   assert folded.report.num_folded == 0
   assert "float32" in str(folded.report)
+  assert "keras.config.set_floatx('float64')" in str(folded.report)   # Keras' cast: Keras' setting
   assert_same(f, params, folded, _x(3, 5, "float64"))
 
 

@@ -17,6 +17,7 @@ from jax import lax
 
 from jaxfold._src import algebra as A
 from jaxfold._src import compat
+from jaxfold._src.hints import cast_hint
 from jaxfold._src.rules.base import Block, Facts, Need, Rule, lift_poly, operand_const, operand_spec, register, size_one
 from jaxfold._src.zero import Zero
 
@@ -578,9 +579,10 @@ def _convert_zero_sum(node, k, spec, ctx):
     src, dst = np.dtype(node.ins[0].dtype).name, np.dtype(node.outs[0].dtype).name
     hint = ""
     if _is_float(node.ins[0].dtype) and _is_float(node.outs[0].dtype):
-      # e.g. Keras's JAX backend computes in its floatx (float32) and casts float64 inputs down.
-      hint = (f": the program computes this norm in {dst} on {src} values; compute in {src} "
-              f"throughout (Keras: keras.config.set_floatx('{src}')) or fold the {dst} model")
+      # e.g. Keras's JAX backend computes in its floatx (float32) and casts float64 inputs down:
+      # the framework's setting is named only when its code made the cast.
+      made_by = next((p for p in ("keras", "flax") if compat.made_in_package(node.eqn, p)), "")
+      hint = ": " + cast_hint(made_by, src, dst)
     raise Block(f"a cast to {dst} does not keep a zero sum{hint}")
   return [Need(0, spec, transparent=True)]
 
