@@ -500,7 +500,7 @@ def _value_bias_sites(level: Level, names: tuple, fused: dict, base_plan_biases:
       fused_part = (fb[3], fb[2], tuple(fb[1].shape), fb[4], fz[0]) if fb is not None else None
       spec = (b, view, node.eqn, vs, ka[0], chain, wleaf, wside, wsrc, wchain, wdd.numbers,
               tuple(sorted(od for od, (sd, _) in wdd.owner.items() if sd == wside)), fused_part,
-              wnode.outs[0].dtype)
+              wnode.outs[0].dtype, dd.numbers)
       taken.add(b)
       zeroed.append((b, tuple(sorted(s))))
       vbiases.append((name, key, spec))
@@ -583,7 +583,9 @@ def _reader(level: Level, z: Val, dims: frozenset):
   """``(node, W side, W leaf, chain from z, W's chain)``: the one contraction that reads ``z``
   (through re-indexing steps) contracting exactly ``dims`` against a parameter."""
   prog = level.program
-  v, chain, state = z, [], Lin(dims)
+  # Followed: the dims b_V is constant along (batch, queries), which must stay whole dims
+  # and not be contracted; the contraction then contracts exactly the others.
+  v, chain, state = z, [], Lin(frozenset(range(len(z.shape))) - dims)
   while True:
     if v in prog.output_positions:
       raise Block("the attention output is a program output")
@@ -594,7 +596,8 @@ def _reader(level: Level, z: Val, dims: frozenset):
     rule = rule_for(node.prim)
     dd = rule.contraction(node)
     if dd is not None:
-      if frozenset(dd.contracting(k)) != state.dims or dd.lb:
+      rest = frozenset(range(len(node.ins[k].shape))) - state.dims
+      if frozenset(dd.contracting(k)) != rest or dd.lb:
         raise Block(f"a contraction that does not contract exactly b_V's dims [at {node.where()}]")
       src = _param_operand(level, node.ins[1 - k])
       if src is None:
@@ -641,10 +644,10 @@ def _host(x) -> np.ndarray:
 
 
 def _vbias_value(spec: tuple, flat: list, extras: dict) -> np.ndarray:
-  """``b_V·W_O`` at the output projection, with size 1 where it is constant: the attention sum
-  evaluated with one-hot weights (picks b_V, constant along the key dim: exact in any dtype),
-  pushed through the re-indexing steps, then contracted with the (fused) ``W_O`` in float64."""
-  b, view, eqn, vs, ka, chain, wleaf, wside, wsrc, wchain, dn, wdims, fused_part, _ = spec
+  """``b_V·W_O`` at the output projection, with size 1 where it is constant, in float64: the
+  attention sum with one-hot weights (picks b_V, constant along the key dim), carried through
+  the re-indexing steps (as an index map: exact in any dtype), contracted with the fused W_O."""
+  b, view, eqn, vs, ka, chain, wleaf, wside, wsrc, wchain, dn, wdims, fused_part, _, adn = spec
   vshape = eqn.invars[vs].aval.shape
   bv = _host(flat[b]).ravel()[_view_indices(view, vshape)]
   if fused_part is not None:   # fuse_affine's β·W bias, the part V reads
@@ -653,26 +656,44 @@ def _vbias_value(spec: tuple, flat: list, extras: dict) -> np.ndarray:
     if e.shape != eshape:
       raise ValueError(f"the fused bias {name} has shape {e.shape}, the analysis expected {eshape}")
     bv = bv + np.broadcast_to(e, dshape).ravel()[_view_indices(fview, vshape)]
-  a_aval = eqn.invars[1 - vs].aval
-  onehot = np.zeros(a_aval.shape, a_aval.dtype)
-  sl = [slice(None)] * len(a_aval.shape)
+  a_shape = eqn.invars[1 - vs].aval.shape
+  onehot = np.zeros(a_shape, np.float64)
+  sl = [slice(None)] * len(a_shape)
   sl[ka] = 0
   onehot[tuple(sl)] = 1
-  ins = [None, None]
-  ins[vs], ins[1 - vs] = bv.astype(eqn.invars[vs].aval.dtype), onehot   # (b_V in the sum's dtype)
-  z = compat.bind_eqn(eqn, ins)[0]
-  for e in chain:   # (real casts skipped: b_V·W_O is taken in real arithmetic, rounded once)
-    if rule_for(e.primitive).cast is None:
-      z = compat.bind_eqn(e, [z])[0]
-  wx = extras[wsrc[1]] if wsrc[0] == "extra" else flat[wleaf]
-  for e in wchain:
-    wx = compat.bind_eqn(e, [wx])[0]
-  (lc, rc), _ = dn
   ops = [None, None]
-  ops[wside], ops[1 - wside] = _host(wx), _host(z)
-  t = np.tensordot(ops[0], ops[1], axes=(tuple(lc), tuple(rc)))   # (no batch dims: _reader)
+  ops[vs], ops[1 - vs] = bv, onehot
+  z = _np_dot_general(ops[0], ops[1], adn)
+  z = z.ravel()[_index_map(z.shape, chain)]
+  wx = _host(extras[wsrc[1]] if wsrc[0] == "extra" else flat[wleaf])
+  wx = wx.ravel()[_index_map(wx.shape, wchain)]
+  ops[wside], ops[1 - wside] = wx, z
+  t = _np_dot_general(ops[0], ops[1], dn)
   # Constant along every dim but W_O's free ones: keep index 0 there.
   return t[tuple(slice(None) if d in wdims else slice(0, 1) for d in range(t.ndim))]
+
+
+def _index_map(shape: tuple, chain: tuple) -> np.ndarray:
+  """Where each element of a re-indexing chain's output comes from in its input (flat);
+  real casts are skipped (the values are taken in real arithmetic and rounded once)."""
+  idx = jnp.arange(int(np.prod(shape)), dtype=jnp.int32).reshape(shape)
+  for e in chain:
+    if rule_for(e.primitive).cast is None:
+      idx = compat.bind_eqn(e, [idx])[0]
+  return np.asarray(idx)
+
+
+def _np_dot_general(lhs: np.ndarray, rhs: np.ndarray, numbers) -> np.ndarray:
+  """``lax.dot_general`` in numpy (float64): batch dims, then lhs free, then rhs free."""
+  (lc, rc), (lb, rb) = numbers
+  lc, rc, lb, rb = map(list, (lc, rc, lb, rb))
+  lf = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
+  rf = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
+  bs = tuple(lhs.shape[d] for d in lb)
+  k = int(np.prod([lhs.shape[d] for d in lc]))
+  lm = lhs.transpose(lb + lf + lc).reshape(bs + (-1, k))
+  rm = rhs.transpose(rb + rc + rf).reshape(bs + (k, -1))
+  return (lm @ rm).reshape(bs + tuple(lhs.shape[d] for d in lf) + tuple(rhs.shape[d] for d in rf))
 
 
 def apply(edits: TLEdits, flat: list, extras: dict) -> None:
@@ -681,7 +702,7 @@ def apply(edits: TLEdits, flat: list, extras: dict) -> None:
   for name, leaf in edits.copies:
     extras[name] = flat[leaf]
   for name, _, spec in edits.vbiases:
-    extras[name] = jnp.asarray(_vbias_value(spec, flat, extras).astype(np.dtype(spec[-1])))
+    extras[name] = jnp.asarray(_vbias_value(spec, flat, extras).astype(np.dtype(spec[13])))
   for _, _, spec in edits.vbiases:
     if spec[12] is not None:
       name, _, _, _, entries = spec[12]
