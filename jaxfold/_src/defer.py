@@ -49,7 +49,8 @@ def defer_norms(model: Any, *example_args: Any) -> Any:
   args = tuple(example_args) if example_args else fn.example_args
   kwargs = pipeline.model_kwargs(model, example_args)
   call = fn.bind(args, kwargs)
-  an = affine.analyse(call.fn, fn._params, call.abstract_args(affine.FuseError), defer=True)
+  an = affine.analyse(call.fn, fn._params, call.abstract_args(affine.FuseError), defer=True,
+                      tl=fn._base.tl_options)
   if an.call_key[:4] != fn._base.call_key[:4]:
     raise affine.FuseError("these inputs fuse differently from the example fuse_affine was given; "
                            "pass the same example_args")

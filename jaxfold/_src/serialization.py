@@ -243,6 +243,8 @@ def _transforms_info(chain: list) -> list:
                   "example_args": _encode_args(tuple(fn.example_args))})
       if an.defer:  # defer_norms: redone on load (an older jaxfold ignores it: same function)
         out[-1]["defer_norms"] = True
+      if any(an.tl_options):  # center_unembed / fold_value_biases: redone on load (the key says so)
+        out[-1]["tl_edits"] = [bool(o) for o in an.tl_options]
     else:
       out.append({"name": name, "size": fn._n,
                   "rotated": [[int(i), [int(d) for d in dims]] for i, dims in fn._key],
@@ -754,6 +756,8 @@ def _fused_treedef(an: Any, folded_abstract: Any) -> Any:
   base = jax.tree_util.tree_unflatten(tree, [None if i in removed else x for i, x in enumerate(leaves)])
   extras = {c[0]: 0 for c in an.copies}
   extras.update({b[0]: 0 for b in an.biases})
+  if an.tl is not None:   # center_unembed / fold_value_biases: their copies and new biases
+    extras.update({name: 0 for name in an.tl.extra_names})
   return jax.tree_util.tree_structure(FusedParams(base, extras))
 
 
@@ -838,7 +842,8 @@ def _load_chain(copy: str, directory: str, apply_fn: Callable, info: dict, args:
       step_args = tuple(step_examples[k]) if k in step_examples else tuple(args)
       call = pipeline.bind(fn, step_args, kwargs, FoldError)
       an = affine.analyse(call.fn, struct, call.abstract_args(FoldError),
-                          defer=bool(step.get("defer_norms")))
+                          defer=bool(step.get("defer_norms")),
+                          tl=tuple(bool(o) for o in step.get("tl_edits", (False, False))))
       if verify and (_key_digest(an.key) != step.get("key_sha256")
                      or an.report.num_fused != step.get("num_fused")):
         raise refuse(f"fuse_affine ({an.report.num_fused} sites fused now, {step.get('num_fused')} "

@@ -60,8 +60,14 @@ class TLEdits:
 
   @property
   def key(self) -> tuple:
-    return (self.center, self.copies, tuple(u[:3] for u in self.untied), self.zeroed,
+    # (no equation paths: a trace at another shape numbers equations differently)
+    return (self.center, self.copies, self.zeroed,
             tuple((n, s[0], s[6], s[7], s[11], s[12] and (s[12][0], s[12][4])) for n, _, s in self.vbiases))
+
+  @property
+  def extra_names(self) -> tuple:
+    """The names of the new parameters (untied copies, new biases) the edits add."""
+    return tuple(n for n, _ in self.copies) + tuple(n for n, _, _ in self.vbiases)
 
   @property
   def plan_biases(self) -> tuple:

@@ -218,3 +218,19 @@ def test_off_by_default(x64):
   fu = jaxfold.fuse_affine(jaxfold.fold(p, m.apply, ids))
   assert fu.report.edits == ()
   np.testing.assert_allclose(fu.apply_fn(fu.params, ids), m.apply(p, ids), atol=1e-12)
+
+
+def test_save_load_and_defer_keep_the_edits(x64, tmp_path):
+  """The edits are part of the fused program: a saved result redoes them on load, and
+  defer_norms of an edited result keeps them (else the new biases would be missing)."""
+  m, p, ids = _tlgpt()
+  fu = jaxfold.fuse_affine(jaxfold.fold(p, m.apply, ids), center_unembed=True, fold_value_biases=True)
+  x = jnp.asarray(np.random.default_rng(3).integers(0, V, (1, 5)))
+  want = fu.apply_fn(fu.params, x)
+  jaxfold.save_fold(fu, tmp_path / "tl")
+  back = jaxfold.load_fold(tmp_path / "tl", m.apply)
+  assert back.report.edits == fu.report.edits
+  np.testing.assert_allclose(back.apply_fn(back.params, x), want, atol=1e-12)
+  deferred = jaxfold.defer_norms(fu)
+  assert deferred.report.edits == fu.report.edits and deferred.report.num_deferred > 0
+  np.testing.assert_allclose(deferred.apply_fn(deferred.params, x), want, atol=1e-12)
