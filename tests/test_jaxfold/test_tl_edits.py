@@ -83,6 +83,7 @@ def test_gpt2_matches_transformer_lens_formulas(x64):
     vb = [v for k, v in extras.items() if k.startswith(f"h_{i}.attn.c_proj.kernel@vbias")]
     assert len(vb) == 1
     np.testing.assert_allclose(np.asarray(h["c_proj"]["bias"]) + vb[0].reshape(-1), tl[i]["b_O"], atol=1e-12)
+    np.testing.assert_allclose(np.asarray(h["c_attn"]["kernel"]), tl[i]["W_qkv"], atol=1e-12)   # fold_ln
     assert np.all(np.asarray(h["c_attn"]["bias"])[2 * d:] == 0)          # b_V' = 0
     fb = [v for k, v in extras.items() if f"h_{i}']['attn']['c_attn']['kernel']@bias" in k]
     assert np.all(fb[0].reshape(-1)[2 * d:] == 0)                         # and its fold_ln part
@@ -190,7 +191,7 @@ def test_einsum_gpt_matches_transformer_lens_formulas(x64):
   np.testing.assert_allclose(base["b_U"] + bu[0].reshape(-1), tl["b_U"], atol=1e-12)
   for b, t in SHAPES:
     x = jnp.asarray(np.random.default_rng(b + t).integers(0, V, (b, t)))
-    ref, got = m.apply(p, x), fu.apply_fn(fu.params, x)
+    ref, got = jax.jit(m.apply)(p, x), jax.jit(fu.apply_fn)(fu.params, x)
     assert np.max(np.abs(_softmax(got) - _softmax(ref))) < 1e-12
     assert _row_spread(got, ref) < 1e-12
     assert bool(jnp.all(jnp.argmax(got, -1) == jnp.argmax(ref, -1)))
@@ -204,20 +205,20 @@ def test_refused_with_the_reason(x64):
   vb = [s for s in fu.report.edits if s.edit == "fold_value_biases"]
   assert len(vb) == L and not any(s.done for s in vb)
   assert all("not proved to be rows of a softmax" in s.reason for s in vb), str(fu.report)
-  np.testing.assert_allclose(fu.apply_fn(fu.params, ids, keep), m.apply(p, ids, keep), atol=1e-12)
+  np.testing.assert_allclose(jax.jit(fu.apply_fn)(fu.params, ids, keep), m.apply(p, ids, keep), atol=1e-12)
   # Logits through a nonlinearity: centering them would change the output.
   m, p, ids = _tlgpt(softcap=True)
   fu = jaxfold.fuse_affine(jaxfold.fold(p, m.apply, ids), center_unembed=True)
   cu = [s for s in fu.report.edits if s.edit == "center_unembed"]
   assert len(cu) == 1 and not cu[0].done and "not centered" in cu[0].reason, str(fu.report)
-  np.testing.assert_allclose(fu.apply_fn(fu.params, ids), m.apply(p, ids), atol=1e-12)
+  np.testing.assert_allclose(jax.jit(fu.apply_fn)(fu.params, ids), m.apply(p, ids), atol=1e-12)
 
 
 def test_off_by_default(x64):
   m, p, ids = _tlgpt()
   fu = jaxfold.fuse_affine(jaxfold.fold(p, m.apply, ids))
   assert fu.report.edits == ()
-  np.testing.assert_allclose(fu.apply_fn(fu.params, ids), m.apply(p, ids), atol=1e-12)
+  np.testing.assert_allclose(jax.jit(fu.apply_fn)(fu.params, ids), m.apply(p, ids), atol=1e-12)
 
 
 def test_save_load_and_defer_keep_the_edits(x64, tmp_path):
@@ -226,11 +227,11 @@ def test_save_load_and_defer_keep_the_edits(x64, tmp_path):
   m, p, ids = _tlgpt()
   fu = jaxfold.fuse_affine(jaxfold.fold(p, m.apply, ids), center_unembed=True, fold_value_biases=True)
   x = jnp.asarray(np.random.default_rng(3).integers(0, V, (1, 5)))
-  want = fu.apply_fn(fu.params, x)
+  want = jax.jit(fu.apply_fn)(fu.params, x)
   jaxfold.save_fold(fu, tmp_path / "tl")
   back = jaxfold.load_fold(tmp_path / "tl", m.apply)
   assert back.report.edits == fu.report.edits
-  np.testing.assert_allclose(back.apply_fn(back.params, x), want, atol=1e-12)
+  np.testing.assert_allclose(jax.jit(back.apply_fn)(back.params, x), want, atol=1e-12)
   deferred = jaxfold.defer_norms(fu)
   assert deferred.report.edits == fu.report.edits and deferred.report.num_deferred > 0
-  np.testing.assert_allclose(deferred.apply_fn(deferred.params, x), want, atol=1e-12)
+  np.testing.assert_allclose(jax.jit(deferred.apply_fn)(deferred.params, x), want, atol=1e-12)
