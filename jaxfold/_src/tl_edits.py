@@ -155,7 +155,7 @@ def _unembed_sites(level: Level, names: tuple, fused: dict) -> tuple:
       where = node.where()
       try:
         reached = _outputs_shift(level, {z: _seed(z.shape, frozenset({o}))})
-      except Block as err:
+      except Exception as err:  # noqa: BLE001 - a rule that cannot decide blocks
         sites.append(TLSite("center_unembed", where, (wname,), False, f"not centered: {err}"))
         continue
       bad = [k for k, c in reached.items() if not (c - {d for d, n in enumerate(outs_shapes[k]) if n == 1})]
@@ -203,7 +203,7 @@ def _unembed_sites(level: Level, names: tuple, fused: dict) -> tuple:
         try:
           breach = _outputs_shift(level, {prog.invars[b]: _seed(prog.invars[b].shape, frozenset(
               range(len(prog.invars[b].shape))))})
-        except Block as err:
+        except Exception as err:  # noqa: BLE001 - a rule that cannot decide blocks
           kept = f"; {param_label(names[b])} kept: {err}"
           continue
         center.append((("leaf", b), _vec_dim(prog.invars[b].shape)))
@@ -339,43 +339,52 @@ def _src_view(fid: int, src: Val) -> Optional[A.View]:
   return None
 
 
-def _reads(e: A.Expr, src: Val, banned: set, memo: dict) -> Optional[frozenset]:
-  """Flat indices of ``src`` (a parameter or a value) that ``e`` reads (None: read opaquely,
-  through a value computed from it)."""
-  out: set = set()
+_NONE = np.zeros(0, np.int64)
+
+
+def _reads(e: A.Expr, src: Val, banned: set, memo: dict) -> Optional[np.ndarray]:
+  """Flat indices of ``src`` (a parameter or a value) that ``e`` reads, sorted and unique
+  (None: read opaquely, through a value computed from it)."""
+  parts = []
   for m in e.terms:
     for f in m:
       r = _factor_reads(f, src, banned, memo)
       if r is None:
         return None
-      out |= r
-  return frozenset(out)
+      parts.append(r)
+  return np.unique(np.concatenate(parts)) if parts else _NONE
 
 
-def _factor_reads(fid: int, src: Val, banned: set, memo: dict) -> Optional[frozenset]:
+def _factor_reads(fid: int, src: Val, banned: set, memo: dict) -> Optional[np.ndarray]:
   if fid in memo:
     return memo[fid]
   f = A.factor(fid)
   view = _src_view(fid, src)
   if view is not None:
-    out = frozenset(np.unique(_view_indices(view, f.shape)).tolist())
+    out = np.unique(_view_indices(view, f.shape))
   elif f.kind == "atom":
-    out = None if (isinstance(f.key, Val) and f.key in banned) else frozenset()
+    out = None if (isinstance(f.key, Val) and f.key in banned) else _NONE
   elif f.kind == "view":
     out = _factor_reads(f.args[0], src, banned, memo)
   else:
-    out = frozenset()
+    parts = []
     for a in f.args:
-      r = _reads(a, src, banned, memo) if isinstance(a, A.Expr) else frozenset()
+      r = _reads(a, src, banned, memo) if isinstance(a, A.Expr) else _NONE
       if r is None:
-        out = None
+        parts = None
         break
-      out |= r
+      parts.append(r)
+    out = None if parts is None else (np.unique(np.concatenate(parts)) if parts else _NONE)
   memo[fid] = out
   return out
 
 
-def _downstream(level: Level, src: Val, limit: int = 4096) -> Optional[set]:
+def _meets(r: np.ndarray, s: np.ndarray) -> bool:
+  """Two sorted unique index arrays share an index."""
+  return bool(r.size and s.size and np.intersect1d(r, s, assume_unique=True).size)
+
+
+def _downstream(level: Level, src: Val, limit: int = 1 << 22) -> Optional[set]:
   prog = level.program
   seen, frontier = {src}, [src]
   while frontier:
@@ -390,7 +399,7 @@ def _downstream(level: Level, src: Val, limit: int = 4096) -> Optional[set]:
   return seen
 
 
-def _only_into(level: Level, src: Val, s: frozenset, v: Val) -> Optional[str]:
+def _only_into(level: Level, src: Val, s: np.ndarray, v: Val) -> Optional[str]:
   """None when setting ``src``'s entries ``s`` to zero changes no value but ``v`` (walking
   forwards from ``src``, a value whose exact canonical form reads none of ``s`` stops the
   walk), and ``v`` only through one view: else why not."""
@@ -410,7 +419,7 @@ def _only_into(level: Level, src: Val, s: frozenset, v: Val) -> Optional[str]:
           continue
         seen.add(o)
         r = _reads(level.canon(o), src, banned, memo)
-        if r is not None and not (r & s):
+        if r is not None and not _meets(r, s):
           continue
         if o in prog.output_positions:
           return f"the value bias also reaches program output #{prog.output_positions[o][0]}"
@@ -418,18 +427,20 @@ def _only_into(level: Level, src: Val, s: frozenset, v: Val) -> Optional[str]:
   return None
 
 
-def _bias_source(level: Level, v: Val, term: tuple, src: Val, s: Optional[frozenset] = None) -> Optional[str]:
+def _bias_source(level: Level, v: Val, term: tuple, src: Val, s: Optional[np.ndarray] = None) -> Optional[str]:
   """None when ``v``'s canonical form reads ``src`` only through its term ``term`` (a view of
   ``src``, coefficient 1) and setting the entries ``s`` of ``src`` (default: what that term
   reads) to zero changes no other value."""
   e = level.canon(v)
   view = _src_view(term[0], src)
   if s is None:
-    s = frozenset(np.unique(_view_indices(view, v.shape)).tolist())
-  banned = _downstream(level, src) or set()
+    s = np.unique(_view_indices(view, v.shape))
+  banned = _downstream(level, src)
+  if banned is None:
+    return "the bias reaches too much of the program to follow"
   rest = A.sub(e, A.Expr({term: e.terms[term]}, e.shape))
   rr = _reads(rest, src, banned, {})
-  if rr is None or rr & s:
+  if rr is None or _meets(rr, s):
     return "the rest of the value reads the same bias entries"
   return _only_into(level, src, s, v)
 
@@ -465,7 +476,7 @@ def _value_bias_sites(level: Level, names: tuple, fused: dict, base_plan_biases:
         sites.append(TLSite("fold_value_biases", where, (bname,), False,
                             f"not folded: the attention weights are not proved to be rows of a softmax: {why}"))
         continue
-      s = frozenset(np.unique(_view_indices(view, v.shape)).tolist())
+      s = np.unique(_view_indices(view, v.shape))
       why = None
       if any(len(prog.consumers.get(u, ())) != 1 or u in prog.output_positions for u in _cast_chain(v, v0)):
         why = "the value is also read elsewhere (not only by the attention sum)"
@@ -508,7 +519,7 @@ def _value_bias_sites(level: Level, names: tuple, fused: dict, base_plan_biases:
               tuple(sorted(od for od, (sd, _) in wdd.owner.items() if sd == wside)), fused_part,
               wnode.outs[0].dtype, dd.numbers)
       taken.add(b)
-      zeroed.append((b, tuple(sorted(s))))
+      zeroed.append((b, tuple(s.tolist())))
       vbiases.append((name, key, spec))
       sites.append(TLSite(
           "fold_value_biases", where, (bname, param_label(wname)), True,
@@ -582,7 +593,7 @@ def _fused_zero_set(fb: tuple, v: Val, kv: int) -> Optional[tuple]:
   if not np.all(read == np.take(read, [0], axis=kv)):
     return None
   entries = np.unique(read)
-  return tuple(entries.tolist()), frozenset(np.flatnonzero(np.isin(eidx, entries)).tolist())
+  return tuple(entries.tolist()), np.flatnonzero(np.isin(eidx, entries))
 
 
 def _reader(level: Level, z: Val, dims: frozenset):
@@ -636,11 +647,18 @@ def analyse(level: Level, names: tuple, untied: list, plan_biases: list, center_
   base_plan_biases = set(fused["biases"])
   center = copies = untied = zeroed = vbiases = ()
   sites: list = []
+  # (an analysis that fails unexpectedly leaves the model as fuse_affine made it, and says so)
   if fold_value_biases:
-    zeroed, vbiases, s = _value_bias_sites(level, names, fused, base_plan_biases)
+    try:
+      zeroed, vbiases, s = _value_bias_sites(level, names, fused, base_plan_biases)
+    except Exception as err:  # noqa: BLE001 - refused with the reason, never a wrong edit
+      s = [TLSite("fold_value_biases", "(program)", (), False, f"not folded: {type(err).__name__}: {err}")]
     sites += s
   if center_unembed:
-    center, copies, untied, s = _unembed_sites(level, names, fused)
+    try:
+      center, copies, untied, s = _unembed_sites(level, names, fused)
+    except Exception as err:  # noqa: BLE001
+      s = [TLSite("center_unembed", "(program)", (), False, f"not centered: {type(err).__name__}: {err}")]
     sites += s
   return TLEdits(center, copies, untied, zeroed, vbiases, tuple(sites))
 
@@ -713,11 +731,11 @@ def apply(edits: TLEdits, flat: list, extras: dict) -> None:
     if spec[12] is not None:
       name, _, _, _, entries = spec[12]
       x = np.array(extras[name]).ravel()
-      x[list(entries)] = 0
+      x[np.asarray(entries, np.int64)] = 0
       extras[name] = jnp.asarray(x.reshape(np.shape(extras[name])))
   for b, idx in edits.zeroed:
     x = np.array(flat[b]).ravel()
-    x[list(idx)] = 0
+    x[np.asarray(idx, np.int64)] = 0
     flat[b] = jnp.asarray(x.reshape(np.shape(flat[b])))
   for (kind, ref), dim in edits.center:
     x = flat[ref] if kind == "leaf" else extras[ref]
