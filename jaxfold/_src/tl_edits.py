@@ -510,7 +510,7 @@ def _value_bias_sites(level: Level, names: tuple, fused: dict, base_plan_biases:
                             "not folded: the output projection already receives a fused bias"))
         continue
       wname = names[wleaf]
-      name = f"{param_label(wname)}@vbias{param_label(bname)}"
+      name = f"{param_label(wname)}@vbias.{param_label(bname)}"
       wsrc = ("extra", fused["untied"][(wnode.path, wside)]) if (wnode.path, wside) in fused["untied"] \
           else ("leaf", wleaf)
       wdd = rule_for(wnode.prim).contraction(wnode)
