@@ -23,6 +23,8 @@ Known differences (checked against jax 0.10.2 and 0.11.2):
   from 0.11 on.
 * Masked loads/stores: ``jax.experimental.pallas.triton.load/store`` (0.10,
   0.11); older jax had ``pl.load(ref, idx, mask=...)``.
+* ``plgpu.load(ref, idx, layout=...)`` (0.10, 0.11) lost its index argument in
+  0.12 (:func:`mosaic_gpu_load`).
 
 Example:
     >>> from pallas_kernels._compat import pallas_api
@@ -164,6 +166,18 @@ def _interpret_params_cls():
   if cls is None:
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as cls  # 0.10, private
   return cls
+
+
+def mosaic_gpu_load(ref, layout):
+    """``plgpu.load`` of a whole (sliced) ref in ``layout``: jax 0.10/0.11 take an index
+    argument (``()``), jax 0.12 dropped it (``plgpu.load(ref, layout=...)``)."""
+    import inspect
+
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if "idx" in inspect.signature(plgpu.load).parameters:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
 
 
 def mosaic_gpu_kernel(body, *, out_type, scratch_types, grid: int, name: str, interpret: bool):

@@ -112,7 +112,7 @@ def _loader(k: int, interpret: bool):
     return lambda ref: ref[...]
   vec = next(v for v in (4, 2, 1) if k % v == 0)
   layout = plgpu.Layout.WG_STRIDED((k, LANES), vec_size=vec)
-  return lambda ref: plgpu.load(ref, (), layout=layout)
+  return lambda ref: _compat.mosaic_gpu_load(ref, layout)
 
 
 # --------------------------------------------------------------------------

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfold._src import algebra as A
-from jaxfold._src import compat, counts, deferral, display, kernels, pipeline
+from jaxfold._src import compat, counts, deferral, display, kernels, pipeline, tl_edits
 from jaxfold._src.analysis import Level, factor_leaf, leaf_of, vector_along
 from jaxfold._src.errors import FuseError
 from jaxfold._src.pipeline import Call
@@ -65,6 +65,7 @@ class FuseReport:
   kernels: int = 0        # norms the RMSNorm kernel computes in the fused program
   norm_impl: str = "xla"  # the fold's, kept for the fused program
   deferred: tuple = ()    # deferral.DeferSite per affine site, with defer_norms
+  edits: tuple = ()       # tl_edits.TLSite: center_unembed / fold_value_biases, when asked
   programs: Any = dataclasses.field(default=None, compare=False, repr=False)   # counts.ProgramCounts
 
   def diff(self) -> str:
@@ -87,6 +88,7 @@ class FuseReport:
                     if self.kernels else ""))
     for i, s in enumerate(self.deferred):
       lines.append(f"{i}  {'deferred' if s.deferred else 'normed':8}  {s.where}: {s.reason}")
+    lines += [str(tl_edits.TLEdits(sites=self.edits))] if self.edits else []
     if self.deferred:
       lines.append(f"{self.num_deferred}/{len(self.deferred)} fused norms deferred (readers "
                    "contract the un-normalized input)")
@@ -122,6 +124,7 @@ class _FuseRecord(NamedTuple):
   defer: bool
   key_sha256: Any
   num_fused: Any
+  tl: tuple = (False, False)      # center_unembed, fold_value_biases (absent in older saves: off)
 
 
 # ----------------------------------------------------------------------------
@@ -201,6 +204,8 @@ class FuseAnalysis:
   biases: tuple[NewBias, ...]
   report: FuseReport
   defer: bool = False  # defer_norms: deferred readers are in plan.deferred
+  tl: Any = None       # tl_edits.TLEdits (center_unembed, fold_value_biases), when asked
+  tl_options: tuple = (False, False)
 
   @property
   def key(self) -> tuple:
@@ -214,7 +219,7 @@ class FuseAnalysis:
       # another shape numbers differently (a batch-1 trace drops a broadcast) for
       # the same deferral. The parameters do not depend on it at all.
       key += (tuple((s.readers, s.deferred) for s in self.report.deferred),)
-    return key
+    return key + ((self.tl.key,) if self.tl is not None else ())
 
   @property
   def call_key(self) -> tuple:
@@ -245,6 +250,8 @@ class FuseAnalysis:
     base = jax.tree_util.tree_unflatten(tree, [None if i in removed else x for i, x in enumerate(leaves)])
     extras = {c.name: 0 for c in self.copies}
     extras.update({b.name: 0 for b in self.biases})
+    if self.tl is not None:   # center_unembed / fold_value_biases: their copies and new biases
+      extras.update({name: 0 for name in self.tl.extra_names})
     return jax.tree_util.tree_structure(FusedParams(base, extras))
 
 
@@ -560,7 +567,8 @@ def _readers(level: Level, aff: _Affine) -> list:
   return out
 
 
-def analyse(fn: Callable, params: Any, args: tuple, defer: bool = False) -> FuseAnalysis:
+def analyse(fn: Callable, params: Any, args: tuple, defer: bool = False,
+            tl: tuple = (False, False)) -> FuseAnalysis:
   # A fold's RMSNorm kernel call hides the norm's γ and β: read the folded
   # program's XLA expression, and choose the kernels again once γ and β are
   # fused (the kernel then runs without them).
@@ -657,12 +665,15 @@ def analyse(fn: Callable, params: Any, args: tuple, defer: bool = False) -> Fuse
       epilogues = [(ep, out) for ep, out in epilogues if not any(_reaches(out, y) for y in dead)]
       sites = [_with_kernel(level, site, y, epilogues) for site, y in zip(sites, ys)]
       epilogues = tuple(ep for ep, _ in epilogues)
-  plan = Plan(untied=tuple(untied), biases=tuple(plan_biases), epilogues=epilogues,
+    edits = tl_edits.analyse(level, names, untied, plan_biases, *tl) if any(tl) else None
+  plan = Plan(untied=tuple(untied) + (edits.untied if edits else ()),
+              biases=tuple(plan_biases) + (edits.plan_biases if edits else ()), epilogues=epilogues,
               norm_impl=norm_impl, deferred=deferred)
   return FuseAnalysis(traced.jaxpr, traced.consts, traced.out_tree, plan,
                       tuple(Removed(*x) for x in sorted(removed.items())), tuple(scaled), tuple(copies),
-                      tuple(biases), FuseReport(tuple(sites), extra, len(epilogues), norm_impl, dsites),
-                      defer)
+                      tuple(biases), FuseReport(tuple(sites), extra, len(epilogues), norm_impl, dsites,
+                                                edits.sites if edits else ()),
+                      defer, edits, tl)
 
 
 def _reaches(out: Val, y: Val) -> bool:
@@ -768,6 +779,8 @@ def _fused_params(an: FuseAnalysis, leaves: list, tree, bias_dtype=None) -> Fuse
   """The fused parameters from the folded ones; new biases are rounded once to
   the contraction's dtype (``bias_dtype``: another one, e.g. float64 in tests)."""
   if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+    if an.tl is not None:
+      raise FuseError("center_unembed and fold_value_biases need concrete parameters")
     return _abstract_fused_params(an, leaves, tree, bias_dtype)
   removed = dict(an.removed)
   out = list(leaves)
@@ -784,6 +797,8 @@ def _fused_params(an: FuseAnalysis, leaves: list, tree, bias_dtype=None) -> Fuse
     wx = _host(_reindexed(leaves[w], chain))
     yb = _along(_host(leaves[b]).ravel(), y_rank, y_dim)
     extras[name] = _rounded(_bias_product(np, wx, yb, side, dn), bias_dtype or dtype, name)
+  if an.tl is not None:
+    tl_edits.apply(an.tl, out, extras)
   for i in removed:
     out[i] = None
   return FusedParams(jax.tree_util.tree_unflatten(tree, out), extras)
@@ -847,6 +862,8 @@ class FusedApply(Step):
             "example_args": tuple(self.example_args)}
     if an.defer:  # defer_norms: redone on load (an older jaxfold ignores it: same function)
       info["defer_norms"] = True
+    if any(an.tl_options):  # center_unembed / fold_value_biases: redone on load (the key says so)
+      info["tl_edits"] = [bool(o) for o in an.tl_options]
     return StepRecord(info, {})
 
   @classmethod
@@ -856,13 +873,14 @@ class FusedApply(Step):
       args = decode(info["example_args"])
       if not isinstance(args, tuple):
         raise TypeError(f"a fuse_affine step's example_args is a {type(args).__name__}")
-    return _FuseRecord(args, bool(info.get("defer_norms")), info.get("key_sha256"), info.get("num_fused"))
+    tl = tuple(bool(o) for o in info.get("tl_edits", (False, False)))
+    return _FuseRecord(args, bool(info.get("defer_norms")), info.get("key_sha256"), info.get("num_fused"), tl)
 
   @classmethod
   def restore(cls, inner: Callable, params: Any, parsed: _FuseRecord, ctx: RestoreContext) -> Restored:
     args = parsed.example_args if parsed.example_args is not None else tuple(ctx.args)
     call = pipeline.bind(inner, args, ctx.kwargs, ctx.error)
-    an = analyse(call.fn, params, call.abstract_args(ctx.error), defer=parsed.defer)
+    an = analyse(call.fn, params, call.abstract_args(ctx.error), defer=parsed.defer, tl=parsed.tl)
     if ctx.verify and (digest(an.key) != parsed.key_sha256
                        or an.report.num_fused != parsed.num_fused):
       raise ctx.refuse(f"fuse_affine ({an.report.num_fused} sites fused now, {parsed.num_fused} "
@@ -870,7 +888,7 @@ class FusedApply(Step):
     return Restored(cls(inner, params, an, args, ctx.kwargs), an.report, an.params_tree(params))
 
   def _analyse(self, call: Call) -> FuseAnalysis:
-    an = analyse(call.fn, self._params, call.abstract_args(FuseError), self._base.defer)
+    an = analyse(call.fn, self._params, call.abstract_args(FuseError), self._base.defer, self._base.tl_options)
     if not an.fuses_like(self._base):
       raise FuseError(f"{self._differing(call)} fuse differently from the example fuse_affine was "
                       "given; call fuse_affine again for them")
@@ -937,7 +955,8 @@ def relayout(extras: dict, base: FuseAnalysis, an: FuseAnalysis) -> dict:
   return out
 
 
-def fuse_affine(model: Any, *example_args: Any) -> Fused:
+def fuse_affine(model: Any, *example_args: Any, center_unembed: bool = False,
+                fold_value_biases: bool = False) -> Fused:
   """Moves the γ and β of folded norms into the contractions that read them.
 
   ``model`` is a :class:`jaxfold.Folded` (or anything with ``params`` and
@@ -948,6 +967,14 @@ def fuse_affine(model: Any, *example_args: Any) -> Fused:
   the contraction's output; the norm keeps no parameters. Other sites are kept
   and reported with the reason (e.g. post-LN, where the residual branch reads
   the norm's output).
+
+  TransformerLens's other two edits, each proved on the program (``jaxfold._src.tl_edits``;
+  ``report.edits`` says per site what it preserves or why it was refused):
+  ``center_unembed=True`` centers a final contraction's weight (and bias) along its output
+  (vocabulary) dim where only a softmax, log_softmax or argmax along it, or a program output,
+  sees the shift: probabilities and argmax exact, raw logits shifted per row.
+  ``fold_value_biases=True`` moves a value bias ``b_V`` into a new bias ``b_V·W_O`` of the
+  output projection where the attention weights are proved rows of a softmax: exact.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxfold
@@ -965,7 +992,7 @@ def fuse_affine(model: Any, *example_args: Any) -> Fused:
   leaves, tree = jax.tree_util.tree_flatten(params)
   abstract = pipeline.abstract_tree(params, FuseError)
   call = pipeline.bind(fn, tuple(example_args), kwargs, FuseError)
-  an = analyse(call.fn, abstract, call.abstract_args(FuseError))
+  an = analyse(call.fn, abstract, call.abstract_args(FuseError), tl=(center_unembed, fold_value_biases))
   new = _fused_params(an, leaves, tree)
   apply = FusedApply(fn, abstract, an, example_args, kwargs)
   return Fused(new, apply, dataclasses.replace(an.report, programs=counts.result_counts(new, apply)))

@@ -51,7 +51,8 @@ def defer_norms(model: Any, *example_args: Any) -> Any:
   kwargs = pipeline.model_kwargs(model, example_args)
   call = fn.bind(args, kwargs)
   fused = fn.example_analysis
-  an = affine.analyse(call.fn, fn.params_abstract, call.abstract_args(affine.FuseError), defer=True)
+  an = affine.analyse(call.fn, fn.params_abstract, call.abstract_args(affine.FuseError), defer=True,
+                      tl=fused.tl_options)
   if not an.fuses_like(fused):
     raise affine.FuseError("these inputs fuse differently from the example fuse_affine was given; "
                            "pass the same example_args")
