@@ -169,15 +169,15 @@ def _interpret_params_cls():
 
 
 def mosaic_gpu_load(ref, layout):
-    """``plgpu.load`` of a whole (sliced) ref in ``layout``: jax 0.10/0.11 take an index
-    argument (``()``), jax 0.12 dropped it (``plgpu.load(ref, layout=...)``)."""
-    import inspect
+  """``plgpu.load`` of a whole (sliced) ref in ``layout``: jax 0.10/0.11 take an index
+  argument (``()``), jax 0.12 dropped it (``plgpu.load(ref, layout=...)``)."""
+  import inspect
 
-    from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    if "idx" in inspect.signature(plgpu.load).parameters:
-        return plgpu.load(ref, (), layout=layout)
-    return plgpu.load(ref, layout=layout)
+  if "idx" in inspect.signature(plgpu.load).parameters:
+    return plgpu.load(ref, (), layout=layout)
+  return plgpu.load(ref, layout=layout)
 
 
 def mosaic_gpu_kernel(body, *, out_type, scratch_types, grid: int, name: str, interpret: bool):
