@@ -8,7 +8,7 @@ import types
 import numpy as np
 import pytest
 
-from jaxfold._src.serve.model import InputError, InputSpec, pow2_buckets, program_bounds
+from jaxfold._src.serve.model import InputError, InputSpec, pow2_buckets
 
 
 @pytest.mark.parametrize("limit, start, want", [
@@ -23,24 +23,6 @@ def test_pow2_buckets(limit, start, want):
 
 def _artifact(*tensors):
   return types.SimpleNamespace(header={"weights": {"tensors": [{"name": n, "shape": s} for n, s in tensors]}})
-
-
-def test_program_bounds_from_the_embedding_tables():
-  fn = _artifact(("params/wte/embedding", [96, 32]), ("params/wpe/embedding", [64, 32]),
-                 ("params/h_0/attn/c_attn/kernel", [32, 96]))
-  assert program_bounds(fn) == {"vocab": 96, "positions": 64, "token_types": None}
-  bert = _artifact(("embeddings/word_embeddings/embedding", [120, 8]),
-                   ("embeddings/position_embeddings/embedding", [40, 8]),
-                   ("embeddings/token_type_embeddings/embedding", [2, 8]))
-  assert program_bounds(bert) == {"vocab": 120, "positions": 40, "token_types": 2}
-
-
-def test_program_bounds_ignores_what_is_not_a_table():
-  fn = _artifact(("rel_pos/relative_position_embedding", [31, 4]),   # relative: not a bound
-                 ("wte/embedding", [96, 32, 1]),                        # not 2-D
-                 ("decoder/embed_tokens", [50, 8]), ("encoder/embed_tokens", [40, 8]))
-  assert program_bounds(fn) == {"vocab": 40, "positions": None, "token_types": None}   # the smaller table
-  assert program_bounds(types.SimpleNamespace()) == {"vocab": None, "positions": None, "token_types": None}
 
 
 def test_input_spec_is_a_frozen_record_and_input_error_a_value_error():

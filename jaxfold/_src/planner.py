@@ -577,8 +577,11 @@ class Planner:
     aux_index = {v: k + 1 for k, v in enumerate(self.aux_commit)}
     aux_users: dict = {v: [] for v in self.aux_commit}
     sites, seen = [], set()
-    wheres = [bound_name(w) for w in _distinct([self.site_where(i) for i in range(len(self.sites))],
-                                               [s.node for s in self.sites])]
+    full = _distinct([self.site_where(i) for i in range(len(self.sites))], [s.node for s in self.sites])
+    short = [bound_name(w) for w in full]
+    # A name the bound made equal to another site's keeps its whole text: sites must read differently.
+    clash = {w for w in short if short.count(w) > 1}
+    wheres = [f if b in clash else b for f, b in zip(full, short)]
     for i, s in enumerate(self.sites):
       d = self.decisions[i]
       own = tuple(c for c in d.centered if (c.param, c.spec, c.mode) not in seen)
