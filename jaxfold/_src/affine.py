@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxfold._src import algebra as A
 from jaxfold._src import compat, counts, deferral, display, kernels, pipeline, tl_edits
-from jaxfold._src.analysis import Level, factor_leaf, leaf_of, vector_along
+from jaxfold._src.analysis import Level, factor_leaf, param_operand, vector_along
 from jaxfold._src.errors import FuseError
 from jaxfold._src.pipeline import Call
 from jaxfold._src.program import Node, Val, upstream
@@ -452,18 +452,11 @@ def _param_chain(level: Level, a: Any, dim: int):
   """(leaf index, chain nodes leaf-first, leaf dim) when operand ``a`` is a
   parameter seen through re-indexing steps whose rotation facets carry one
   whole leaf dim to ``dim``."""
-  chain = []
-  while isinstance(a, Val) and leaf_of(a, level) is None and a.producer is not None:
-    node = a.producer
-    if rule_for(node.prim).kind not in ("identity", "layout") or len(node.ins) != 1:
-      return None
-    chain.append(node)
-    a = node.ins[0]
-  i = leaf_of(a, level)
-  if i is None:
+  found = param_operand(level, a)
+  if found is None:
     return None
-  chain = tuple(reversed(chain))
-  for e in range(len(a.shape)):
+  i, chain = found
+  for e in range(len(level.program.invars[i].shape)):
     state = Lin(frozenset({e}))
     try:
       for node in chain:

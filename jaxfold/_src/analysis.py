@@ -1043,6 +1043,20 @@ def leaf_of(v: Any, level: Level) -> Optional[int]:
   return None
 
 
+def param_operand(level: Level, a: Any):
+  """``(leaf index, chain)`` when ``a`` is a parameter seen through single-operand
+  re-indexing steps (identity or layout rules), the chain's nodes leaf-first; else None."""
+  chain = []
+  while isinstance(a, Val) and leaf_of(a, level) is None and a.producer is not None:
+    node = a.producer
+    if rule_for(node.prim).kind not in ("identity", "layout") or len(node.ins) != 1:
+      return None
+    chain.append(node)
+    a = node.ins[0]
+  i = leaf_of(a, level)
+  return None if i is None else (i, tuple(reversed(chain)))
+
+
 def factor_leaf(fid: int, level: Level):
   """(leaf index, View) when the factor is a parameter or a view of one."""
   f = A.factor(fid)

@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxfold._src import algebra as A
 from jaxfold._src import compat
-from jaxfold._src.analysis import Level, factor_leaf, leaf_of
+from jaxfold._src.analysis import Level, factor_leaf, param_operand
 from jaxfold._src.program import Val
 from jaxfold._src.report import param_label
 from jaxfold._src.rules import Block, rule_for
@@ -81,19 +81,6 @@ class TLEdits:
 # Shared helpers.
 
 
-def _param_operand(level: Level, a: Any):
-  """``(leaf, chain)`` when ``a`` is a parameter seen through single-operand re-indexing steps."""
-  chain = []
-  while isinstance(a, Val) and leaf_of(a, level) is None and a.producer is not None:
-    node = a.producer
-    if rule_for(node.prim).kind not in ("identity", "layout") or len(node.ins) != 1:
-      return None
-    chain.append(node)
-    a = node.ins[0]
-  i = leaf_of(a, level)
-  return None if i is None else (i, tuple(reversed(chain)))
-
-
 def _through(level: Level, chain: tuple, dims: frozenset) -> Optional[frozenset]:
   """Where the dims ``dims`` of a chain's input end up at its output (rotation facets)."""
   state = Lin(frozenset(dims))
@@ -139,7 +126,7 @@ def _unembed_sites(level: Level, names: tuple, fused: dict) -> tuple:
     if dd is None or dd.lb:
       continue
     for side in (0, 1):
-      src = _param_operand(level, node.ins[side])
+      src = param_operand(level, node.ins[side])
       if src is None:
         continue
       leaf, chain = src
@@ -227,7 +214,7 @@ def _final(level: Level, z: Val, limit: int = 20000) -> bool:
     v = frontier.pop()
     for node, _ in prog.consumers.get(v, ()):
       dd = rule_for(node.prim).contraction(node)
-      if dd is not None and any(_param_operand(level, a) is not None for a in node.ins):
+      if dd is not None and any(param_operand(level, a) is not None for a in node.ins):
         return False
       for o in node.outs:
         if o not in seen:
@@ -575,7 +562,7 @@ def _fused_bias_term(level: Level, v: Val, biases: dict):
     if not isinstance(d, Val) or d.key not in biases or d.producer is None:
       continue
     dd = rule_for(d.producer.prim).contraction(d.producer)
-    sides = [k for k in (0, 1) if _param_operand(level, d.producer.ins[k]) is not None]
+    sides = [k for k in (0, 1) if param_operand(level, d.producer.ins[k]) is not None]
     if dd is None or len(sides) != 1:
       return None
     wfree = {od for od, (sd, _) in dd.owner.items() if sd == sides[0]}
@@ -616,7 +603,7 @@ def _reader(level: Level, z: Val, dims: frozenset):
       rest = frozenset(range(len(node.ins[k].shape))) - state.dims
       if frozenset(dd.contracting(k)) != rest or dd.lb:
         raise Block(f"a contraction that does not contract exactly b_V's dims [at {node.where()}]")
-      src = _param_operand(level, node.ins[1 - k])
+      src = param_operand(level, node.ins[1 - k])
       if src is None:
         raise Block(f"a contraction with an operand that is not a parameter [at {node.where()}]")
       return node, 1 - k, src[0], tuple(c.eqn for c in chain), tuple(c.eqn for c in src[1])
