@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxfold._src import algebra as A
 from jaxfold._src import compat, counts, deferral, display, kernels, pipeline, tl_edits
-from jaxfold._src.analysis import Level, factor_leaf, param_operand, vector_along
+from jaxfold._src.analysis import Level, factor_leaf, param_operand, single_use, vector_along
 from jaxfold._src.errors import FuseError
 from jaxfold._src.pipeline import Call
 from jaxfold._src.program import Node, Val, upstream
@@ -468,21 +468,6 @@ def _param_chain(level: Level, a: Any, dim: int):
   return None
 
 
-def _single_use(level: Level, leaf: int, chain: tuple, use) -> bool:
-  prog = level.program
-  v = prog.invars[leaf]
-  for node in chain + (None,):
-    if v in prog.output_positions:
-      return False
-    uses = prog.consumers.get(v, ())
-    target = (node, 0) if node is not None else use
-    if len(uses) != 1 or uses[0][0] is not target[0] or uses[0][1] != target[1]:
-      return False
-    if node is not None:
-      v = node.outs[0]
-  return True
-
-
 def _readers(level: Level, aff: _Affine) -> list:
   """The contractions reading ``y``; raises Block naming any other use."""
   prog = level.program
@@ -518,7 +503,7 @@ def _readers(level: Level, aff: _Affine) -> list:
             raise Block(f"the kernel is cast to {label}, which quantizes it: γ would move across "
                         "the quantizer" + where)
           kcasts += (label,) if _narrows(c) else ()
-        out.append(_Reader(node, 1 - k, leaf, e, chain, _single_use(level, leaf, chain,
+        out.append(_Reader(node, 1 - k, leaf, e, chain, single_use(level, leaf, chain,
                                                                     (node, 1 - k)), d, casts + kcasts))
       else:
         if rule.cast is not None and not _real_cast(node):

@@ -1057,6 +1057,23 @@ def param_operand(level: Level, a: Any):
   return None if i is None else (i, tuple(reversed(chain)))
 
 
+def single_use(level: Level, leaf: int, chain: tuple, use: tuple) -> bool:
+  """Parameter ``leaf`` reaches only ``use`` (a ``(node, operand index)``), through
+  ``chain`` (as ``param_operand`` returns it), and no program output."""
+  prog = level.program
+  v = prog.invars[leaf]
+  for node in chain + (None,):
+    if v in prog.output_positions:
+      return False
+    uses = prog.consumers.get(v, ())
+    target = (node, 0) if node is not None else use
+    if len(uses) != 1 or uses[0][0] is not target[0] or uses[0][1] != target[1]:
+      return False
+    if node is not None:
+      v = node.outs[0]
+  return True
+
+
 def factor_leaf(fid: int, level: Level):
   """(leaf index, View) when the factor is a parameter or a view of one."""
   f = A.factor(fid)

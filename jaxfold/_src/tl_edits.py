@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxfold._src import algebra as A
 from jaxfold._src import compat
-from jaxfold._src.analysis import Level, factor_leaf, param_operand
+from jaxfold._src.analysis import Level, factor_leaf, param_operand, single_use
 from jaxfold._src.program import Val
 from jaxfold._src.report import param_label
 from jaxfold._src.rules import Block, rule_for
@@ -170,7 +170,7 @@ def _unembed_sites(level: Level, names: tuple, fused: dict) -> tuple:
                               "not centered: its fused copy is shared with another reader"))
           continue
         target = ("extra", copy)
-      elif _only_use(level, leaf, chain, node, side):
+      elif single_use(level, leaf, chain, (node, side)):
         target = ("leaf", leaf)
       else:
         cname = f"{wname}@unembed"
@@ -228,20 +228,6 @@ def _final(level: Level, z: Val, limit: int = 20000) -> bool:
 def _vec_dim(shape: tuple) -> int:
   big = [d for d, n in enumerate(shape) if n != 1]
   return big[0] if big else len(shape) - 1
-
-
-def _only_use(level: Level, leaf: int, chain: tuple, node, side: int) -> bool:
-  """The parameter reaches only this operand (through its chain)."""
-  prog = level.program
-  v = prog.invars[leaf]
-  for step in chain + (None,):
-    uses = prog.consumers.get(v, ())
-    target = (step, 0) if step is not None else (node, side)
-    if v in prog.output_positions or len(uses) != 1 or uses[0][0] is not target[0] or uses[0][1] != target[1]:
-      return False
-    if step is not None:
-      v = step.outs[0]
-  return True
 
 
 def _added_vectors(level: Level, z: Val, o: int) -> list:
