@@ -208,21 +208,12 @@ def _unembed_sites(level: Level, names: tuple, fused: dict) -> tuple:
 
 def _final(level: Level, z: Val, limit: int = 20000) -> bool:
   """No contraction against a parameter reads anything computed from ``z``."""
-  prog = level.program
-  seen, frontier = {z}, [z]
-  while frontier:
-    v = frontier.pop()
-    for node, _ in prog.consumers.get(v, ()):
-      dd = rule_for(node.prim).contraction(node)
-      if dd is not None and any(param_operand(level, a) is not None for a in node.ins):
-        return False
-      for o in node.outs:
-        if o not in seen:
-          seen.add(o)
-          frontier.append(o)
-          if len(seen) > limit:
-            return False
-  return True
+  reached = _downstream(level, z, limit)
+  if reached is None:
+    return False
+  return not any(rule_for(node.prim).contraction(node) is not None
+                 and any(param_operand(level, a) is not None for a in node.ins)
+                 for v in reached for node, _ in level.program.consumers.get(v, ()))
 
 
 def _vec_dim(shape: tuple) -> int:
@@ -358,6 +349,7 @@ def _meets(r: np.ndarray, s: np.ndarray) -> bool:
 
 
 def _downstream(level: Level, src: Val, limit: int = 1 << 22) -> Optional[set]:
+  """Every value computed from ``src`` (itself included); None past ``limit`` values."""
   prog = level.program
   seen, frontier = {src}, [src]
   while frontier:
