@@ -320,7 +320,7 @@ class Report:
     folded = [s for s in self.sites if s.folded]
     lines = ["what changed (original -> folded program):"]
     if self.changes is not None:
-      lines.append(_reductions_text(ch, len(folded)))
+      lines.append(_reductions_text(ch, len(folded), sum(x.num_norms for x in folded)))
       if ch.primitives:
         lines.append("  equations per primitive (counted in the two programs): "
                      + ", ".join(f"{k} {a} -> {b}" for k, a, b in ch.primitives))
@@ -360,15 +360,18 @@ def _report(sites, auxiliary, untied_bytes, changes) -> "Report":
   return Report(sites, auxiliary, untied_bytes, changes)
 
 
-def _reductions_text(ch: Changes, folded: int) -> str:
+def _reductions_text(ch: Changes, folded: int, norms: int) -> str:
   """The reductions line of ``diff``: the programs' counts where they were
-  taken, with the plan's account of the difference."""
+  taken, with the plan's account of the difference. ``folded``: the folded
+  mean sites; ``norms``: the norms they cover (more when norms share one)."""
   added = f", +{ch.reductions_added} for auxiliary centering(s)" if ch.reductions_added else ""
   if ch.constant_aux:
     added += f"; {ch.constant_aux} auxiliary centering(s) of constants computed at fold time, none per call"
   before = ch.counted_before if ch.counted_before >= 0 else ch.reductions_before
+  where = (f"{folded} folded site(s)" if norms == folded
+           else f"{norms} folded norms sharing {folded} mean site(s)")
   text = (f"  reductions (reduce_sum, all): {before} -> {ch.reductions_after} "
-          f"(-{ch.reductions_removed} mean reduction(s) at {folded} folded site(s){added})")
+          f"(-{ch.reductions_removed} mean reduction(s) at {where}{added})")
   if not ch.counted:
     return text + " [planned: the programs were not counted]"
   if (before, ch.counted_after) != (ch.reductions_before, ch.planned_after):

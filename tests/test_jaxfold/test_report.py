@@ -157,7 +157,7 @@ def test_norms_reading_one_value_are_each_named(x64):
       assert f"layers_{i}_{name}" in text and f"layers_{i}_{name}" in diff
   assert "2 norms read this one value and share its mean" in text
   assert "5/5 normalization sites folded" in text and "3 in all" in text
-  assert "2 LayerNorms -> RMSNorms" in diff
+  assert "2 LayerNorms -> RMSNorms" in diff and "at 5 folded norms sharing 3 mean site(s)" in diff
   d = json.loads(r.to_json())
   assert (d["num_sites"], d["num_mean_sites"]) == (5, 3) and len(d["sites"][1]["norms"]) == 2
   assert R.Report.from_dict(d) == r
