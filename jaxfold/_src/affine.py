@@ -31,13 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfold._src import algebra as A
-from jaxfold._src import compat, counts, deferral, display, kernels, pipeline, tl_edits
+from jaxfold._src import compat, compiled, counts, deferral, display, kernels, pipeline, tl_edits
 from jaxfold._src.analysis import Level, factor_leaf, param_operand, single_use, vector_along
 from jaxfold._src.errors import FuseError
 from jaxfold._src.pipeline import Call
 from jaxfold._src.program import Node, Val, upstream
 from jaxfold._src.report import param_label
-from jaxfold._src.rewrite import BiasAt, Plan, UntiedUse, evaluate
+from jaxfold._src.rewrite import BiasAt, Plan, UntiedUse
 from jaxfold._src.rules import Block, rule_for
 from jaxfold._src.rules.rotation import Lin
 from jaxfold._src.step import RestoreContext, Restored, Result, Step, StepRecord, digest, register, register_params
@@ -907,7 +907,7 @@ class FusedApply(Step):
       else:
         flat.append(x)
     flat += jax.tree_util.tree_leaves(call.args)
-    outs = evaluate(an.jaxpr, an.consts, flat, an.plan, relayout(params.extras, self._base, an))
+    outs = compiled.run(an, flat, relayout(params.extras, self._base, an))
     return jax.tree_util.tree_unflatten(an.out_tree, outs)
 
 

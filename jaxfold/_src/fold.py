@@ -12,7 +12,7 @@ from typing import Any, Callable, Literal, NamedTuple, Optional, get_args
 import jax
 import numpy as np
 
-from jaxfold._src import display, kernels, layout, notices, pipeline
+from jaxfold._src import compiled, display, kernels, layout, notices, pipeline
 from jaxfold._src.centering import DEFAULT_POLICY, Centered, Centering, CenteringPolicy, UntiedCopy
 from jaxfold._src.counts import fold_counts
 from jaxfold._src.errors import FoldError
@@ -27,7 +27,7 @@ from jaxfold._src.pipeline import (
 )
 from jaxfold._src.planner import Outcome, PlanConflict, Planner
 from jaxfold._src.report import Report
-from jaxfold._src.rewrite import CenterAt, ConstantAt, Plan, UntiedUse, evaluate
+from jaxfold._src.rewrite import CenterAt, ConstantAt, Plan, UntiedUse
 from jaxfold._src.step import Result, Step, register_params
 
 # The options' values, as types: a type checker sees a misspelt value, and
@@ -420,7 +420,7 @@ class FoldedApply(Step):
       leaves = [layout.center(x, dict(specs[i])) if i in specs else x for i, x in enumerate(src)]
       extras = {name: layout.center(src[i], dict(spec)) for name, i, spec in an.untied}
     flat = list(leaves) + jax.tree_util.tree_leaves(call.args)
-    outs = evaluate(an.jaxpr, an.consts, flat, an.plan, extras)
+    outs = compiled.run(an, flat, extras)   # eager: one compiled program per shape, not one per primitive
     return jax.tree_util.tree_unflatten(an.out_tree, outs)
 
 

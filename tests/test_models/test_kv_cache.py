@@ -59,5 +59,8 @@ def test_a_decode_step_folds_exactly(x64):
   ids = jnp.array([[3], [7]], jnp.int32)
   folded = jaxfold.fold(params, decode, ids, keys, values)
   assert folded.report.num_folded == folded.report.num_sites == 2 * c.n_layer + 1
-  np.testing.assert_allclose(folded.apply_fn(folded.params, ids, keys, values), decode(params, ids, keys, values),
-                             rtol=1e-9, atol=1e-9)
+  # The folded apply_fn runs compiled (one program per shape); compare with the
+  # compiled original: eager and compiled float64 differ by ~1e-9 for the
+  # original itself here (XLA CPU's fused transcendentals), a rounding, not a fold, difference.
+  np.testing.assert_allclose(folded.apply_fn(folded.params, ids, keys, values),
+                             jax.jit(decode)(params, ids, keys, values), rtol=1e-12, atol=1e-12)
