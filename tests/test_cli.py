@@ -66,6 +66,7 @@ def test_report_for_model_uses_abstract_init(capsys):
 def test_models_lists_the_zoo(capsys):
   code, out, _ = run(capsys, "models")
   assert code == 0 and "gpt2-tiny" in out and "bert-base" in out and "family" in out
+  assert "aliases: demo-gpt2-small = gpt2-256x4" in out   # the demo's former name is listed too
   code, out, _ = run(capsys, "models", "--names")
   assert code == 0 and out.split() == models.names() and "gpt2-256x4" in out   # the demo's model
   assert models.get("demo-gpt2-small") is models.get("gpt2-256x4")   # its former name, an alias

@@ -23,6 +23,9 @@ def run(args) -> int:
   w = [max(len(r[i]) for r in rows) for i in range(2)]
   for r in rows:
     print(f"{r[0].ljust(w[0])}  {r[1].ljust(w[1])}  {r[2]}")
+  aliases = getattr(zoo, "ALIASES", {})
+  if aliases:
+    print("aliases: " + ", ".join(f"{a} = {n}" for a, n in sorted(aliases.items())))
   missing = zoo.import_errors()
   if missing:
     print(f"(not available: {', '.join(sorted(missing))}; see models.import_errors())")
