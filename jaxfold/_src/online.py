@@ -53,6 +53,7 @@ __all__ = ["Online", "OnlineApply", "OnlineReport", "OnlineSite", "online_hadama
 
 WHERE = ("mlp", "attention")
 _DEPTH = 6   # elementwise steps searched back from an MLP's activation for its nonlinearity
+_PLAIN = "online over the contracted width"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +92,7 @@ class OnlineReport:
       w = max(len(param_label(s.weight)) for s in self.sites)
       lines.append(f"  {'kind':9}  {'width':>6}  {'hadamard':13}  {'weight':{w}}  result")
       for s in self.sites:
-        what = "rotated" if s.rotated else f"skipped: {s.reason}"
+        what = ("rotated" + ("" if s.reason == _PLAIN else f": {s.reason}")) if s.rotated else f"skipped: {s.reason}"
         lines.append(f"  {s.kind:9}  {s.width:>6}  {s.order or '-':13}  {param_label(s.weight):{w}}  {what}")
     return "\n".join(lines)
 
@@ -223,9 +224,12 @@ def _prove(level: Level, seeds: dict, online: dict) -> Optional[str]:
     for k in range(len(ins)):
       axes = online.get((node.path, k))
       if axes is not None:
-        if ins[k] is not None:
-          return f"the operand rotated online is computed from a rotated weight [at {node.where()}]"
-        ins[k] = Lin(frozenset(axes))
+        # (rotations along different axes commute: an operand rotated offline along
+        # the head dim, per head, is rotated online across the heads)
+        done = ins[k].dims if isinstance(ins[k], Lin) else frozenset()
+        if ins[k] is not None and (not isinstance(ins[k], Lin) or done & set(axes)):
+          return f"the operand rotated online is already rotated along that dim [at {node.where()}]"
+        ins[k] = Lin(done | frozenset(axes))
     if all(s is None for s in ins):
       continue
     try:
@@ -241,12 +245,105 @@ def _prove(level: Level, seeds: dict, online: dict) -> Optional[str]:
   return None
 
 
+class _Option(NamedTuple):
+  """One way to rotate a site: the parameters' leaf dims and the axes rotated online."""
+  seeds: tuple       # ((leaf, dims), ...): the weight's, and for attention's per-head part V's
+  axes: tuple        # the activation's axes rotated online
+  entry: OnlineSite  # its report entry once proved
+
+
 class _Planned(NamedTuple):
-  """One site's proposal: the activation's axes, the weight's leaf dims, its report entry."""
+  """One site's proposal: its options, best first (none: ``entry`` says why)."""
   site: _Site
-  axes: tuple
-  dims: Optional[tuple]
+  options: tuple
   entry: OnlineSite
+
+
+def _back(a: Any) -> tuple:
+  """``(v, chain)``: ``a`` back through single-operand re-indexing and casts
+  (``_strip``), with the nodes passed, ``v``'s first."""
+  chain = []
+  while isinstance(a, Val) and a.producer is not None:
+    node = a.producer
+    vals = [b for b in node.ins if isinstance(b, Val)]
+    if not rule_for(node.prim).reindex or len(vals) != 1:
+      break
+    chain.append(node)
+    a = vals[0]
+  return a, tuple(reversed(chain))
+
+
+def _dim_before(v: Any, chain: tuple, dim: int, level: Level) -> Optional[int]:
+  """The one dim of ``v`` that ``chain`` carries whole to ``dim``, or None."""
+  out_size = v.shape[dim] if not chain else chain[-1].outs[0].shape[dim]
+  found = [e for e in range(len(v.shape)) if v.shape[e] == out_size
+           and _through(chain, Lin(frozenset({e})), level) == Lin(frozenset({dim}))]
+  return found[0] if len(found) == 1 else None
+
+
+def _writers(level: Level, a: Any, dim: int, depth: int = 4) -> Optional[dict]:
+  """``{leaf: dims}``: the parameters whose rotation rotates ``a`` along
+  ``dim``: a contraction with a parameter (V's projection), plus a parameter
+  bias. A proposal only: ``_prove`` checks it."""
+  v, chain = _back(a)
+  g = _dim_before(v, chain, dim, level)
+  node = getattr(v, "producer", None)
+  if g is None or node is None or depth == 0:
+    return None
+  rule = rule_for(node.prim)
+  dd = rule.contraction(node)
+  if dd is not None:
+    side, k = dd.owner.get(g, (None, None))
+    hit = None if side is None else param_operand(level, node.ins[side])
+    if hit is None:
+      return None
+    d = _dim_before(level.program.invars[hit[0]], hit[1], k, level)
+    return None if d is None else {hit[0]: (d,)}
+  if rule.arith != "+":
+    return None
+  out: dict = {}
+  for b in node.ins:
+    if not isinstance(b, Val):
+      continue
+    hit = param_operand(level, b)
+    if hit is not None:
+      d = _dim_before(level.program.invars[hit[0]], hit[1], g, level)
+      sub = None if d is None else {hit[0]: (d,)}
+    else:
+      sub = _writers(level, b, g, depth - 1)
+    if sub is None:
+      return None
+    out.update(sub)
+  return out
+
+
+def _per_head(site: _Site, axes: tuple, dims: tuple, level: Level, names: tuple,
+              entry: OnlineSite) -> Optional[_Option]:
+  """QuaRot's attention split, where the output projection contracts heads and
+  head dims as separate axes: V's projection (and bias) rotated per head along
+  the head dim offline (attention probabilities mix tokens, not features), the
+  heads rotated online (the weight is rotated along both, ``dims``)."""
+  if site.kind != "attention" or len(axes) < 2:
+    return None
+  act = site.node.ins[site.act]
+  v, chain = _back(act)
+  pv = getattr(v, "producer", None)
+  pdd = None if pv is None else rule_for(pv.prim).contraction(pv)
+  if pdd is None:
+    return None
+  for a in axes:
+    e = _dim_before(v, chain, a, level)
+    side, f = pdd.owner.get(e, (None, None)) if e is not None else (None, None)
+    writers = None if side is None else _writers(level, pv.ins[side], f)
+    if not writers or site.leaf in writers:
+      continue
+    rest = tuple(x for x in axes if x != a)
+    labels = ", ".join(param_label(names[i]) for i in sorted(writers))
+    return _Option(((site.leaf, dims),) + tuple(sorted(writers.items())), rest, dataclasses.replace(
+        entry, width=int(np.prod([act.shape[x] for x in rest])), order=" × ".join(_order(act.shape[x]) for x in rest),
+        reason=f"online across heads; per head offline: {labels} and the weight by {_order(act.shape[a])} "
+               "along the head dim"))
+  return None
 
 
 def _propose(site: _Site, level: Level, names: tuple) -> _Planned:
@@ -266,16 +363,29 @@ def _propose(site: _Site, level: Level, names: tuple) -> _Planned:
   width = int(np.prod([a.shape[x] for x in (axes or dd.contracting(site.act))]))
   entry = OnlineSite(names[site.leaf], site.kind, width, " × ".join(orders), False, "", node.where())
   if not axes:
-    return _Planned(site, (), None, dataclasses.replace(
+    return _Planned(site, (), dataclasses.replace(
         entry, reason="no Hadamard construction for the contracted width (" + "; ".join(skipped) + ")"))
   dims = _leaf_dims(site, tuple(axes), level)
   if dims is None:
-    return _Planned(site, (), None, dataclasses.replace(
+    return _Planned(site, (), dataclasses.replace(
         entry, reason="the contracted dim of the weight is not one whole dim of the parameter"))
-  how = "online over the contracted width"
-  if skipped:
-    how += "; not along " + "; ".join(skipped)
-  return _Planned(site, tuple(axes), dims, dataclasses.replace(entry, reason=how))
+  how = _PLAIN + ("; not along " + "; ".join(skipped) if skipped else "")
+  if site.kind == "attention":   # (said where QuaRot's per-head offline part was not proved)
+    how += ("; no per-head offline part: the projection reads the heads merged into one axis" if len(axes) < 2
+            else "; no per-head offline part: V's projection is not provably rotated per head")
+  online = _Option(((site.leaf, dims),), tuple(axes), dataclasses.replace(entry, reason=how))
+  head = _per_head(site, tuple(axes), dims, level, names, entry)
+  return _Planned(site, (head, online) if head is not None else (online,), entry)
+
+
+def _merge(seeds: dict, options: list) -> Optional[dict]:
+  """``seeds`` with every option's, or None where two rotate a leaf along different dims."""
+  out = dict(seeds)
+  for o in options:
+    for i, d in o.seeds:
+      if out.setdefault(i, d) != d:
+        return None
+  return out
 
 
 class OnlineAnalysis(NamedTuple):
@@ -295,34 +405,37 @@ def analyse(fn: Callable, params: Any, args: tuple, where: tuple) -> OnlineAnaly
   with pipeline.analyzer(traced) as an:
     level = an.top
     planned = [_propose(s, level, traced.names) for s in _sites(level, where)]
-    by_leaf: dict = {}
+    by_leaf: dict = {}   # sites sharing a weight are rotated together or not at all
     for p in planned:
-      if p.dims is not None:
+      if p.options:
         by_leaf.setdefault(p.site.leaf, []).append(p)
     seeds: dict = {}
     online: dict = {}
-    verdict: dict = {}
-    for leaf, group in by_leaf.items():
-      if len({p.dims for p in group}) != 1:
-        for p in group:
-          verdict[id(p)] = "two contractions read the weight along different dims"
-        continue
-      trial_seeds = {**seeds, leaf: group[0].dims}
-      trial = dict(online)
-      trial.update({(p.site.node.path, p.site.act): p.axes for p in group})
-      why = _prove(level, trial_seeds, trial)
-      for p in group:
-        verdict[id(p)] = why
-      if why is None:
-        seeds, online = trial_seeds, trial
+    chosen: dict = {}    # id(planned) -> the option proved, or the reason none was
+    for group in by_leaf.values():
+      why = ""
+      for choice in range(max(len(p.options) for p in group)):
+        picks = [p.options[min(choice, len(p.options) - 1)] for p in group]
+        trial_seeds = _merge(seeds, picks)
+        if trial_seeds is None:
+          why = "two contractions read the weight along different dims"
+          continue
+        trial = dict(online)
+        trial.update({(p.site.node.path, p.site.act): o.axes for p, o in zip(group, picks)})
+        why = _prove(level, trial_seeds, trial)
+        if why is None:
+          seeds, online = trial_seeds, trial
+          chosen.update({id(p): o for p, o in zip(group, picks)})
+          break
+      else:
+        chosen.update({id(p): why for p in group})
   entries = []
   for p in planned:
-    if p.dims is None:
-      entries.append(p.entry)
-    elif verdict[id(p)] is None:
-      entries.append(dataclasses.replace(p.entry, rotated=True))
+    got = chosen.get(id(p))
+    if isinstance(got, _Option):
+      entries.append(dataclasses.replace(got.entry, rotated=True))
     else:
-      entries.append(dataclasses.replace(p.entry, reason=verdict[id(p)]))
+      entries.append(p.entry if got is None else dataclasses.replace(p.entry, reason=got))
   plan = Plan(hadamards=tuple(OperandMap(path, k, ax) for (path, k), axes in sorted(online.items())
                               for ax in axes))
   key = tuple(sorted((i, tuple(d)) for i, d in seeds.items()))

@@ -167,7 +167,11 @@ def test_attention_heads_as_separate_axes(x64):
   p, fu = _model(m, _x(2, 3, 8))
   r = jaxfold.online_hadamard(fu)
   (site,) = r.report.sites
-  assert site.rotated and site.kind == "attention" and site.width == 16, str(r.report)
+  # QuaRot's split: online across the 4 heads only; V's kernel, its bias and the
+  # new bias fuse_affine made for it, and the output kernel, per head offline.
+  assert site.rotated and site.kind == "attention" and (site.width, site.order) == (4, "H_4"), str(r.report)
+  assert "per head offline" in site.reason and "value.kernel" in site.reason
+  assert _changed(fu.params, r.params) == 4
   _check(m, p, r, (1, 5, 8), (2, 3, 8))
 
 
