@@ -7,7 +7,9 @@ reductions yield a symbolic ``Zero`` that each primitive's rule simplifies
 away (``h - 0 = h``, ``0 * y = 0``), auxiliary centerings are inserted after
 the values the plan names, captured constants are centered, untied copies
 replace a parameter at one use, and proven epilogues run as the RMSNorm
-kernel (fused with the residual add that feeds them where that is proved).
+kernel (fused with the residual add that feeds them where that is proved),
+and operands the plan names are multiplied by a Hadamard matrix before their
+equation reads them (``OperandMap``: online_hadamard).
 A call whose body the plan does not touch is bound unchanged, so its custom
 differentiation rules are kept.
 """
