@@ -182,3 +182,40 @@ def test_where_selects_and_is_checked(x64):
   assert max(_errors("gpt2-tiny", r)) < TOL
   with pytest.raises(jaxfold.RotateError, match="where must name"):
     jaxfold.online_hadamard(fu, where="heads")
+
+
+class Merged(nn.Module):
+  """fc2's weight is a reshape merging two dims of the parameter into the contracted one."""
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("w", nn.initializers.normal(), (4, 8, 8))
+    return x + nn.gelu(nn.Dense(32)(nn.LayerNorm()(x))) @ w.reshape(32, 8)
+
+
+def test_contracted_dim_not_one_parameter_dim_is_skipped(x64):
+  m = Merged()
+  p, fu = _model(m, _x(2, 8))
+  r = jaxfold.online_hadamard(fu)
+  (site,) = r.report.sites
+  assert not site.rotated and "not one whole dim" in site.reason
+  _check(m, p, r, (1, 8), (3, 8))
+
+
+class ShapeBranch(nn.Module):
+  """A Python branch on the sequence length: the activation exists at long inputs only."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(16)(nn.LayerNorm()(x))
+    return x + nn.Dense(8)(nn.gelu(h) if x.shape[1] > 4 else h)
+
+
+def test_other_shapes_rotating_other_weights_are_refused(x64):
+  m = ShapeBranch()
+  p, fu = _model(m, _x(2, 6, 8))
+  r = jaxfold.online_hadamard(fu)
+  assert r.report.num_rotated == 1
+  _check(m, p, r, (1, 5, 8), (2, 6, 8))
+  with pytest.raises(jaxfold.RotateError, match="rotate other weights online"):
+    r.apply_fn(r.params, _x(2, 3, 8))
