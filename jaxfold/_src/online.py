@@ -88,7 +88,10 @@ class OnlineReport:
 
   def __str__(self) -> str:
     lines = [f"online Hadamards: {self.summary()}"]
-    if self.sites:
+    if not self.sites:
+      lines.append("  no contraction with a parameter reads an MLP activation or attention's heads (contractions "
+                   "inside loop bodies, e.g. a scan over layers, are not candidates)")
+    else:
       w = max(len(param_label(s.weight)) for s in self.sites)
       lines.append(f"  {'kind':9}  {'width':>6}  {'hadamard':13}  {'weight':{w}}  result")
       for s in self.sites:
