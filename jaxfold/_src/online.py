@@ -121,15 +121,18 @@ class _Site(NamedTuple):
   kind: str          # "mlp" | "attention"
 
 
-def _strip(a: Any) -> Any:
-  """``a`` back through single-operand re-indexing and casts."""
+def _back(a: Any) -> tuple:
+  """``(v, chain)``: ``a`` back through re-indexing and casts of one array
+  operand, with the nodes passed, ``v``'s first."""
+  chain = []
   while isinstance(a, Val) and a.producer is not None:
     node = a.producer
     vals = [b for b in node.ins if isinstance(b, Val)]
     if not rule_for(node.prim).reindex or len(vals) != 1:
       break
+    chain.append(node)
     a = vals[0]
-  return a
+  return a, tuple(reversed(chain))
 
 
 def _activated(v: Any, depth: int) -> bool:
@@ -149,7 +152,7 @@ def _activated(v: Any, depth: int) -> bool:
 
 def _kind(level: Level, a: Any) -> Optional[str]:
   """``"attention"``, ``"mlp"`` or None for the activation operand ``a``."""
-  v = _strip(a)
+  v, _ = _back(a)
   node = getattr(v, "producer", None)
   if node is None:
     return None
@@ -185,10 +188,11 @@ def _order(n: int) -> str:
 
 
 def _through(chain: tuple, state: Any, level: Level) -> Any:
-  """The state of the weight operand when its leaf has ``state`` (None: blocked)."""
-  for node in chain:
+  """The state after ``chain`` (single-operand steps) of a value with ``state`` (None: blocked)."""
+  for node in chain:   # (each node's one array operand is the value before it)
     try:
-      (state,) = rule_for(node.prim).rotate(node, [state], level)[:1]
+      state = rule_for(node.prim).rotate(node, [state if isinstance(b, Val) else None for b in node.ins],
+                                         level)[0]
     except Block:
       return None
   return state
@@ -201,16 +205,10 @@ def _leaf_dims(site: _Site, axes: tuple, level: Level) -> Optional[tuple]:
   dd = rule_for(node.prim).contraction(node)
   mine, other = dd.contracting(site.act), dd.contracting(1 - site.act)
   want = frozenset(other[mine.index(a)] for a in axes)
-  shape = level.program.invars[site.leaf].shape
-  w = node.ins[1 - site.act]
-  dims = []
-  for c in sorted(want):
-    found = [d for d in range(len(shape)) if shape[d] == w.shape[c]
-             and _through(site.chain, Lin(frozenset({d})), level) == Lin(frozenset({c}))]
-    if len(found) != 1:
-      return None
-    dims.append(found[0])
-  dims = frozenset(dims)
+  leaf = level.program.invars[site.leaf]
+  dims = frozenset(_dim_before(leaf, site.chain, c, level) for c in want)
+  if None in dims or len(dims) != len(want):
+    return None
   return tuple(sorted(dims)) if _through(site.chain, Lin(dims), level) == Lin(want) else None
 
 
@@ -260,20 +258,6 @@ class _Planned(NamedTuple):
   site: _Site
   options: tuple
   entry: OnlineSite
-
-
-def _back(a: Any) -> tuple:
-  """``(v, chain)``: ``a`` back through single-operand re-indexing and casts
-  (``_strip``), with the nodes passed, ``v``'s first."""
-  chain = []
-  while isinstance(a, Val) and a.producer is not None:
-    node = a.producer
-    vals = [b for b in node.ins if isinstance(b, Val)]
-    if not rule_for(node.prim).reindex or len(vals) != 1:
-      break
-    chain.append(node)
-    a = vals[0]
-  return a, tuple(reversed(chain))
 
 
 def _dim_before(v: Any, chain: tuple, dim: int, level: Level) -> Optional[int]:
