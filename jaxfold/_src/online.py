@@ -76,8 +76,11 @@ class OnlineSite:
 
 @dataclasses.dataclass(frozen=True)
 class OnlineReport:
-  """What ``online_hadamard`` did: one :class:`OnlineSite` per candidate contraction."""
+  """What ``online_hadamard`` did: one :class:`OnlineSite` per candidate contraction;
+  ``weights``: ``((parameter path, dims), ...)``, every parameter multiplied by a
+  Hadamard matrix along those dims (the rotated weights, and V's for the per-head part)."""
   sites: tuple
+  weights: tuple = ()
 
   @property
   def num_rotated(self) -> int:
@@ -426,7 +429,8 @@ def analyse(fn: Callable, params: Any, args: tuple, where: tuple) -> OnlineAnaly
   plan = Plan(hadamards=tuple(OperandMap(path, k, ax) for (path, k), axes in sorted(online.items())
                               for ax in axes))
   key = tuple(sorted((i, tuple(d)) for i, d in seeds.items()))
-  return OnlineAnalysis(traced.jaxpr, traced.consts, traced.out_tree, plan, key, OnlineReport(tuple(entries)))
+  report = OnlineReport(tuple(entries), tuple((traced.names[i], d) for i, d in key))
+  return OnlineAnalysis(traced.jaxpr, traced.consts, traced.out_tree, plan, key, report)
 
 
 # ----------------------------------------------------------------------------
