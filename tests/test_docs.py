@@ -46,7 +46,8 @@ OPTIONAL = {"keras": 'pip install -e ".[keras]"', "keras_hub": "pip install --no
 # the core paths (fold and report, nnx, keyword arguments, CBWC, save/load) and the README's example.
 SLOW_SECTIONS = {"fold-a-hugging-face-checkpoint", "fold-a-keras-3-model", "fold-a-keras-hub-backbone",
                  "export-and-serve", "fuse-γβ-into-the-next-layers-rotate-the-residual-stream",
-                 "defer-the-normalization-into-its-readers-flashnorm"}
+                 "defer-the-normalization-into-its-readers-flashnorm",
+                 "online-hadamards-before-the-down--and-output-projections-quarot"}
 
 
 def _read(path):

@@ -7,7 +7,9 @@ reductions yield a symbolic ``Zero`` that each primitive's rule simplifies
 away (``h - 0 = h``, ``0 * y = 0``), auxiliary centerings are inserted after
 the values the plan names, captured constants are centered, untied copies
 replace a parameter at one use, and proven epilogues run as the RMSNorm
-kernel (fused with the residual add that feeds them where that is proved).
+kernel (fused with the residual add that feeds them where that is proved),
+and operands the plan names are multiplied by a Hadamard matrix before their
+equation reads them (``OperandMap``: online_hadamard).
 A call whose body the plan does not touch is bound unchanged, so its custom
 differentiation rules are kept.
 """
@@ -19,7 +21,7 @@ from typing import Any, NamedTuple, Sequence
 
 import jax.numpy as jnp
 
-from jaxfold._src import compat, deferral, kernels, layout
+from jaxfold._src import compat, deferral, hadamard, kernels, layout
 from jaxfold._src.rules import rule_for
 from jaxfold._src.zero import Zero
 
@@ -46,6 +48,16 @@ class BiasAt(NamedTuple):
   name: str
 
 
+class OperandMap(NamedTuple):
+  """Operand ``operand`` of the equation at ``path`` is multiplied by the
+  normalized Hadamard matrix along its ``axis`` (``hadamard_transform``) before
+  the equation reads it (online_hadamard: the weight it meets was multiplied by
+  the same matrix along the paired dim, so the contraction is unchanged)."""
+  path: tuple
+  operand: int
+  axis: int
+
+
 class ConstantAt(NamedTuple):
   """The value ``key`` (one no input reaches) is replaced by ``value``, its
   auxiliary centering computed once at fold time."""
@@ -65,12 +77,14 @@ class Plan:
   biases: tuple[BiasAt, ...] = ()
   deferred: tuple = ()                        # deferral.Deferred: contractions reading x, scaled by s
   constants: tuple[ConstantAt, ...] = ()      # values replaced by fold-time constants
+  hadamards: tuple[OperandMap, ...] = ()      # operands rotated online before their equation
 
   @property
   def touched(self) -> frozenset:
     paths = set(self.zero) | {k[0] for k, _ in self.aux} | {k[0] for k, _ in self.consts}
     paths |= {u for u, *_ in self.untied}
     paths |= {k[0] for k, _ in self.biases} | {k[0] for k, _ in self.constants}
+    paths |= {m.path for m in self.hadamards}
     paths |= {e.path for e in self.deferred} | {k[0] for e in self.deferred for k in (e.x, e.s)}
     paths |= {e.kernel.add[0] for e in self.deferred if e.kernel is not None and e.kernel.add is not None}
     if self.norm_impl != "xla":
@@ -147,6 +161,9 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
   centered = dict(plan.consts)
   untied = {(u.path, u.operand): (u.name, u.chain) for u in plan.untied}
   deferred = {e.path: e for e in plan.deferred}
+  online: dict = {}
+  for m in plan.hadamards:
+    online.setdefault((m.path, m.operand), []).append(m.axis)
   # The add of a kernel reader's own bias: the reader is held (deferral.Pending) until it.
   own_bias = ({e.kernel.add[0]: e for e in plan.deferred if e.kernel is not None and e.kernel.add is not None}
               if plan.norm_impl != "xla" else {})
@@ -196,6 +213,8 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
     for k in range(len(invals)):
       if (path, k) in untied:
         invals[k] = _untied_value(untied[(path, k)], extras)
+      for axis in online.get((path, k), ()):
+        invals[k] = hadamard.hadamard_transform(_materialize(invals[k]), axis)
     outs, biased = None, False
     if path in own_bias:
       outs = deferral.resolve(own_bias[path], eqn, invals)

@@ -104,3 +104,22 @@ def test_plan_touched_covers_every_enclosing_level():
   plan = Plan(zero=frozenset({(3, 1, 2)}))
   assert {(), (3,), (3, 1), (3, 1, 2)} <= plan.touched
   assert (4,) not in plan.touched
+
+
+def test_operand_map_rotates_only_the_operand_it_names(x64):
+  """``OperandMap``: operand 0 of the matmul inside a jitted call reads ``x @ H``
+  along axis 1; its other use (the add) and the other operand are unchanged."""
+  from jaxfold._src.hadamard import hadamard
+  from jaxfold._src.rewrite import OperandMap
+
+  def fn(x, w):
+    return jax.jit(lambda a, b: a @ b)(x, w) + x.sum()
+
+  x = jax.random.normal(jax.random.PRNGKey(0), (3, 8), jnp.float64)
+  w = jax.random.normal(jax.random.PRNGKey(1), (8, 5), jnp.float64)
+  closed = jax.make_jaxpr(fn)(x, w)
+  path = next((i, j) for i, e in enumerate(closed.jaxpr.eqns) for j, _ in enumerate(
+      compat.open_jaxpr(e.params["jaxpr"])[0].eqns) if "jaxpr" in e.params)
+  (out,), _ = _run(fn, (x, w), Plan(hadamards=(OperandMap(path, 0, 1),)))
+  assert rel_err(out, (x @ hadamard(8)) @ w + x.sum()) < 1e-12
+  assert rel_err(out, fn(x, w)) > 1e-3

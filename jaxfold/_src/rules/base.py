@@ -171,6 +171,10 @@ class Rule:
   # the sum of that operand over those of its axes (a mean's numerator:
   # ``reduce_sum``, a contraction with ones). Site detection only.
   sums: C.SumsFacet = _no_sums
+  # An elementwise function that is not affine in its operand (tanh, erf,
+  # logistic, exp, max: what a GELU, SiLU or ReLU is made of): where
+  # online_hadamard looks for an MLP's inner activation. Never used for soundness.
+  activation: bool = False
   # Parameter variants the fuzzer must generate, e.g. ("int target", "float narrowing").
   variants: tuple = ()
   # ``(node) -> axes | None``: the output is the plain sum of operand 0 over

@@ -408,7 +408,8 @@ def _bound_shift(identity: float):
 
 
 register(Rule("max", (lax.max_p,), facts=_arith_facts(max), canon=_max_canon,
-              shift=_bound_shift(-math.inf), zero_sum=_block_zero_sum, variants=("clamp", "-inf bound")))
+              shift=_bound_shift(-math.inf), zero_sum=_block_zero_sum, variants=("clamp", "-inf bound"),
+              activation=True))   # (ReLU is max(x, 0))
 register(Rule("min", (lax.min_p,), facts=_arith_facts(min),
               canon=lambda node, ins, ctx: [A.app(("min",), ins, node.outs[0].shape, commutative=True)],
               shift=_bound_shift(math.inf), zero_sum=_block_zero_sum))
@@ -756,6 +757,8 @@ def _pow_canon(node, ins, ctx):
   return _opaque_canon(node, ins, ctx)
 
 
+# The smooth activations' pieces (GELU: erf or tanh; SiLU/sigmoid: logistic; ELU: expm1).
+_ACTIVATIONS = frozenset({"exp", "exp2", "expm1", "tanh", "logistic", "erf", "erfc", "log1p"})
 _SHIFTS = {"exp_p": _exp_shift, "log_p": _log_shift}
 _SHIFT_VARIANTS = {"exp_p": ("nonlinear", "ratio of sums"), "log_p": ("nonlinear", "log of a sum of exps")}
 
@@ -773,5 +776,5 @@ for _name in tuple(_EXACT_UNARY) + _NONLINEAR:
                 canon=(lambda tag: (lambda node, ins, ctx: [A.app(tag, ins, node.outs[0].shape)]))(
                     {"sqrt": A.SQRT, "rsqrt": A.RSQRT}[_tag]) if _tag in ("sqrt", "rsqrt") else _opaque_canon,
                 shift=_SHIFTS.get(_name, _block_nonlinear), zero_sum=_block_zero_sum,
-                variants=_SHIFT_VARIANTS.get(_name, ()),
+                variants=_SHIFT_VARIANTS.get(_name, ()), activation=_tag in _ACTIVATIONS,
                 epilogue="step" if _tag in ("sqrt", "rsqrt") else ""))

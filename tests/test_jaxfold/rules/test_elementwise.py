@@ -435,3 +435,13 @@ def test_declared_roles_of_casts_and_arithmetic():
   assert rp({"mantissa_bits": 30, "exponent_bits": 11}, jnp.bfloat16, jnp.bfloat16) == (7, 8)
   assert rule_for(lax.add_p).arith == "+" and rule_for(lax.mul_p).arith == "*"
   assert rule_for(lax.div_p).arith == "/" and rule_for(lax.sub_p).arith == ""
+
+
+def test_activation_facet_marks_what_activations_are_made_of():
+  """online_hadamard finds an MLP's activation by the ``activation`` facet: the
+  smooth activations' pieces and ReLU's max, never the affine steps or a norm's rsqrt."""
+  from jaxfold._src.rules import rule_for
+  made_of = [lax.tanh_p, lax.erf_p, lax.logistic_p, lax.exp_p, lax.expm1_p, lax.max_p]
+  affine_or_norm = [lax.add_p, lax.mul_p, lax.div_p, lax.neg_p, lax.rsqrt_p, lax.sqrt_p, lax.integer_pow_p]
+  assert all(rule_for(p).activation for p in made_of)
+  assert not any(rule_for(p).activation for p in affine_or_norm)
