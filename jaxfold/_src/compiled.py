@@ -40,8 +40,12 @@ def _jitted(analysis: Any) -> Callable:
       return entry[1]
   jaxpr, plan = analysis.jaxpr, analysis.plan
   fn = jax.jit(lambda consts, flat, extras: evaluate(jaxpr, consts, flat, plan, extras))
+  try:
+    ref = weakref.ref(analysis)
+  except TypeError:   # (a NamedTuple analysis: held while cached, so its id is not reused)
+    ref = (lambda a: lambda: a)(analysis)
   with _LOCK:
-    _CACHE[key] = (weakref.ref(analysis), fn)
+    _CACHE[key] = (ref, fn)
     while len(_CACHE) > _SIZE:
       _CACHE.popitem(last=False)
   return fn

@@ -37,14 +37,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfold._src import display, pipeline
+from jaxfold._src import compiled, display, pipeline
 from jaxfold._src.analysis import Level, param_operand
 from jaxfold._src.errors import RotateError
 from jaxfold._src.hadamard import hadamard, hadamard_factorization
 from jaxfold._src.pipeline import Call
 from jaxfold._src.program import Val
 from jaxfold._src.report import param_label
-from jaxfold._src.rewrite import OperandMap, Plan, evaluate
+from jaxfold._src.rewrite import OperandMap, Plan
 from jaxfold._src.rules import Block, rule_for
 from jaxfold._src.rules.rotation import Lin
 from jaxfold._src.step import RestoreContext, Restored, Result, Step, StepRecord, digest, register
@@ -515,7 +515,7 @@ class OnlineApply(Step):
     except (ValueError, TypeError) as err:
       raise RotateError("params do not have the structure of the online_hadamard result's params") from err
     flat = [x for x in jax.tree_util.tree_leaves(leaves)] + jax.tree_util.tree_leaves(call.args)
-    outs = evaluate(an.jaxpr, an.consts, flat, an.plan, {})
+    outs = compiled.run(an, flat, {})
     return jax.tree_util.tree_unflatten(an.out_tree, outs)
 
 
