@@ -14,6 +14,8 @@ Public API:
   rotate(fused, q) -> Rotated(params, apply_fn, report)     (orthogonal q on the residual stream)
   online_hadamard(result) -> Online(params, apply_fn, report)  (QuaRot's online Hadamards before
                              the MLP's down-projection and attention's output projection)
+  quantize(result | (params, apply_fn), *args, weights=, activations=, group_size=) -> Quantized
+                             (contractions reading a parameter as int8/int4/fp8 GEMMs, qwix; the `quantize` extra)
   keras_params(model) -> (params, apply_fn)   (a Keras 3 model, JAX backend; keras imported lazily)
   keras_assign(model, folded_or_params)      (writes parameters back into the Keras model's variables)
 Submodules (imported with jaxfold): optax_transforms (CBWC weight decay), exporting,
@@ -32,6 +34,7 @@ from jaxfold._src.defer import DeferSite, defer_norms
 from jaxfold._src.api import fold
 from jaxfold._src.rotate import Rotated, RotateReport, rotate
 from jaxfold._src.online import Online, OnlineReport, OnlineSite, online_hadamard
+from jaxfold._src.quantize import QuantizeError, Quantized, QuantParams, QuantReport, QuantSite, QWeight, quantize
 from jaxfold._src.frameworks.keras import KerasParams, keras_assign, keras_params
 from jaxfold._src.serialization import load_fold, save_fold
 from jaxfold._src.version import __version__ as __version__
@@ -44,3 +47,4 @@ __all__ += ["defer_norms", "DeferSite"]
 __all__ += ["fuse_affine", "Fused", "FusedParams", "FuseError", "FuseReport", "rotate", "Rotated",
             "RotateReport", "RotateError", "JaxfoldError", "keras_params", "keras_assign", "KerasParams"]
 __all__ += ["online_hadamard", "Online", "OnlineReport", "OnlineSite"]
+__all__ += ["quantize", "Quantized", "QuantParams", "QuantReport", "QuantSite", "QWeight", "QuantizeError"]

@@ -48,6 +48,10 @@ def fused_params_repr(self) -> str:
   return f"FusedParams(base={_params(self.base)}, extras={_named(self.extras)})"
 
 
+def quant_params_repr(self) -> str:
+  return f"QuantParams(base={_params(self.base)}, weights={tree_summary(self.weights)})"
+
+
 def result_repr(self) -> str:
   """``Folded(params=..., apply_fn=<folded apply_fn of f>, report=<...>)`` for
   Folded/Fused/Rotated, whose fields are (params, apply_fn, report)."""

@@ -78,13 +78,14 @@ class Plan:
   deferred: tuple = ()                        # deferral.Deferred: contractions reading x, scaled by s
   constants: tuple[ConstantAt, ...] = ()      # values replaced by fold-time constants
   hadamards: tuple[OperandMap, ...] = ()      # operands rotated online before their equation
+  quantized: tuple = ()                       # quantize.QuantizedAt: contractions run through qwix
 
   @property
   def touched(self) -> frozenset:
     paths = set(self.zero) | {k[0] for k, _ in self.aux} | {k[0] for k, _ in self.consts}
     paths |= {u for u, *_ in self.untied}
     paths |= {k[0] for k, _ in self.biases} | {k[0] for k, _ in self.constants}
-    paths |= {m.path for m in self.hadamards}
+    paths |= {m.path for m in self.hadamards} | {q.path for q in self.quantized}
     paths |= {e.path for e in self.deferred} | {k[0] for e in self.deferred for k in (e.x, e.s)}
     paths |= {e.kernel.add[0] for e in self.deferred if e.kernel is not None and e.kernel.add is not None}
     if self.norm_impl != "xla":
@@ -140,11 +141,13 @@ def _simplify(eqn, invals) -> list | None:
 
 
 def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
-             extras: dict, prefix: tuple = (), values: dict | None = None) -> list:
+             extras: dict, prefix: tuple = (), values: dict | None = None, observe: Any = None) -> list:
   """Evaluates ``jaxpr`` with ``plan`` applied under the current trace.
 
   ``values`` maps value keys to what they evaluated to, across call levels,
-  so a kernel substitution reads the operands its proof names.
+  so a kernel substitution reads the operands its proof names; ``observe``
+  (optional) is called as ``observe(path, eqn, invals)`` before each equation
+  outside a loop or branch body (quantize measures its contractions' errors so).
   """
   jaxpr, inner_consts = compat.open_jaxpr(jaxpr)
   consts = list(consts) if consts else inner_consts
@@ -161,6 +164,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
   centered = dict(plan.consts)
   untied = {(u.path, u.operand): (u.name, u.chain) for u in plan.untied}
   deferred = {e.path: e for e in plan.deferred}
+  quantized = {q.path: q for q in plan.quantized}
   online: dict = {}
   for m in plan.hadamards:
     online.setdefault((m.path, m.operand), []).append(m.axis)
@@ -201,7 +205,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
       if sub is not None:
         return evaluate(inner, inner_consts, list(args), plan, extras, path + (sub,))
       return evaluate(inner, inner_consts, list(args), plan, extras, path,
-                      dict(values) if isolated else values)
+                      dict(values) if isolated else values, observe)
     return run
 
   for i, eqn in enumerate(jaxpr.eqns):
@@ -216,7 +220,11 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
       for axis in online.get((path, k), ()):
         invals[k] = hadamard.hadamard_transform(_materialize(invals[k]), axis)
     outs, biased = None, False
-    if path in own_bias:
+    if observe is not None and rule.inline(eqn) is None:
+      observe(path, eqn, [_materialize(v) for v in invals])
+    if path in quantized:
+      outs = quantized[path].contract(eqn, [_materialize(v) for v in invals], extras)
+    elif path in own_bias:
       outs = deferral.resolve(own_bias[path], eqn, invals)
       if outs is None:
         invals = _unhold(invals)

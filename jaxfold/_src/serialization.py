@@ -212,6 +212,9 @@ def _transforms_info(chain: list) -> tuple:
     info = dict(rec.info)
     if "example_args" in info:
       info["example_args"] = _encode_args(info["example_args"])
+    # The parameters this step's inner function takes: load redoes the next step on
+    # them (a step that changes the tree, e.g. quantize, makes them unlike the saved leaves).
+    info.setdefault("inner_leaves", _leaf_table(fn.params_abstract))
     out.append(info)
     for name, array in rec.arrays.items():
       arrays.append((f"{name}-{count.get(name, 0)}", array))
@@ -798,13 +801,17 @@ def _load_chain(copy: str, directory: str, apply_fn: Callable, info: dict, args:
   ctx = RestoreContext(tuple(args), kwargs, verify, refuse, FoldError, array)
   fn, report, struct = refold.apply_fn, refold.report, refold.params
   treedef = jax.tree_util.tree_structure(struct)
-  for _, _, cls, record in parsed:
+  for j, (_, _, cls, record) in enumerate(parsed):
     fn, report, tree = cls.restore(fn, struct, record, ctx)
     treedef = treedef if tree is None else tree
-    if treedef.num_leaves != len(leaves):
-      raise refuse(f"parameters ({treedef.num_leaves} tensors now, {len(leaves)} saved)")
-    struct = jax.tree_util.tree_unflatten(
-        treedef, [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves])
+    # What the next step's inner takes: its recorded table, or (the last step, or a
+    # fold saved before tables were recorded) the saved leaves themselves.
+    nxt = records[j + 1].get("inner_leaves") if j + 1 < len(records) else None
+    shapes = ([jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype)) for _, shape, dtype in nxt] if nxt else
+              [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves])
+    if treedef.num_leaves != len(shapes):
+      raise refuse(f"parameters ({treedef.num_leaves} tensors now, {len(shapes)} saved)")
+    struct = jax.tree_util.tree_unflatten(treedef, shapes)
   params = jax.tree_util.tree_unflatten(treedef, leaves)
   if _leaf_table(params) != table:
     raise refuse("parameter names, shapes or dtypes")
