@@ -11,7 +11,8 @@ Public API:
   fuse_affine(folded) -> Fused(params, apply_fn, report)   (γ/β into the readers; or fold(..., fuse_affine=True))
   defer_norms(fused) -> Fused   (readers contract the un-normalized input, scaled per row;
                                  or fold(..., defer_norms=True))
-  rotate(fused, q) -> Rotated(params, apply_fn, report)     (orthogonal q on the residual stream)
+  rotate(fused, q) -> Rotated(params, apply_fn, report)     (orthogonal q on the residual stream;
+                             q = "hadamard" | "random" picks one of the stream's width; hadamard(n))
   online_hadamard(result) -> Online(params, apply_fn, report)  (QuaRot's online Hadamards before
                              the MLP's down-projection and attention's output projection)
   quantize(result | (params, apply_fn), *args, weights=, activations=, group_size=) -> Quantized
@@ -33,6 +34,7 @@ from jaxfold._src.errors import FuseError, JaxfoldError, RotateError
 from jaxfold._src.defer import DeferSite, defer_norms
 from jaxfold._src.api import fold
 from jaxfold._src.rotate import Rotated, RotateReport, rotate
+from jaxfold._src.hadamard import hadamard
 from jaxfold._src.online import Online, OnlineReport, OnlineSite, online_hadamard
 from jaxfold._src.quantize import QuantizeError, Quantized, QuantParams, QuantReport, QuantSite, QWeight, quantize
 from jaxfold._src.frameworks.keras import KerasParams, keras_assign, keras_params
@@ -47,4 +49,5 @@ __all__ += ["defer_norms", "DeferSite"]
 __all__ += ["fuse_affine", "Fused", "FusedParams", "FuseError", "FuseReport", "rotate", "Rotated",
             "RotateReport", "RotateError", "JaxfoldError", "keras_params", "keras_assign", "KerasParams"]
 __all__ += ["online_hadamard", "Online", "OnlineReport", "OnlineSite"]
+__all__ += ["hadamard"]
 __all__ += ["quantize", "Quantized", "QuantParams", "QuantReport", "QuantSite", "QWeight", "QuantizeError"]

@@ -25,6 +25,7 @@ from jaxfold._src import display, kernels, pipeline
 from jaxfold._src.analysis import LeafNeed, Level, factor_leaf, leaf_of
 from jaxfold._src.errors import RotateError
 from jaxfold._src.fold import FoldedApply, FoldedParams
+from jaxfold._src.hadamard import hadamard, random_orthogonal
 from jaxfold._src.hints import rotation_aux_hint
 from jaxfold._src.pipeline import Call
 from jaxfold._src.program import Val
@@ -310,6 +311,41 @@ def _solve(fn: Callable, params: Any, args: tuple, n: int):
   return tuple(sorted((i, tuple(sorted(d))) for i, d in seeds.items())), norms, names
 
 
+def _stream_widths(fn: Callable, params: Any, args: tuple) -> list:
+  """Widths n with a parameter-free RMS norm over an axis of size n (the
+  streams a rotation could be proved on), widest first."""
+  with kernels.xla_level():
+    traced = pipeline.trace(fn, params, args)
+  sizes = set()
+  with pipeline.analyzer(traced) as an:
+    level = an.top
+    for node in level.program.nodes:
+      try:
+        summed = rule_for(node.prim).sums(node, level)
+      except Block:
+        continue
+      if summed is not None and len(summed[1]) == 1 and isinstance(node.ins[summed[0]], Val):
+        sizes.add(node.ins[summed[0]].shape[summed[1][0]])
+      dd = rule_for(node.prim).contraction(node)
+      if dd is not None and len(dd.lc) == 1 and isinstance(node.ins[0], Val):
+        sizes.add(node.ins[0].shape[dd.lc[0]])
+    return sorted((n for n in sizes if n > 1 and _norm_inputs(level, n)), reverse=True)
+
+
+def _named(name: str, n: int, seed: int) -> np.ndarray:
+  """The orthogonal matrix a name stands for, of order ``n``."""
+  if name == "hadamard":
+    try:
+      return hadamard(n)
+    except ValueError as e:
+      raise RotateError(f"rotate(..., \"hadamard\"): the stream has width {n}, and {e}; rotate by "
+                        "\"random\" (or an explicit orthogonal matrix) instead") from None
+  return random_orthogonal(n, jax.random.PRNGKey(seed))
+
+
+NAMED = ("hadamard", "random")
+
+
 def _hints(model: Any) -> str:
   """What to change when a rotation fails: the usual causes are a fold that
   was not fused (norms still multiply by γ) and auxiliary centerings (a mean
@@ -403,8 +439,37 @@ class RotatedApply(Step):
     return self._inner(params, *args, **kwargs)
 
 
-def rotate(model: Any, q: Any, *example_args: Any) -> Rotated:
+def _rotate_named(model: Any, name: str, params: Any, fn: Callable, args: tuple, kwargs: dict, given: tuple,
+                  seed: int, size: Optional[int]) -> Rotated:
+  """``rotate`` by a named matrix of the stream's width: ``size``, or the widest
+  width whose stream the rotation is proved on."""
+  if name not in NAMED:
+    raise RotateError(f"rotate: q must be an orthogonal matrix or one of {NAMED}, got {name!r}")
+  if size is not None:
+    return rotate(model, _named(name, int(size), seed), *given)
+  abstract = pipeline.abstract_tree(params, RotateError)
+  call = pipeline.bind(fn, tuple(pipeline.abstract_tree(args, RotateError)), kwargs, RotateError)
+  widths = _stream_widths(call.fn, abstract, call.abstract_args(RotateError))
+  if not widths:
+    raise RotateError(f"rotate(..., {name!r}): no parameter-free RMS norm in the program: fold and "
+                      f"fuse_affine the model first{_hints(model)}")
+  first: Optional[RotateError] = None
+  for n in widths:   # the residual stream is the widest normalized width in every model we know
+    try:
+      return rotate(model, _named(name, n, seed), *given)
+    except RotateError as e:
+      first = first or e
+  raise first
+
+
+def rotate(model: Any, q: Any, *example_args: Any, seed: int = 0, size: Optional[int] = None) -> Rotated:
   """Rotates the residual stream of a fused model by an orthogonal ``q`` (d×d).
+
+  ``q`` is a matrix, or ``"hadamard"`` (the normalized Hadamard matrix of the
+  stream's width, also for widths like 384, 768, 1280: ``jaxfold.hadamard``)
+  or ``"random"`` (Haar-random, from ``seed``), which spread outlier channels
+  over all channels before quantization (QuaRot). A named matrix takes the
+  width of the widest stream whose rotation is proved (``size`` to choose).
 
   Every parameter meeting the stream becomes ``p ×_d q`` along its stream dim
   (writers' outputs, readers' inputs, embeddings, position tables, heads);
@@ -423,9 +488,12 @@ def rotate(model: Any, q: Any, *example_args: Any) -> Rotated:
     >>> bool(jnp.allclose(r.apply_fn(r.params, x), m.apply(p, x), atol=1e-5))
     True
   """
+  given = example_args
   kwargs = pipeline.model_kwargs(model, example_args)
   params, fn, example_args = pipeline.model_parts(
       model, example_args, "rotate takes a model with params and apply_fn (jaxfold.Fused)", RotateError)
+  if isinstance(q, str):
+    return _rotate_named(model, q, params, fn, tuple(example_args), kwargs, given, seed, size)
   q = np.asarray(q, np.float64)
   if q.ndim != 2 or q.shape[0] != q.shape[1]:
     raise RotateError(f"q must be a square matrix, got shape {q.shape}")

@@ -280,3 +280,53 @@ def test_a_parameter_rotated_along_both_dims_and_sliced_is_refused(x64):
     return _rms(h) @ p["w_out"]
   with pytest.raises(jaxfold.FuseError, match=r"a slice of the rotated dim \[at .*test_rotate.py"):
     jaxfold.rotate(_Model(params, apply), random_orthogonal(D, 5), _x(2, 4, 5))
+
+
+# -- named rotations (issue 36): rotate(result, "hadamard" | "random") -----------------------
+
+def _pre_ln(d):
+  class Pre(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.Dense(d)(x)
+      for _ in range(2):
+        h = h + nn.Dense(d)(jax.nn.gelu(nn.Dense(2 * d)(nn.LayerNorm()(h))))
+      return nn.Dense(5)(nn.LayerNorm()(h))
+  return Pre()
+
+
+@pytest.mark.parametrize("d", [24, 32])
+@pytest.mark.parametrize("name", ["hadamard", "random"])
+def test_named_rotations_are_exact(d, name, x64, tmp_path):
+  m = _pre_ln(d)
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(2, 3, 6)))
+  p = jax.tree_util.tree_map(lambda a: jnp.asarray(rng.normal(size=a.shape) * 0.5 + (a.ndim == 1)),
+                             m.init(jax.random.PRNGKey(0), x))
+  fused = jaxfold.fuse_affine(jaxfold.fold(p, m.apply, x))
+  r = jaxfold.rotate(fused, name)
+  assert r.report.size == d and r.report.norms == 3
+  q = r.apply_fn.q
+  assert np.allclose(q @ q.T, np.eye(d), atol=1e-12)
+  if name == "hadamard":   # entries ±1/√d: the outlier-spreading property
+    assert np.allclose(np.abs(q), 1 / np.sqrt(d))
+  else:
+    assert not np.allclose(np.abs(q), 1 / np.sqrt(d))
+  for xx in (x, jnp.asarray(rng.normal(size=(1, 1, 6)))):
+    np.testing.assert_allclose(r.apply_fn(r.params, xx), m.apply(p, xx), rtol=1e-10, atol=1e-10)
+  assert not np.allclose(jaxfold.rotate(fused, "random", seed=1).apply_fn.q, jaxfold.rotate(fused, "random").apply_fn.q)
+  jaxfold.save_fold(r, tmp_path / "r")
+  back = jaxfold.load_fold(tmp_path / "r", m.apply)
+  np.testing.assert_array_equal(back.apply_fn(back.params, x), r.apply_fn(r.params, x))
+
+
+def test_named_rotation_refusals(x64):
+  m = _pre_ln(156)   # 156 = 12 · 13: no Hadamard construction known here
+  x = jnp.ones((2, 3, 6))
+  p = m.init(jax.random.PRNGKey(0), x)
+  fused = jaxfold.fuse_affine(jaxfold.fold(p, m.apply, x))
+  with pytest.raises(jaxfold.RotateError, match=r"width 156.*rotate by \"random\""):
+    jaxfold.rotate(fused, "hadamard")
+  assert jaxfold.rotate(fused, "random").report.size == 156
+  with pytest.raises(jaxfold.RotateError, match="one of"):
+    jaxfold.rotate(fused, "pca2")
