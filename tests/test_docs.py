@@ -47,7 +47,8 @@ OPTIONAL = {"keras": 'pip install -e ".[keras]"', "keras_hub": "pip install --no
 SLOW_SECTIONS = {"fold-a-hugging-face-checkpoint", "fold-a-keras-3-model", "fold-a-keras-hub-backbone",
                  "export-and-serve", "fuse-γβ-into-the-next-layers-rotate-the-residual-stream",
                  "defer-the-normalization-into-its-readers-flashnorm",
-                 "online-hadamards-before-the-down--and-output-projections-quarot"}
+                 "online-hadamards-before-the-down--and-output-projections-quarot",
+                 "rotate-for-quantization-then-quantize-quarot-style-with-qwix"}
 
 
 def _read(path):

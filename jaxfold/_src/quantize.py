@@ -43,7 +43,7 @@ class QuantizeError(JaxfoldError):
 
 
 WEIGHTS = ("int8", "int4", "fp8")
-ACTIVATIONS = (None, "int8", "fp8")
+ACTIVATIONS = (None, "int8", "int4", "fp8")
 _QTYPE = {"int8": "int8", "int4": "int4", "fp8": "float8_e4m3fn"}
 
 
@@ -338,7 +338,7 @@ def _config(weights: Any, activations: Any, group_size: Any, skip: Any) -> _Conf
     raise QuantizeError(f"quantize: activations must be one of {ACTIVATIONS}, got {activations!r}")
   if group_size is not None and (not isinstance(group_size, int) or group_size < 1):
     raise QuantizeError(f"quantize: group_size must be a positive int or None, got {group_size!r}")
-  if weights == "fp8" and activations == "int8" or weights == "int8" and activations == "fp8":
+  if activations is not None and (weights == "fp8") != (activations == "fp8"):
     raise QuantizeError(f"quantize: weights {weights} with activations {activations}: qwix contracts "
                         "integers with integers and fp8 with fp8; pick matching formats (or activations=None)")
   skip = (skip,) if isinstance(skip, str) or callable(skip) else tuple(skip or ())
@@ -454,7 +454,7 @@ def quantize(model: Any, *example_args: Any, weights: str = "int8", activations:
   ``(params, apply_fn)`` pair (then pass ``example_args``). ``weights``:
   ``"int8"``, ``"int4"`` or ``"fp8"``, per output channel, or per group of
   ``group_size`` along the contracted dim; ``activations``: ``None`` (float),
-  ``"int8"`` or ``"fp8"``, per token, quantized in the program. A contraction
+  ``"int8"``, ``"int4"`` or ``"fp8"``, per token, quantized in the program. A contraction
   whose weight is read elsewhere (a tied embedding), of two activations, or
   named in ``skip`` (substrings of parameter paths, or a predicate) stays in
   float. ``report`` gives every contraction's formats and its relative error
