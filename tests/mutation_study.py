@@ -411,9 +411,10 @@ LIB_MUTANTS = [
   M("X7", EXP, "    if hashlib.sha256(chunk).hexdigest() != t[\"sha256\"]:", "    if False:",
     "load_exported: a bundled parameter tensor's SHA-256 is not checked", sel="export"),
   # -- saved folds: integrity, format and analysis-key checks, fingerprints -----------------------------------
-  M("V1", "affine.py", "    if ctx.verify and (digest(an.key) != parsed.key_sha256\n                       or ",
+  M("V1", "affine.py", "    if ctx.verify and (not ctx.same_key(an.key, parsed.key_sha256)\n                       or ",
     "    if ctx.verify and (", "load_fold: a fuse_affine step's analysis key not compared", sel="save"),
-  M("V2", ROT, "    if ctx.verify and key != parsed.rotated:", "    if False:",
+  M("V2", ROT, "    if ctx.verify and key != tuple(sorted((ctx.leaf(i), d) for i, d in parsed.rotated)):",
+    "    if False:",
     "load_fold: a rotation that rotates other parameters now accepted", sel="save"),
   M("V3", SER, "    if got != want or bool(refold.params.extras)", "    if bool(refold.params.extras)",
     "load_fold: the re-analysed fold's sites not compared with the saved ones", sel="save"),
