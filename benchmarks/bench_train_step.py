@@ -75,7 +75,7 @@ def make_steps(args, seq: int):
   state = {k: [p, opt.init(p)] for k, (_, p) in steps.items()}
   n_params = sum(int(np.prod(l.shape)) for l in jax.tree_util.tree_leaves(p_ln))
   n_centered = sum(int(np.prod(jax.tree_util.tree_leaves(p_ln)[i].shape))
-                   for i, _ in r.analysis.leaf_specs)
+                   for i, _ in r.leaf_specs)
   info = dict(batch=batch, seq=seq, params=n_params, centered=n_centered,
               folded=f"{r.report.num_folded}/{r.report.num_sites}")
   return steps, state, tok, info

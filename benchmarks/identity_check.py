@@ -4,7 +4,8 @@ For each tiny zoo model and each option set (default; auxiliary_centering=False;
 tied_weights="copy"; fuse_affine; defer_norms; rotate by a fixed random
 orthogonal q; cbwc) this writes the SHA-256 of ``str(report)``, of
 ``report.to_json()`` (where the report has one), of the bytes of every
-parameter leaf (with its path, shape and dtype) and of the jitted outputs at
+parameter leaf (with its path, shape and dtype; and, free of paths and order,
+of the leaves' bytes alone) and of the jitted outputs at
 the example shape, or the refusal's type and message, to a JSON file.
 Run it before and after a change and compare::
 
@@ -51,6 +52,14 @@ def _tree_sha(tree) -> str:
     h.update(f"{jax.tree_util.keystr(path)}|{a.shape}|{a.dtype}|".encode())
     h.update(np.ascontiguousarray(a).tobytes())
   return h.hexdigest()
+
+
+def _leaves_sha(tree) -> str:
+  """The leaves' bytes, shapes and dtypes as a multiset: free of their paths and
+  order, so a change of the parameters' tree type alone keeps it."""
+  parts = sorted(_sha(f"{a.shape}|{a.dtype}|".encode() + np.ascontiguousarray(a).tobytes())
+                 for a in map(np.asarray, jax.tree_util.tree_leaves(tree)))
+  return _sha("".join(parts).encode())
 
 
 def _width(spec) -> int | None:
@@ -105,6 +114,7 @@ def one(name: str, option: str) -> dict:
     j = to_json()
     out["report_json"] = _sha(_text(j if isinstance(j, str) else json.dumps(j, sort_keys=True)))
   out["params"] = _tree_sha(p)
+  out["param_bytes"] = _leaves_sha(p)
   try:
     out["outputs"] = _tree_sha(jax.jit(r.apply_fn)(p, *args))
   except Exception as e:  # noqa: BLE001

@@ -204,7 +204,7 @@ def run_variants(args, make_model: Callable[[str], nn.Module], example: Any,
     else:
       r = jaxfold.cbwc(ln_params, ln_model.apply, example)
       notes[n] = f"{r.report.num_folded}/{r.report.num_sites} LayerNorms folded"
-      log(f"[cbwc] {notes[n]}; {len(r.analysis.leaf_specs)} parameter leaves centered in the forward")
+      log(f"[cbwc] {notes[n]}; {len(r.leaf_specs)} parameter leaves centered in the forward")
       apply_fn, params = r.apply_fn, ln_params
     hist, _ = train(n, apply_fn, params, loss_fn, batches, evaluate, opt, args.steps,
                     args.seconds, args.eval_every, log)

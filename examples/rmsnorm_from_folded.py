@@ -94,7 +94,7 @@ def main(argv=None) -> float:
   # This hand-written model knows where GPT-2's one auxiliary centering goes; check it.
   assert all(s.folded for s in folded.report.sites), "this sketch assumes every LN folded"
   assert len(aux) <= 1 and all("wte" in a.where for a in aux), aux
-  assert not folded.params.untied, "untied copies would be in untied.safetensors"
+  assert not folded.params.extras, "untied copies would be in untied.safetensors"
 
   out = args.out or tempfile.mkdtemp(prefix="jaxfold-rms-")
   path = os.path.join(out, "model.safetensors")

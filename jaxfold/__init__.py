@@ -2,7 +2,8 @@
 
 Public API:
   fold(params, apply_fn, *example_args) -> Folded(params, apply_fn, report)
-  cbwc(params, apply_fn, *example_args) -> Reparameterized(apply_fn, report, analysis)
+  Params(params, extras): every result's params (the user's tree as the steps left it; tensors steps added)
+  cbwc(params, apply_fn, *example_args) -> Reparameterized(apply_fn, report)   (.leaf_specs: what it centers)
   Report: str(report) (per site), report.diff() (what changed), report.to_json() (for tools)
   export(folded, *example_args, meta=...) -> bytes; load_exported(bytes | path) -> callable
   save_fold(folded, directory); load_fold(directory, apply_fn)   (atomic; content-hashed)
@@ -37,11 +38,12 @@ from jaxfold._src.rotate import Rotated, RotateReport, rotate
 from jaxfold._src.hadamard import hadamard
 from jaxfold._src.online import Online, OnlineReport, OnlineSite, online_hadamard
 from jaxfold._src.quantize import QuantizeError, Quantized, QuantParams, QuantReport, QuantSite, QWeight, quantize
+from jaxfold._src.step import Params
 from jaxfold._src.frameworks.keras import KerasParams, keras_assign, keras_params
 from jaxfold._src.serialization import load_fold, save_fold
 from jaxfold._src.version import __version__ as __version__
 
-__all__ = ["fold", "cbwc", "Folded", "FoldedParams", "FoldOptions", "Reparameterized", "FoldError",
+__all__ = ["fold", "cbwc", "Folded", "Params", "FoldedParams", "FoldOptions", "Reparameterized", "FoldError",
            "Report", "Site", "Centering", "Auxiliary", "Changes", "export", "load_exported",
            "save_fold", "load_fold", "IntegrityError", "optax_transforms", "exporting",
            "serialization", "benchmarking"]

@@ -25,18 +25,16 @@ __all__ = ["decay_centered_weights", "centered_weights"]
 def _leaf_specs(reparam: Any) -> tuple[dict, Any]:
   """Returns ({leaf index: spec dict}, expected treedef or None)."""
   tree = None
-  if hasattr(reparam, "analysis") and hasattr(reparam, "apply_fn"):   # Reparameterized
+  if hasattr(reparam, "leaf_specs") and hasattr(reparam, "apply_fn"):   # Reparameterized
     tree = getattr(reparam.apply_fn, "params_treedef", None)
-    specs = reparam.analysis.leaf_specs
-  elif hasattr(reparam, "leaf_specs"):                                  # Analysis
     specs = reparam.leaf_specs
   else:                                                                 # ((index, spec), ...)
     specs = reparam
   try:
     out = {int(i): dict(spec) for i, spec in specs}
   except (TypeError, ValueError) as e:
-    raise TypeError("reparam must be the result of jaxfold.cbwc (or its .analysis, or a "
-                    "sequence of (leaf index, spec) pairs like analysis.leaf_specs), got "
+    raise TypeError("reparam must be the result of jaxfold.cbwc (or a sequence of (leaf "
+                    "index, spec) pairs like its .leaf_specs), got "
                     f"{type(reparam).__name__}") from e
   return out, tree
 
@@ -63,7 +61,7 @@ def centered_weights(reparam: Any) -> Callable[[Any], Any]:
       if masked:
         raise ValueError(
             f"params has leaves masked out by optax.masked/multi_transform ({masked[0]}, ...): "
-            "with leaf indices (reparam's .analysis or .leaf_specs) the remaining leaves cannot be "
+            "with leaf indices (reparam's .leaf_specs) the remaining leaves cannot be "
             "matched to the parameters reparam centers. Pass the result of jaxfold.cbwc itself, "
             "which matches them by path, or use decay_centered_weights(..., mask=...).")
       leaves, tree = jax.tree_util.tree_flatten(params)
@@ -148,8 +146,7 @@ def decay_centered_weights(
   Args:
     weight_decay: the decay rate: a float, a scalar array, or an optax
       schedule (``step -> rate``, e.g. ``optax.cosine_decay_schedule``).
-    reparam: ``jaxfold.cbwc(params, apply_fn, *args)``, or its ``.analysis``,
-      or its ``.analysis.leaf_specs``.
+    reparam: ``jaxfold.cbwc(params, apply_fn, *args)``, or its ``.leaf_specs``.
     mask: as in ``optax.add_decayed_weights`` (applied with ``optax.masked``).
 
   Returns:

@@ -264,10 +264,11 @@ class NotRepresentable(ValueError):
 
 def representable(params: Any) -> PyTree:
   """The plain parameter pytree of ``params`` (a pytree, a ``jaxfold.fold`` result or its
-  ``FoldedParams``), or raises `NotRepresentable` with the reason when the original model
+  ``jaxfold.Params``), or raises `NotRepresentable` with the reason when the original model
   would compute something else with it: γ/β fused into other layers (``fuse_affine``: a
-  ``FusedParams``, or a tree with ``None`` where they were), untied centered copies, auxiliary
-  centerings in the folded program, or a rotated residual stream (``rotate``)."""
+  ``Params`` with ``None`` where they were, or scaled copies and new biases in its extras),
+  untied centered copies, auxiliary centerings in the folded program, or a rotated residual
+  stream (``rotate``). A bare ``Params`` does not say which steps made it: pass the result."""
   import jaxfold  # noqa: PLC0415 - models does not otherwise depend on jaxfold at import
 
   why = ("a safetensors file holds only the original model's tensors, which the original "
@@ -277,7 +278,7 @@ def representable(params: Any) -> PyTree:
   plain = ("; pass folded.params.params explicitly to write the centered tensors for the original "
            "LayerNorm architecture (where they compute the same function)")
   if isinstance(params, (jaxfold.Fused, jaxfold.Rotated)) or (
-      hasattr(params, "apply_fn") and isinstance(getattr(params, "params", None), jaxfold.FusedParams)):
+      getattr(getattr(params, "apply_fn", None), "root", True) is False):   # a step after the fold
     kind = "rotate" if isinstance(params, jaxfold.Rotated) or isinstance(
         getattr(params, "report", None), jaxfold.RotateReport) else "fuse_affine"
     raise NotRepresentable(f"this is a {kind} result: its γ/β live in other layers and new biases"
@@ -291,14 +292,15 @@ def representable(params: Any) -> PyTree:
                              "tied_weights=\"copy\" (or auxiliary_centering=False), or save with "
                              "jaxfold.save_fold" + plain)
     params = params.params
-  if isinstance(params, jaxfold.FusedParams):
-    raise NotRepresentable(f"these are fuse_affine parameters (γ/β moved into other layers, "
-                           f"{len(params.extras)} extra tensors); {why}. Save the result with "
-                           "jaxfold.save_fold or jaxfold.export instead")
-  if isinstance(params, jaxfold.FoldedParams):
-    if params.untied:
-      raise NotRepresentable(f"the fold has {len(params.untied)} untied centered copies "
-                             f"({', '.join(sorted(params.untied))}) used in place of tied "
+  if isinstance(params, jaxfold.Params):
+    fused = [k for k in params.extras if "@fused" in k or "@bias" in k]   # fuse_affine's names
+    if fused or _has_none(params.params):
+      raise NotRepresentable(f"these are fuse_affine parameters (γ/β moved into other layers, "
+                             f"{len(params.extras)} extra tensors); {why}. Save the result with "
+                             "jaxfold.save_fold or jaxfold.export instead")
+    if params.extras:
+      raise NotRepresentable(f"the fold has {len(params.extras)} untied centered copies "
+                             f"({', '.join(sorted(params.extras))}) used in place of tied "
                              f"weights; {why}. Write them separately (as `jaxfold fold` does) or "
                              "use jaxfold.save_fold")
     params = params.params
@@ -311,11 +313,15 @@ def representable(params: Any) -> PyTree:
   return params
 
 
+def _has_none(tree: Any) -> bool:
+  return any(x is None for x in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: x is None))
+
+
 def save_safetensors(params: PyTree, path: str | os.PathLike, family: str,
                      metadata: dict[str, str] | None = None) -> None:
   """Write a Flax params pytree in HF naming (inverse of `load_safetensors`).
 
-  ``params`` may also be a ``jaxfold.fold`` result or its ``FoldedParams``; anything the
+  ``params`` may also be a ``jaxfold.fold`` result or its ``jaxfold.Params``; anything the
   original model would compute wrongly with is refused by `representable` (nothing written).
 
   Example:

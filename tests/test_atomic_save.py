@@ -66,7 +66,7 @@ def test_wrong_object_leaves_previous_fold(tmp_path, folds):
   d = jaxfold.save_fold(folds[0], tmp_path / "f")
   with pytest.raises(TypeError, match="nothing was written"):
     jaxfold.save_fold(object(), d, overwrite=True)
-  with pytest.raises(TypeError, match="FoldedParams"):
+  with pytest.raises(TypeError, match="jaxfold.Params"):
     jaxfold.save_fold(folds[0]._replace(params=folds[0].params.params), d, overwrite=True)
   assert _which(d, folds) == 0
   assert _leftovers(tmp_path, "f") == []

@@ -195,7 +195,7 @@ def test_report_folds_every_layernorm(reparam):
   p = make_params(0)
   names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(p)[0]]
   leaves = jax.tree_util.tree_leaves(p)
-  centered = {names[i]: dict(spec) for i, spec in reparam.analysis.leaf_specs}
+  centered = {names[i]: dict(spec) for i, spec in reparam.leaf_specs}
   # Exactly the producers of the residual stream, each over its d axis.
   expected = {"['params']['Embed_0']['embedding']", "['params']['pos']"}
   for l in range(LAYERS):
@@ -339,7 +339,7 @@ def test_dropout_site_not_folded_by_default():
   site = r.report.sites[0]
   assert not site.folded
   assert any(w in site.reason.lower() for w in ("dropout", "product", "random", "prng")), site.reason
-  assert r.analysis.leaf_specs == ()
+  assert r.leaf_specs == ()
   # Still the same function, exactly.
   np.testing.assert_allclose(jax.jit(r.apply_fn)(p, x, rng), jax.jit(apply_fn)(p, x, rng),
                              rtol=1e-6, atol=1e-6)
@@ -355,7 +355,7 @@ def test_dropout_site_folded_inexactly_when_asked():
   site = r.report.sites[0]
   assert site.folded, str(r.report)
   assert site.exact is False
-  assert len(r.analysis.leaf_specs) == 2   # Dense_0 kernel and bias
+  assert len(r.leaf_specs) == 2   # Dense_0 kernel and bias
   out = jax.jit(r.apply_fn)(p, x, rng)
   ref = jax.jit(apply_fn)(p, x, rng)
   assert out.shape == ref.shape and bool(jnp.all(jnp.isfinite(out)))
@@ -372,7 +372,7 @@ def test_dropout_site_folded_inexactly_when_asked():
 
 def _centered_mask(r, params):
   leaves, tree = jax.tree_util.tree_flatten(params)
-  specs = dict(r.analysis.leaf_specs)
+  specs = dict(r.leaf_specs)
   return leaves, tree, specs
 
 

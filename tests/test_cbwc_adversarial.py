@@ -119,7 +119,7 @@ SLOW = {
     "zero_nans": lambda r: optax.chain(optax.zero_nans(), optax.adam(1e-2)),
     "trust_ratio": lambda r: optax.chain(optax.scale_by_adam(), optax.scale_by_trust_ratio(), optax.scale(-1e-2)),
     "decay_on_v_index_mask": lambda r: optax.chain(
-        decay_centered_weights(0.1, r.analysis, mask=_kernels), optax.adam(1e-2)),
+        decay_centered_weights(0.1, r.leaf_specs, mask=_kernels), optax.adam(1e-2)),
     "schedule_free": lambda r: _contrib("schedule_free_adamw", 1e-2),
     "muon": lambda r: _contrib("muon", 1e-2),
     "prodigy": lambda r: _contrib("prodigy", 1.0),
@@ -159,23 +159,23 @@ def _named_setup():
   r = jaxfold.cbwc(p, apply, x)
   assert r.report.num_folded == 1
   names = sorted(p)
-  assert {names[i] for i, _ in r.analysis.leaf_specs} == {"b0", "w0"}
+  assert {names[i] for i, _ in r.leaf_specs} == {"b0", "w0"}
   return p, r
 
 
 def _expected_decay(p, r, wd, decayed):
-  specs = {sorted(p)[i]: dict(s) for i, s in r.analysis.leaf_specs}
+  specs = {sorted(p)[i]: dict(s) for i, s in r.leaf_specs}
   return {k: (wd * center_blocks(a, specs[k]) if k in specs else wd * np.asarray(a)) if k in decayed
           else np.zeros(a.shape) for k, a in p.items()}
 
 
-@pytest.mark.parametrize("form", ["cbwc", "analysis", "leaf_specs"])
+@pytest.mark.parametrize("form", ["cbwc", "leaf_specs"])
 def test_decay_on_v_mask_with_every_reparam_form(x64, form):
-  """decay_centered_weights(wd, r.analysis, mask=...) centered the masked tree by leaf
+  """decay_centered_weights(wd, r.leaf_specs, mask=...) centered the masked tree by leaf
   index: with `b` masked out, index 1 named g and index 3 named w1, so it decayed P·g
   and P·w1 and decayed b0 and w0 on W (silently; other masks crashed in a reshape)."""
   p, r = _named_setup()
-  reparam = {"cbwc": r, "analysis": r.analysis, "leaf_specs": r.analysis.leaf_specs}[form]
+  reparam = {"cbwc": r, "leaf_specs": r.leaf_specs}[form]
   mask = {k: k != "b" for k in p}
   zero = jax.tree_util.tree_map(jnp.zeros_like, p)
   for m in (mask, lambda u: {k: k != "b" for k in u}):
@@ -193,7 +193,7 @@ def test_index_form_refuses_a_tree_masked_by_optax(x64):
   p, r = _named_setup()
   zero = jax.tree_util.tree_map(jnp.zeros_like, p)
   labels = {k: "d" if k != "b" else "n" for k in p}
-  t = optax.multi_transform({"d": decay_centered_weights(0.1, r.analysis), "n": optax.identity()}, labels)
+  t = optax.multi_transform({"d": decay_centered_weights(0.1, r.leaf_specs), "n": optax.identity()}, labels)
   with pytest.raises(ValueError, match=r"masked out.*\['b'\].*result of jaxfold.cbwc"):
     t.update(zero, t.init(p), p)
   # By path, the same composition is right.
@@ -224,7 +224,7 @@ def test_index_form_refuses_params_of_another_structure(x64):
   is 1-D here, and centering it over an axis it lacks returned zeros (V = 0: no
   decay at all), silently; a block that does not divide the axis crashed in a reshape."""
   _, r = _named_setup()
-  center = centered_weights(r.analysis)
+  center = centered_weights(r.leaf_specs)
   with pytest.raises(ValueError, match=r"leaf 3 has shape \(8,\).*structure reparam was made for"):
     center({k: jnp.ones(5 if k in "ace" else 8) for k in "abcde"})
   with pytest.raises(ValueError, match=r"leaf 1 has shape \(5,\)"):

@@ -107,7 +107,7 @@ def test_checkpoint_resume_is_bit_identical_and_folds(tmp_path):
   assert folded.report.num_folded == 3
   np.testing.assert_allclose(folded.apply_fn(folded.params, x), ref, rtol=1e-5, atol=1e-5)
   # The fold's centered weights are the V = P·W the CBWC forward used.
-  specs = dict(r.analysis.leaf_specs)
+  specs = dict(r.leaf_specs)
   from helpers import center_blocks
   for i, (w, v) in enumerate(zip(jax.tree_util.tree_leaves(p_full),
                                  jax.tree_util.tree_leaves(folded.params.params))):

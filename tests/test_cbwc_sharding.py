@@ -88,7 +88,7 @@ SCRIPT = textwrap.dedent(r'''
     n_sharded = sum(not s.is_fully_replicated for s in jax.tree_util.tree_leaves(shardings))
     # cbwc traced with sharded example arguments too.
     r_s = jaxfold.cbwc(ps, m.apply, xs)
-    assert r_s.analysis.leaf_specs == r.analysis.leaf_specs
+    assert r_s.leaf_specs == r.leaf_specs
     sh_p, sh_s, sh_l = run(ps, xs, ys)
 
     flat_ref = jax.tree_util.tree_leaves(ref_p)

@@ -32,7 +32,7 @@ def saved(tmp_path_factory):
   apply = spec.apply_fn()
   folded = jaxfold.fold(params, apply, *spec.example_inputs(2, 8), auxiliary_centering=False,
                         tied_weights="copy")
-  assert folded.params.untied
+  assert folded.params.extras
   root = tmp_path_factory.mktemp("integrity")
   d = jaxfold.save_fold(folded, root / "good", meta={"model": spec.name})
   blob = jaxfold.export(folded, *spec.example_inputs(2, 8), meta={"model": spec.name})

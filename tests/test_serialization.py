@@ -41,7 +41,7 @@ def test_round_trip_bit_for_bit(tmp_path, gpt2_tiny, opts):
   assert load_report(d).as_dict() == folded.report.as_dict()
   assert loaded.meta == {"model": "gpt2-tiny", "note": [1, 2]} == load_meta(d)
   if opts:
-    assert loaded.params.untied
+    assert loaded.params.extras
 
 
 def test_refuses_non_empty_dir_and_wrong_model(tmp_path, gpt2_tiny):

@@ -40,7 +40,18 @@ from jaxfold._src.report import param_label
 from jaxfold._src.rewrite import BiasAt, Plan, UntiedUse
 from jaxfold._src.rules import Block, rule_for
 from jaxfold._src.rules.rotation import Lin
-from jaxfold._src.step import RestoreContext, Restored, Result, Step, StepRecord, digest, register, register_params
+from jaxfold._src.step import (
+  Params,
+  RestoreContext,
+  Restored,
+  Result,
+  Step,
+  StepRecord,
+  digest,
+  register,
+  split_extras,
+  with_extras,
+)
 
 # ----------------------------------------------------------------------------
 # Results.
@@ -99,21 +110,14 @@ class FuseReport:
     return sum(s.deferred for s in self.deferred)
 
 
-class FusedParams(NamedTuple):
-  """Parameters of a fused model: the folded parameters with γ/β removed
-  (``None``) and scaled weights, plus ``extras`` (untied copies, new biases)."""
-  base: Any
-  extras: dict
-  __repr__ = display.fused_params_repr
-
-
-register_params(FusedParams, "jaxfold.FusedParams")
+FusedParams = Params   # deprecated: every result's parameters are a jaxfold.Params
 
 
 class Fused(Result):
   """Result of :func:`fuse_affine` and ``defer_norms`` (a ``step.Result``):
   ``apply_fn(params, *args)`` computes the original; ``params`` is a
-  :class:`FusedParams`, ``report`` a :class:`FuseReport`."""
+  :class:`Params` (γ/β ``None``, weights scaled; ``extras``: the fold's untied
+  copies, scaled copies and new biases), ``report`` a :class:`FuseReport`."""
   __slots__ = ()
   __repr__ = display.result_repr
 
@@ -252,7 +256,7 @@ class FuseAnalysis:
     extras.update({b.name: 0 for b in self.biases})
     if self.tl is not None:   # center_unembed / fold_value_biases: their copies and new biases
       extras.update({name: 0 for name in self.tl.extra_names})
-    return jax.tree_util.tree_structure(FusedParams(base, extras))
+    return jax.tree_util.tree_structure(with_extras(base, extras, FuseError))
 
 
 def _mentions(e: A.Expr, banned: set, memo: dict) -> bool:
@@ -643,7 +647,7 @@ def analyse(fn: Callable, params: Any, args: tuple, defer: bool = False,
       epilogues = [(ep, out) for ep, out in epilogues if not any(_reaches(out, y) for y in dead)]
       sites = [_with_kernel(level, site, y, epilogues) for site, y in zip(sites, ys)]
       epilogues = tuple(ep for ep, _ in epilogues)
-    edits = tl_edits.analyse(level, names, untied, plan_biases, *tl) if any(tl) else None
+    edits = tl_edits.prove_edits(level, names, untied, plan_biases, *tl) if any(tl) else None
   plan = Plan(untied=tuple(untied) + (edits.untied if edits else ()),
               biases=tuple(plan_biases) + (edits.plan_biases if edits else ()), epilogues=epilogues,
               norm_impl=norm_impl, deferred=deferred)
@@ -729,7 +733,7 @@ def _bias_product(xnp, wx, yb, side: int, dn: tuple):
   return xnp.tensordot(lhs, rhs, axes=(tuple(lc), tuple(rc)))
 
 
-def _abstract_fused_params(an: FuseAnalysis, leaves: list, tree, bias_dtype=None) -> FusedParams:
+def _abstract_fused_params(an: FuseAnalysis, leaves: list, tree, bias_dtype=None) -> Params:
   """Shapes and dtypes of the fused parameters of abstract (``ShapeDtypeStruct``)
   folded ones: what a deviceless compile or a size estimate needs."""
   def like(x, shape=None, dtype=None):
@@ -750,10 +754,10 @@ def _abstract_fused_params(an: FuseAnalysis, leaves: list, tree, bias_dtype=None
                         bias_dtype or dtype)
   for i in dict(an.removed):
     out[i] = None
-  return FusedParams(jax.tree_util.tree_unflatten(tree, out), extras)
+  return with_extras(jax.tree_util.tree_unflatten(tree, out), extras, FuseError)
 
 
-def _fused_params(an: FuseAnalysis, leaves: list, tree, bias_dtype=None) -> FusedParams:
+def _fused_params(an: FuseAnalysis, leaves: list, tree, bias_dtype=None) -> Params:
   """The fused parameters from the folded ones; new biases are rounded once to
   the contraction's dtype (``bias_dtype``: another one, e.g. float64 in tests)."""
   if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
@@ -779,7 +783,7 @@ def _fused_params(an: FuseAnalysis, leaves: list, tree, bias_dtype=None) -> Fuse
     tl_edits.apply(an.tl, out, extras)
   for i in removed:
     out[i] = None
-  return FusedParams(jax.tree_util.tree_unflatten(tree, out), extras)
+  return with_extras(jax.tree_util.tree_unflatten(tree, out), extras, FuseError)
 
 
 def _extra_name(name: str, spec: tuple, made: dict) -> tuple:
@@ -822,9 +826,6 @@ class FusedApply(Step):
     self._example_key = example.key
     self.seed(example, base)
 
-  def analysis_for(self, args: tuple, kwargs: Optional[dict] = None) -> FuseAnalysis:
-    return self.analysed(self.bind(args, kwargs))
-
   @property
   def example_analysis(self) -> FuseAnalysis:
     """The analysis made at the example: the one the fused parameters were made for."""
@@ -859,7 +860,7 @@ class FusedApply(Step):
     args = parsed.example_args if parsed.example_args is not None else tuple(ctx.args)
     call = pipeline.bind(inner, args, ctx.kwargs, ctx.error)
     an = analyse(call.fn, params, call.abstract_args(ctx.error), defer=parsed.defer, tl=parsed.tl)
-    if ctx.verify and (digest(an.key) != parsed.key_sha256
+    if ctx.verify and (not ctx.same_key(an.key, parsed.key_sha256)
                        or an.report.num_fused != parsed.num_fused):
       raise ctx.refuse(f"fuse_affine ({an.report.num_fused} sites fused now, {parsed.num_fused} "
                        "when saved)")
@@ -885,21 +886,22 @@ class FusedApply(Step):
       what += f" and keyword arguments ({kw or 'none'}; the example's: {ex or 'none'})"
     return what
 
-  def __call__(self, params: FusedParams, *args, **kwargs):
-    if not isinstance(params, FusedParams):
-      raise FuseError(f"a fused apply_fn takes fused.params (a FusedParams), got "
+  def __call__(self, params: Params, *args, **kwargs):
+    if not isinstance(params, Params):
+      raise FuseError(f"a fused apply_fn takes fused.params (a jaxfold.Params), got "
                       f"{type(params).__name__}")
     call = self.bind(args, kwargs)
-    an = self.analysed(call)
+    an = self._cached(call)
     removed = dict(an.removed)
-    given = jax.tree_util.tree_flatten(params.base, is_leaf=lambda x: x is None)[0]
+    before, extras = split_extras(params, self._params, FuseError)
+    given = jax.tree_util.tree_flatten(before, is_leaf=lambda x: x is None)[0]
     if len(given) != len(self._leaves):
       # A model fused before (fuse_affine of a fused or rotated model) has Nones
       # that are empty subtrees of the folded tree, not leaves: flatten up to it.
       try:
-        given = self._tree.flatten_up_to(params.base)
+        given = self._tree.flatten_up_to(before)
       except (ValueError, TypeError) as err:
-        raise FuseError("params.base does not have the structure of the fused parameters") from err
+        raise FuseError("params does not have the structure of the fused parameters") from err
     flat = []
     for i, (x, ref) in enumerate(zip(given, self._leaves)):
       if i in removed:
@@ -907,7 +909,7 @@ class FusedApply(Step):
       else:
         flat.append(x)
     flat += jax.tree_util.tree_leaves(call.args)
-    outs = compiled.run(an, flat, relayout(params.extras, self._base, an))
+    outs = compiled.run(an, flat, relayout(extras, self._base, an))
     return jax.tree_util.tree_unflatten(an.out_tree, outs)
 
 

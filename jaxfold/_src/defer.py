@@ -12,6 +12,7 @@ from typing import Any
 
 from jaxfold._src import affine, counts, pipeline, rotate
 from jaxfold._src.deferral import Deferred, DeferSite
+from jaxfold._src.step import Params
 
 __all__ = ["DeferSite", "Deferred", "defer_norms"]
 
@@ -60,9 +61,9 @@ def defer_norms(model: Any, *example_args: Any) -> Any:
   # them as laid out at this one (its base), which may have another rank.
   # (At the same rank nothing moves and the parameters stay the fused model's own.)
   params = model.params
-  if isinstance(params, affine.FusedParams):
+  if isinstance(params, Params):
     extras = affine.relayout(params.extras, fused, an)
     if any(extras[k] is not x for k, x in params.extras.items()):
-      params = affine.FusedParams(params.base, extras)
+      params = Params(params.params, extras)
   apply = affine.FusedApply(fn.inner, fn.params_abstract, an, args, kwargs)
   return affine.Fused(params, apply, dataclasses.replace(an.report, programs=counts.result_counts(params, apply)))

@@ -40,12 +40,8 @@ def _named(d: dict) -> str:
   return "{" + ", ".join(f"{param_label(str(k))!r}: {_leaf_text(v)}" for k, v in d.items()) + "}"
 
 
-def folded_params_repr(self) -> str:
-  return f"FoldedParams(params={tree_summary(self.params)}, untied={_named(self.untied)})"
-
-
-def fused_params_repr(self) -> str:
-  return f"FusedParams(base={_params(self.base)}, extras={_named(self.extras)})"
+def params_repr(self) -> str:
+  return f"Params(params={tree_summary(self.params)}, extras={_named(self.extras)})"
 
 
 def quant_params_repr(self) -> str:
@@ -75,13 +71,20 @@ def _summary(report: Any) -> str:
   return lines[0] if type(report).__name__ == "RotateReport" else lines[-1]
 
 
+# Fields of the parameter types that jaxfold.Params replaced, and where they went.
+_RENAMED = {"untied": "a fold's untied copies are in .extras", "base": "a fused model's parameters are .params "
+            "(the user's tree) and .extras (untied copies, scaled copies, new biases)"}
+
+
 def not_a_variable_dict(self, name: str):
-  """``FoldedParams.__getattr__``: flax's ``model.apply`` (and anything else
+  """``Params.__getattr__``: flax's ``model.apply`` (and anything else
   expecting a dict) asks for ``.items``/``.keys``; say what to pass instead."""
   if name.startswith("__"):
     raise AttributeError(name)
+  if name in _RENAMED:
+    raise AttributeError(f"'Params' object has no attribute {name!r}: {_RENAMED[name]}")
   raise AttributeError(
-      f"'FoldedParams' object has no attribute {name!r}: folded.params is not a variable dict "
-      "but (params, untied), the input of folded.apply_fn — call folded.apply_fn(folded.params, "
+      f"'Params' object has no attribute {name!r}: folded.params is not a variable dict "
+      "but (params, extras), the input of folded.apply_fn — call folded.apply_fn(folded.params, "
       "...). For the original model (e.g. model.apply) pass folded.params.params: the same "
       "function (every in-place centering is invisible there), without the speedup")

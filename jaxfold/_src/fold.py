@@ -28,7 +28,7 @@ from jaxfold._src.pipeline import (
 from jaxfold._src.planner import Outcome, PlanConflict, Planner
 from jaxfold._src.report import Report
 from jaxfold._src.rewrite import CenterAt, ConstantAt, Plan, UntiedUse
-from jaxfold._src.step import Result, Step, register_params
+from jaxfold._src.step import Params, Result, Step
 
 # The options' values, as types: a type checker sees a misspelt value, and
 # FoldOptions refuses it naming the allowed ones.
@@ -354,20 +354,22 @@ class FoldedApply(Step):
     """The tree structure of the parameters this function takes."""
     return self._tree
 
-  def analysis_for(self, args: tuple, leaves: Optional[list] = None,
-                   kwargs: Optional[dict] = None) -> Analysis:
-    """The analysis at these arguments (and parameter avals, when given)."""
-    return self._analysis(self.bind(args, kwargs), leaves, kwargs)
+  def analysis_for(self, args: tuple, kwargs: Optional[dict] = None) -> Analysis:
+    """The analysis of a call with these arguments (cached per signature)."""
+    return self._analysis_with(self.bind(args, kwargs), None, kwargs)
 
-  def _analysis(self, call: Call, leaves: Optional[list], kwargs: Optional[dict]) -> Analysis:
+  def _analysis_with(self, call: Call, leaves: Optional[list], kwargs: Optional[dict]) -> Analysis:
+    """The cached analysis of ``call`` with parameters of these leaves' avals
+    (None: the fold's own), keyed by their signature where it differs."""
     psig = None
     if leaves is not None:
       psig = leaves_signature(leaves)
       if psig == self._param_sig:
         psig = None
-    return self.analysed(call, psig, lambda: self._analyse_at(call, leaves, psig, kwargs))
+    return self._cached(call, psig, lambda: self._analyse_with(call, leaves, psig, kwargs))
 
-  def _analyse_at(self, call: Call, leaves: Optional[list], psig: Any, kwargs: Optional[dict]) -> Analysis:
+  def _analyse_with(self, call: Call, leaves: Optional[list], psig: Any, kwargs: Optional[dict]) -> Analysis:
+    """A new analysis of ``call`` with those parameters, proved to keep the fold's centerings."""
     params = self._params
     if psig is not None:
       params = jax.tree_util.tree_unflatten(self._tree, [abstract(x) for x in leaves])
@@ -402,17 +404,17 @@ class FoldedApply(Step):
     if self._center:
       tree = params
     else:
-      if not isinstance(params, FoldedParams):
+      if not isinstance(params, Params):
         raise FoldError(
-            f"a folded apply_fn takes folded.params (a jaxfold.FoldedParams), got "
+            f"a folded apply_fn takes folded.params (a jaxfold.Params), got "
             f"{type(params).__name__}: the original parameters would compute a different "
             "function here; pass the .params of the fold")
-      tree, extras = params.params, params.untied
+      tree, extras = params.params, params.extras
     leaves, tree_def = jax.tree_util.tree_flatten(tree)
     if tree_def != self._tree:
       raise FoldError(f"params has structure {tree_def}, but the fold was made for {self._tree}")
     call = self.bind(args, kwargs)
-    an = self._analysis(call, leaves, kwargs)
+    an = self._analysis_with(call, leaves, kwargs)
     if self._center:
       # CBWC: the stored parameters stay W; the forward pass uses P·W.
       specs = dict(an.leaf_specs)
@@ -424,35 +426,35 @@ class FoldedApply(Step):
     return jax.tree_util.tree_unflatten(an.out_tree, outs)
 
 
-class FoldedParams(NamedTuple):
-  """The parameters of a fold: the centered pytree and untied centered copies.
-
-  A distinct type, so that passing the original parameters to a folded
-  ``apply_fn`` is caught instead of silently computing something else. It is
-  not a flax variable dict: the original model takes ``.params`` (the same
-  function there, each in-place centering being invisible, without the speedup).
-  """
-  params: Any
-  untied: dict
-  __repr__ = display.folded_params_repr
-  __getattr__ = display.not_a_variable_dict
-
-
-register_params(FoldedParams, "jaxfold.FoldedParams")
+FoldedParams = Params   # deprecated: every result's parameters are a jaxfold.Params
 
 
 class Folded(Result):
   """Result of :func:`fold` (a ``step.Result``): ``apply_fn(params, *args)``
-  computes the original; ``params`` is a :class:`FoldedParams`, ``report`` a ``Report``."""
+  computes the original; ``params`` is a :class:`Params` (``extras``: the untied
+  centered copies), ``report`` a ``Report``."""
   __slots__ = ()
   __repr__ = display.result_repr
 
 
 class Reparameterized(NamedTuple):
-  """Result of :func:`cbwc`: ``apply_fn`` takes the *original* parameters."""
+  """Result of :func:`cbwc`: ``apply_fn`` takes the *original* parameters.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxfold
+    >>> m = nn.Sequential([nn.Dense(8), nn.LayerNorm()])
+    >>> x = jnp.ones((2, 4)); p = m.init(jax.random.PRNGKey(0), x)
+    >>> [(i, dict(spec)) for i, spec in jaxfold.cbwc(p, m.apply, x).leaf_specs]
+    [(0, {0: 8}), (1, {1: 8})]
+  """
   apply_fn: Callable
   report: Report
-  analysis: Analysis
+
+  @property
+  def leaf_specs(self) -> tuple:
+    """``((leaf index, ((dim, block), ...)), ...)``: the parameter leaves the
+    forward pass centers, and along which dims (what ``optax_transforms`` take)."""
+    return self.apply_fn.example_analysis.leaf_specs
 
 
 def _refuse_traced(params: Any) -> None:
@@ -502,9 +504,9 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
     engine.cancel()
     raise
   notices.warn_after_fold(first, len(leaves))
-  flax_linen.refuse_as_variables(FoldedParams)   # model.apply(folded.params): our message, not flax's
+  flax_linen.refuse_as_variables(Params)   # model.apply(folded.params): our message, not flax's
   new_leaves, extras = engine.result(an.leaf_specs, an.untied)
-  new_params = FoldedParams(jax.tree_util.tree_unflatten(tree, new_leaves), extras)
+  new_params = Params(jax.tree_util.tree_unflatten(tree, new_leaves), extras)
   fn = FoldedApply(apply_fn, pipeline.abstract_tree(params), tree, opts, an, call, False, example_args,
                    example_kwargs, example_only=not opts.generic_shapes and _probe_args(call.args) is not None)
   # report.diff() counts the two programs (traced on first use)
@@ -544,4 +546,4 @@ def cbwc(params: Any, apply_fn: Callable, *example_args: Any,
   _, tree = jax.tree_util.tree_flatten(params)
   fn = FoldedApply(apply_fn, pipeline.abstract_tree(params), tree, opts, an, call, True, example_args,
                    example_kwargs)
-  return Reparameterized(fn, an.report, an)
+  return Reparameterized(fn, an.report)

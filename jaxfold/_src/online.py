@@ -509,7 +509,7 @@ class OnlineApply(Step):
 
   def __call__(self, params, *args, **kwargs):
     call = self.bind(args, kwargs)
-    an = self.analysed(call)
+    an = self._cached(call)
     try:
       leaves = self._tree.flatten_up_to(params)
     except (ValueError, TypeError) as err:

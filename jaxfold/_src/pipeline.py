@@ -322,8 +322,10 @@ class PipelineApply:
   ``inner`` is the function transformed (the user's ``apply_fn`` for a fold,
   the fold's apply function for ``fuse_affine``, ...); ``params_abstract`` the
   abstract parameters it takes. A subclass analyses one signature in
-  ``_analyse(call)`` and runs in ``__call__``; ``analysed(call)`` is the
-  cached lookup. ``error`` is the transform's error class. Every transform's
+  ``_analyse(call)`` and runs in ``__call__``; ``analysis_for(args, kwargs)``
+  is the one way to ask for the analysis at some arguments (``_cached(call)``
+  its lookup in the per-signature cache; ``seed`` records the example's).
+  ``error`` is the transform's error class. Every transform's
   apply function is a ``step.Step`` (this wrapper with a ``kind`` and its
   save/load records); ``save_fold`` walks a chain of steps through ``inner``.
   """
@@ -368,9 +370,14 @@ class PipelineApply:
   def bind(self, args: tuple, kwargs: Optional[dict] = None) -> Call:
     return bind(self._inner, tuple(args), kwargs, self.error)
 
-  def analysed(self, call: Call, extra: Any = None, make: Optional[Callable[[], Any]] = None) -> Any:
-    """The analysis for ``call`` (``extra``: more of the cache key, e.g. the
-    parameters' signature), made by ``make()`` (default ``_analyse(call)``)
+  def analysis_for(self, args: tuple, kwargs: Optional[dict] = None) -> Any:
+    """The analysis of a call with these arguments (cached per signature), e.g.
+    ``folded.apply_fn.analysis_for((x,)).plan``."""
+    return self._cached(self.bind(args, kwargs))
+
+  def _cached(self, call: Call, extra: Any = None, make: Optional[Callable[[], Any]] = None) -> Any:
+    """The cached analysis for ``call`` (``extra``: more of the cache key, e.g.
+    the parameters' signature), made by ``make()`` (default ``_analyse(call)``)
     on a miss."""
     k = (call.key, extra)
     if k not in self._cache:

@@ -84,7 +84,7 @@ class UntiedUse(NamedTuple):
   """One use that reads an untied centered copy (the rewrite's entry)."""
   path: tuple             # call-site path of the using equation
   operand: int
-  name: str               # the copy's name in FoldedParams.untied
+  name: str               # the copy's name in the fold's Params.extras
   chain: tuple            # the re-indexing equations from the parameter to the use
 
 

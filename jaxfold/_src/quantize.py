@@ -398,7 +398,7 @@ class QuantizedApply(Step):
       raise QuantizeError(f"a quantized apply_fn takes the result's params (a jaxfold QuantParams), got "
                           f"{type(params).__name__}")
     call = self.bind(args, kwargs)
-    an = self.analysed(call)
+    an = self._cached(call)
     try:
       leaves = self._tree.flatten_up_to(params.base)
     except (ValueError, TypeError) as err:

@@ -455,7 +455,7 @@ def _kernels_text(ch: Changes, kern: int) -> str:
 
 
 _KEY = re.compile(r"\['([^']*)'\]|\[(\d+)\]|\.([A-Za-z_]\w*)")
-# Leaves of jaxfold's own parameter types (FoldedParams, FusedParams) are named
+# Leaves of jaxfold's own parameter type (Params; older: FoldedParams, FusedParams) are named
 # through their fields; labels drop those so fold, fuse and rotate name a
 # parameter alike.
 _FIELD = re.compile(r"^\.(?:params|base)(?=[.\[])")

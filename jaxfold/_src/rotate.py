@@ -24,7 +24,7 @@ import numpy as np
 from jaxfold._src import display, kernels, pipeline
 from jaxfold._src.analysis import LeafNeed, Level, factor_leaf, leaf_of
 from jaxfold._src.errors import RotateError
-from jaxfold._src.fold import FoldedApply, FoldedParams
+from jaxfold._src.fold import FoldedApply
 from jaxfold._src.hadamard import hadamard, random_orthogonal
 from jaxfold._src.hints import rotation_aux_hint
 from jaxfold._src.pipeline import Call
@@ -52,7 +52,7 @@ class RotateReport:
 class Rotated(Result):
   """Result of :func:`rotate` (a ``step.Result``): ``apply_fn(params, *args)``
   computes the original; ``params`` has the structure of the model rotated
-  (a ``FusedParams``), ``report`` is a :class:`RotateReport`."""
+  (a ``jaxfold.Params``), ``report`` is a :class:`RotateReport`."""
   __slots__ = ()
   __repr__ = display.result_repr
 
@@ -61,18 +61,25 @@ class Rotated(Result):
     """``{leaf name: dims}``: where each rotated parameter meets the stream. A
     parameter of the user's is named by its path in the user's parameters
     (``"['params']['wte']['embedding']"``); one that fuse_affine made (an untied
-    copy, a new bias) by its path in ``params`` (``".extras[...]"``)."""
+    copy, a new bias) by its path in ``params`` (``".extras[...]"``).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, flax.linen as nn, jaxfold
+      >>> m = nn.Sequential([nn.Dense(8), nn.LayerNorm(), nn.Dense(3)])
+      >>> x = jnp.ones((2, 4)); p = m.init(jax.random.PRNGKey(0), x)
+      >>> fused = jaxfold.fuse_affine(jaxfold.fold(p, m.apply, x))
+      >>> q = np.linalg.qr(np.random.default_rng(0).normal(size=(8, 8)))[0]
+      >>> sorted(jaxfold.rotate(fused, q).stream_axes)
+      ["['params']['layers_0']['bias']", "['params']['layers_0']['kernel']", "['params']['layers_2']['kernel']"]
+    """
     return {_user_path(name): dims for name, dims in self.report.rotated}
 
 
-# The user's parameters inside a fused (``.base.params``) or folded (``.params``) tree.
-_USER_PREFIXES = (".base.params", ".params")
-
-
 def _user_path(name: str) -> str:
-  for prefix in _USER_PREFIXES:
-    if name.startswith(prefix) and name[len(prefix):len(prefix) + 1] in ("[", "."):
-      return name[len(prefix):]
+  """A leaf's path in the user's parameters (``jaxfold.Params.params``), else unchanged."""
+  prefix = ".params"
+  if name.startswith(prefix) and name[len(prefix):len(prefix) + 1] in ("[", "."):
+    return name[len(prefix):]
   return name
 
 
@@ -351,7 +358,7 @@ def _hints(model: Any) -> str:
   was not fused (norms still multiply by γ) and auxiliary centerings (a mean
   over the stream, which a rotation does not commute with)."""
   hints = []
-  if isinstance(model.params, FoldedParams):
+  if isinstance(model.apply_fn, FoldedApply):
     hints.append("the model is folded but not fused: call jaxfold.fuse_affine(folded) first, so "
                  "that the norms keep no γ/β")
   fn = model.apply_fn
@@ -422,7 +429,7 @@ class RotatedApply(Step):
     args = tuple(ctx.args)
     call = pipeline.bind(inner, args, ctx.kwargs, ctx.error)
     key, norms, names = _solve(call.fn, params, call.abstract_args(ctx.error), parsed.size)
-    if ctx.verify and key != parsed.rotated:
+    if ctx.verify and key != tuple(sorted((ctx.leaf(i), d) for i, d in parsed.rotated)):
       raise ctx.refuse("rotation (other parameters meet the residual stream)")
     q = ctx.array("rotation") if parsed.has_q else None
     report = RotateReport(tuple((names[i], d) for i, d in key), norms, parsed.size)
@@ -435,7 +442,7 @@ class RotatedApply(Step):
     return key
 
   def __call__(self, params, *args, **kwargs):
-    self.analysed(self.bind(args, kwargs))
+    self._cached(self.bind(args, kwargs))
     return self._inner(params, *args, **kwargs)
 
 

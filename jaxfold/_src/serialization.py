@@ -36,8 +36,10 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import tempfile
@@ -67,7 +69,7 @@ from jaxfold._src.integrity import (
 )
 from jaxfold._src.integrity import versions as _versions
 from jaxfold._src.report import Report
-from jaxfold._src.step import RestoreContext, chain_of, restorer
+from jaxfold._src.step import Params, RestoreContext, chain_of, digest, restorer
 
 __all__ = ["save_fold", "load_fold", "load_report", "load_meta", "LoadedFold",
            "report_from_dict", "FORMAT_VERSION", "IntegrityError"]
@@ -76,8 +78,11 @@ __all__ = ["save_fold", "load_fold", "load_report", "load_meta", "LoadedFold",
 # signature.json are optional additions that format-2 readers ignore).
 # 3: fuse_affine/rotate results (fold.json "transforms", flat parameter leaves);
 # plain folds are still written as format 2, so older readers keep reading them.
-FORMAT_VERSION = 3          # the newest format this version reads
-CHAIN_FORMAT_VERSION = 3    # a fold with fuse_affine/rotate steps
+# 4: as 3, the leaves those of one jaxfold.Params (format 3 nested the
+# parameters of each step in the next's: FusedParams(base=FoldedParams(...))).
+FORMAT_VERSION = 4          # the newest format this version reads
+CHAIN_FORMAT_VERSION = 4    # a fold with fuse_affine/rotate steps
+NESTED_FORMAT_VERSION = 3   # chains whose parameters were nested per step (read, never written)
 PLAIN_FORMAT_VERSION = 2    # a plain fold: older readers still load it
 
 
@@ -176,7 +181,7 @@ def _example_args_of(folded: Any) -> Any:
 
 
 def _is_untied(folded: Any) -> bool:
-  return bool(folded.params.untied)
+  return bool(folded.params.extras)   # a fold's only extras are its untied copies
 
 
 # ----------------------------------------------------------------------------
@@ -188,17 +193,16 @@ _FOLD_FILES = ("params", "report.json", "fold.json", "meta.json")
 def _check_folded(folded: Any) -> None:
   """Refuses anything but a fold (or a chain of steps on one) *before* a
   byte is written or removed."""
-  from jaxfold._src.fold import FoldedParams
   params = getattr(folded, "params", None)
   apply_fn = getattr(folded, "apply_fn", None)
   chain = chain_of(apply_fn)
   if chain is not None and len(chain) > 1 and hasattr(folded, "report"):
     return
-  if (not isinstance(params, FoldedParams) or getattr(apply_fn, "options", None) is None
+  if (not isinstance(params, Params) or getattr(apply_fn, "options", None) is None
       or not hasattr(apply_fn, "example_args") or not hasattr(folded, "report")):
     got = type(folded).__name__
-    if params is not None and not isinstance(params, FoldedParams):
-      got += f" whose .params is a {type(params).__name__}, not a jaxfold.FoldedParams"
+    if params is not None and not isinstance(params, Params):
+      got += f" whose .params is a {type(params).__name__}, not a jaxfold.Params"
     raise TypeError(f"save_fold expects the result of jaxfold.fold(...), of fuse_affine or rotate "
                     f"applied to one, or of jaxfold.load_fold(...), got {got}; nothing was written")
 
@@ -382,8 +386,8 @@ def save_fold(folded: Any, directory: str | os.PathLike, *, meta: Optional[dict]
     fold_info["untied"] = _is_untied(folded)
     program = _program_of(folded, args)
     params = {"params": jax.tree_util.tree_map(_host_array, folded.params.params)}
-    if folded.params.untied:  # orbax does not store empty containers
-      params["untied"] = {k: _host_array(v) for k, v in folded.params.untied.items()}
+    if folded.params.extras:  # orbax does not store empty containers
+      params["untied"] = {k: _host_array(v) for k, v in folded.params.extras.items()}
     report_json = folded.report.to_json() + "\n"
 
   parent, name = os.path.split(directory)
@@ -594,7 +598,7 @@ def load_fold(directory: str | os.PathLike, apply_fn: Callable, *,
     target: optional pytree with the structure of ``folded.params`` (arrays or
       ``ShapeDtypeStruct``s, with ``sharding=`` to restore sharded, e.g. across
       the processes of ``jax.distributed``), for parameter pytrees that are not
-      plain dicts; a :class:`jaxfold.FoldedParams` is accepted. For a
+      plain dicts; a fold's :class:`jaxfold.Params` is accepted. For a
       ``fuse_affine``/``defer_norms``/``rotate`` result, the *original*
       parameters (or their ``ShapeDtypeStruct``s): required when they are not
       dicts and lists (e.g. an ``nnx.State``), whose structure ``fold.json``
@@ -648,7 +652,7 @@ def _check_format(directory: str, manifest: dict) -> None:
 def _load_from(copy: str, directory: str, apply_fn: Callable, *, target: Any,
                verify: bool) -> LoadedFold:
   """Loads the fold whose files are in ``copy`` (messages name ``directory``)."""
-  from jaxfold._src.fold import FoldedParams, FoldError
+  from jaxfold._src.fold import FoldError
 
   info_path = os.path.join(copy, "fold.json")
   if not os.path.exists(info_path):
@@ -670,8 +674,8 @@ def _load_from(copy: str, directory: str, apply_fn: Callable, *, target: Any,
                          f"{FORMAT_VERSION}); upgrade jaxfold")
   if "transforms" in info:
     return _load_chain(copy, directory, apply_fn, info, args, kwargs, opts, verify=verify, target=target)
-  if isinstance(target, FoldedParams):
-    target = {"params": target.params, **({"untied": target.untied} if target.untied else {})}
+  if isinstance(target, Params):
+    target = {"params": target.params, **({"untied": target.extras} if target.extras else {})}
   try:
     params = _restore_params(os.path.join(copy, "params"), target)
   except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types
@@ -683,7 +687,7 @@ def _load_from(copy: str, directory: str, apply_fn: Callable, *, target: Any,
         "otherwise re-create the fold with this version") from None
   params = jax.tree_util.tree_map(lambda x: x if isinstance(x, jax.Array) else jnp.asarray(x),
                                   params)
-  params = FoldedParams(params["params"], dict(params.get("untied") or {}))
+  params = Params(params["params"], dict(params.get("untied") or {}))
   abstract = jax.tree_util.tree_map(
       lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params.params)
   refold = _refold(copy, directory, apply_fn, abstract, args, kwargs, opts, verify=verify)
@@ -694,7 +698,7 @@ def _load_from(copy: str, directory: str, apply_fn: Callable, *, target: Any,
     if not isinstance(info.get("untied"), bool):
       raise IntegrityError(f"{info_path} does not say whether the fold has untied copies; "
                            "re-create the fold")
-    if got != want or bool(refold.params.untied) != info["untied"]:
+    if got != want or bool(refold.params.extras) != info["untied"]:
       raise FoldError(
           f"re-analysing apply_fn does not reproduce the saved fold in {directory} "
           f"({sum(g[0] for g in got)}/{len(got)} sites folded now, "
@@ -723,7 +727,7 @@ def _chain_params(directory: str, info: dict, saved: Any, want: Optional[list], 
   """The original parameters' abstract pytree of a transformed fold: from
   ``target`` when given (any pytree: an ``nnx.State``, ...), else ``saved``
   (decoded from ``fold.json``); a target must match the saved leaf table ``want``."""
-  from jaxfold._src.fold import FoldedParams, FoldError
+  from jaxfold._src.fold import FoldError
   if target is None:
     if saved is None:
       raise FoldError(
@@ -731,7 +735,7 @@ def _chain_params(directory: str, info: dict, saved: Any, want: Optional[list], 
           "a pytree fold.json cannot describe: pass target= with the original parameters (arrays or "
           "jax.ShapeDtypeStructs in their pytree structure; e.g. nnx.state(model) for an nnx model)")
     return saved
-  if isinstance(target, FoldedParams):
+  if isinstance(target, Params):
     target = target.params
   abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), target)
   if want is not None and _leaf_table(abstract) != want:
@@ -749,10 +753,19 @@ def _load_chain(copy: str, directory: str, apply_fn: Callable, info: dict, args:
   parameters (no weights touched), checks that each makes the saved decisions,
   and puts the saved leaves into the tree the last step takes."""
   from jaxfold._src.fold import FoldError
+  nested = info.get("format_version") == NESTED_FORMAT_VERSION
+  by = ""
+  if nested:
+    manifest = next((m for m in (os.path.join(copy, MANIFEST), os.path.join(directory, MANIFEST))
+                     if os.path.exists(m)), None)
+    written = _read_json(manifest) if manifest else {}
+    by = (f" (saved in format {NESTED_FORMAT_VERSION} by jaxfold "
+          f"{written.get('written_by', {}).get('jaxfold', '?')}: if apply_fn is the model's, save the "
+          "fold again with this jaxfold)")
 
   def refuse(what: str) -> FoldError:
     return FoldError(f"re-analysing apply_fn does not reproduce the saved {what} in {directory}: "
-                     "pass the apply_fn of the model the fold was made from, or fold the model again")
+                     "pass the apply_fn of the model the fold was made from, or fold the model again" + by)
 
   try:
     records = list(info["transforms"])
@@ -798,21 +811,79 @@ def _load_chain(copy: str, directory: str, apply_fn: Callable, info: dict, args:
     count[name] = count.get(name, 0) + 1
     return np.load(path, allow_pickle=False)
 
+  saved_at: dict = {}   # format 3: a saved leaf index -> its index now (identity until a step reorders)
   ctx = RestoreContext(tuple(args), kwargs, verify, refuse, FoldError, array)
+  if nested:
+    ctx = ctx._replace(same_key=lambda key, sha: sha in (digest(key), _nested_digest(key)),
+                       leaf=lambda i: saved_at.get(i, i))
   fn, report, struct = refold.apply_fn, refold.report, refold.params
   treedef = jax.tree_util.tree_structure(struct)
+  ordered, order = leaves, list(range(len(leaves)))
   for j, (_, _, cls, record) in enumerate(parsed):
     fn, report, tree = cls.restore(fn, struct, record, ctx)
     treedef = treedef if tree is None else tree
-    # What the next step's inner takes: its recorded table, or (the last step, or a
-    # fold saved before tables were recorded) the saved leaves themselves.
+    # What the next step's inner takes: its recorded table (a step that changes the
+    # tree, e.g. quantize, makes it unlike the saved leaves), else the saved leaves.
     nxt = records[j + 1].get("inner_leaves") if j + 1 < len(records) else None
-    shapes = ([jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype)) for _, shape, dtype in nxt] if nxt else
-              [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves])
-    if treedef.num_leaves != len(shapes):
-      raise refuse(f"parameters ({treedef.num_leaves} tensors now, {len(shapes)} saved)")
-    struct = jax.tree_util.tree_unflatten(treedef, shapes)
-  params = jax.tree_util.tree_unflatten(treedef, leaves)
-  if _leaf_table(params) != table:
+    if nxt:
+      if treedef.num_leaves != len(nxt):
+        raise refuse(f"parameters ({treedef.num_leaves} tensors now, {len(nxt)} recorded)")
+      struct = jax.tree_util.tree_unflatten(
+          treedef, [jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype)) for _, shape, dtype in nxt])
+      continue
+    if treedef.num_leaves != len(leaves):
+      raise refuse(f"parameters ({treedef.num_leaves} tensors now, {len(leaves)} saved)")
+    if nested:
+      order = _nested_order(treedef, table)
+      if order is None:
+        raise refuse("parameter names")
+      ordered = [leaves[k] for k in order]
+      saved_at = {k: j for j, k in enumerate(order)}
+    struct = jax.tree_util.tree_unflatten(
+        treedef, [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in ordered])
+  params = jax.tree_util.tree_unflatten(treedef, ordered)
+  now = _leaf_table(params)
+  if nested:   # the saved table in this order, spelt as now
+    now, table = _unnested_table(now), _unnested_table([table[k] for k in order])
+  if now != table:
     raise refuse("parameter names, shapes or dtypes")
   return LoadedFold(params, fn, report, load_meta(copy))
+
+
+# Format 3 nested each step's parameters in the next's (``FusedParams(base=
+# FoldedParams(params, untied), extras)``): its leaf paths read ``.base.params[...]``
+# and ``.untied[...]`` (also inside the names of leaves made from those), and its
+# leaves came in that nesting's order. One ``jaxfold.Params`` spells them
+# ``.params[...]``/``.extras[...]``, in its own order.
+_NESTED_FIELD = re.compile(r"\.base(?=[.\[])")
+
+
+def _unnested(path: str) -> str:
+  """A format-3 leaf path as one ``jaxfold.Params`` spells it.
+
+  Example:
+    >>> _unnested('.base.untied["w@centered(1)"]')
+    '.extras["w@centered(1)"]'
+  """
+  return _NESTED_FIELD.sub("", path).replace(".untied[", ".extras[")
+
+
+def _unnested_table(table: list) -> list:
+  return [[_unnested(row[0]), *row[1:]] for row in table]
+
+
+def _nested_order(treedef: Any, table: list) -> Optional[list]:
+  """``order[j]``: the index in a format-3 save's leaf table of leaf ``j`` of
+  ``treedef``, matched by name (None: the names do not match one to one)."""
+  dummy = jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves)))
+  now = [_unnested(jax.tree_util.keystr(p)) for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
+  saved = {_unnested(row[0]): i for i, row in enumerate(table)}
+  if len(saved) != len(table) or sorted(now) != sorted(saved):
+    return None
+  return [saved[name] for name in now]
+
+
+def _nested_digest(key: Any) -> str:
+  """``step.digest`` of a step's key as format 3 spelt it: the fold's untied
+  copies (the only extras a step on a fold reads) were ``.untied[...]``."""
+  return hashlib.sha256(repr(key).replace(".extras[", ".untied[").encode()).hexdigest()

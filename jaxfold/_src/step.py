@@ -22,6 +22,7 @@ from typing import Any, Callable, ClassVar, NamedTuple, Optional
 
 import numpy as np
 
+from jaxfold._src import display
 from jaxfold._src.pipeline import PipelineApply
 
 
@@ -38,13 +39,18 @@ class RestoreContext(NamedTuple):
   ``args``/``kwargs``: the fold's abstract example arguments; ``verify``: check
   the step makes the saved decisions; ``refuse(what)``: the error to raise
   when it does not; ``error``: the error class of the load; ``array(name)``:
-  the step's saved array of that name (None if absent)."""
+  the step's saved array of that name (None if absent); ``same_key(key,
+  sha256)``: whether a saved digest is that of ``key`` (an older format spelt
+  parameter names otherwise); ``leaf(i)``: the index now of the parameter
+  leaf a record saved as ``i`` (an older format ordered leaves otherwise)."""
   args: tuple
   kwargs: dict
   verify: bool
   refuse: Callable[[str], Exception]
   error: type
   array: Callable[[str], Optional[np.ndarray]]
+  same_key: Callable[[Any, Any], bool] = lambda key, sha256: digest(key) == sha256
+  leaf: Callable[[int], int] = lambda i: i
 
 
 class Restored(NamedTuple):
@@ -140,13 +146,77 @@ def digest(key: Any) -> str:
   return hashlib.sha256(repr(key).encode()).hexdigest()
 
 
+class Params(NamedTuple):
+  """The parameters every result's ``apply_fn`` takes (``jaxfold.Params``).
+
+  ``params``: the user's pytree, in its own structure, as the steps left it
+  (centered by a fold; a γ or β that ``fuse_affine`` moved away is ``None``;
+  weights scaled or rotated in place); ``extras``: ``{name: array}`` of the
+  tensors steps added (a fold's untied centered copies ``P@centered(d)``,
+  ``fuse_affine``'s scaled copies ``W@fusedγ`` and new biases ``W@biasβ``).
+  A type of its own, so that passing the user's parameters to a transformed
+  ``apply_fn`` is refused instead of computing something else; it is not a flax
+  variable dict (the original model takes a fold's ``.params``).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxfold
+    >>> m = nn.Sequential([nn.Dense(8), nn.LayerNorm()])
+    >>> x = jnp.ones((2, 4)); p = m.init(jax.random.PRNGKey(0), x)
+    >>> folded = jaxfold.fold(p, m.apply, x)
+    >>> isinstance(folded.params, jaxfold.Params), folded.params.extras
+    (True, {})
+  """
+  params: Any
+  extras: dict
+  __repr__ = display.params_repr
+  __getattr__ = display.not_a_variable_dict
+
+
+def with_extras(base: Any, extras: dict, error: type) -> Params:
+  """``base`` (a ``Params``, or a plain pytree) with the ``extras`` a step
+  adds: one ``Params`` whatever the chain's length. A name already present is
+  refused (one tensor would silently replace another).
+
+  Example:
+    >>> p = with_extras(Params({"w": 1}, {"a": 2}), {"b": 3}, ValueError)
+    >>> p.params, sorted(p.extras)
+    ({'w': 1}, ['a', 'b'])
+  """
+  if not isinstance(base, Params):
+    return Params(base, dict(extras))
+  clash = sorted(set(base.extras) & set(extras))
+  if clash:
+    raise error(f"a step would add parameters named like existing ones: {', '.join(clash[:3])}")
+  return Params(base.params, {**base.extras, **extras})
+
+
+def split_extras(params: Params, inner: Any, error: type) -> tuple:
+  """``(the parameters of the step before, this step's extras)`` of ``params``:
+  ``inner`` is the (abstract) parameters the step before takes (a ``Params``
+  whose extras names are its own, or a plain pytree).
+
+  Example:
+    >>> split_extras(Params({"w": 1}, {"a": 2, "b": 3}), Params({"w": 0}, {"a": 0}), ValueError)
+    (Params(params=<1 leaves, 0 B, no arrays>, extras={'a': int}), {'b': 3})
+  """
+  if not isinstance(inner, Params):
+    return params.params, dict(params.extras)
+  missing = sorted(set(inner.extras) - set(params.extras))
+  if missing:
+    raise error(f"params lacks the extra tensors {', '.join(missing[:3])}: pass the result's .params")
+  before = {k: params.extras[k] for k in inner.extras}
+  return Params(params.params, before), {k: x for k, x in params.extras.items() if k not in inner.extras}
+
+
+register_params(Params, "jaxfold.Params")
+
+
 class Result(NamedTuple):
   """What every transform returns: ``apply_fn(params, *args)`` computes the original.
 
-  ``params``: the parameters ``apply_fn`` takes (a ``FoldedParams`` after a
-  fold, a ``FusedParams`` after ``fuse_affine``, ``defer_norms`` and
-  ``rotate``); ``report``: what the last step did; ``steps``: the chain of
-  steps that made it, from the fold outwards.
+  ``params``: the :class:`Params` ``apply_fn`` takes; ``report``: what the
+  last step did; ``steps``: the chain of steps that made it, from the fold
+  outwards.
   """
   params: Any
   apply_fn: Callable
@@ -162,5 +232,5 @@ class Result(NamedTuple):
     return tuple(out[::-1])
 
 
-__all__ = ["Restored", "RestoreContext", "Result", "Step", "StepRecord", "STEPS", "chain_of", "digest",
-           "register", "register_params", "restorer"]
+__all__ = ["Params", "Restored", "RestoreContext", "Result", "Step", "StepRecord", "STEPS", "chain_of", "digest",
+           "register", "register_params", "restorer", "split_extras", "with_extras"]

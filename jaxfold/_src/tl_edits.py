@@ -601,8 +601,8 @@ def _reader(level: Level, z: Val, dims: frozenset):
 # Entry points.
 
 
-def analyse(level: Level, names: tuple, untied: list, plan_biases: list, center_unembed: bool,
-            fold_value_biases: bool) -> TLEdits:
+def prove_edits(level: Level, names: tuple, untied: list, plan_biases: list, center_unembed: bool,
+                fold_value_biases: bool) -> TLEdits:
   """The proved edits of both kinds (each only when asked), on the folded program's ``level``
   after fuse_affine's own: its untied copies ``(use path, operand, name, chain)`` and new biases
   ``(output key, name)``."""

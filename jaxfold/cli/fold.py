@@ -85,13 +85,13 @@ def _save_safetensors(folded, spec, out) -> list:
     return []
   params = folded.params.params
   written = []
-  if folded.params.untied:
+  if folded.params.extras:   # a fold's extras: its untied centered copies
     import numpy as np
     from safetensors.numpy import save_file
 
     from jaxfold._src.integrity import default_file_mode
     untied = os.path.join(out, "untied.safetensors")
-    save_file({k: np.asarray(v) for k, v in folded.params.untied.items()}, untied,
+    save_file({k: np.asarray(v) for k, v in folded.params.extras.items()}, untied,
               metadata={"format": "jaxfold-untied"})
     os.chmod(untied, default_file_mode())   # safetensors creates files 0600
     written.append("untied.safetensors")

@@ -426,7 +426,7 @@ def test_kernel_only_for_the_rms_statistic(x64, fn):
 
 
 # ----------------------------------------------------------------------------
-# Composition. fuse_affine of a model whose parameters are already FusedParams
+# Composition. fuse_affine of a model whose parameters are already fused
 # (a fused, deferred or rotated model, or a fold of one) must give a model that
 # runs (bug: it was made, then every call raised FuseError "params.base does not
 # have the structure of the fused parameters": the Nones of the first fuse are

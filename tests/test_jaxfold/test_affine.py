@@ -44,7 +44,7 @@ class PreLN(nn.Module):
 def test_pre_ln_fuses_every_norm(x64, bias):
   p, fu = _fuse(PreLN(bias), _x(3, 7, 4), other=[(_x(2, 5, 4, seed=2),)])
   assert fu.report.num_fused == 2
-  removed = [x for x in jax.tree_util.tree_leaves(fu.params.base, is_leaf=lambda x: x is None)
+  removed = [x for x in jax.tree_util.tree_leaves(fu.params.params, is_leaf=lambda x: x is None)
              if x is None]
   assert len(removed) == (4 if bias else 2)          # γ (and β) of both norms
   assert bool(fu.params.extras) == bias               # β·W biases only when there is a β
@@ -122,7 +122,7 @@ def test_gamma_with_another_use_is_not_fused(x64):
 def test_takes_only_fused_params(x64):
   x = _x(3, 7, 4)
   p, fu = _fuse(PreLN(), x)
-  with pytest.raises(jaxfold.FuseError, match="FusedParams"):
+  with pytest.raises(jaxfold.FuseError, match="jaxfold.Params"):
     fu.apply_fn(p, x)
 
 
@@ -203,7 +203,7 @@ def _real_fold_fuse(folded, fu, p, xs):
   """The fold's and the fusion's parameters re-made from ``p``'s values in
   float64 (exact: they are bf16/f16 values), with the analyses the low-precision
   program was given: what real arithmetic says the deployed parameters are."""
-  from jaxfold import FoldedParams
+  from jaxfold import Params
   from jaxfold._src import affine, layout
   leaves, tree = jax.tree_util.tree_flatten(p)
   wide = [np.asarray(w, np.float64) for w in leaves]
@@ -212,7 +212,7 @@ def _real_fold_fuse(folded, fu, p, xs):
   centered = [jnp.asarray(layout.center(w, dict(specs[i])) if i in specs else w)
               for i, w in enumerate(wide)]
   untied = {name: jnp.asarray(layout.center(wide[i], dict(spec))) for name, i, spec in fan.untied}
-  folded64 = FoldedParams(jax.tree_util.tree_unflatten(tree, centered), untied)
+  folded64 = Params(jax.tree_util.tree_unflatten(tree, centered), untied)
   leaves64, tree64 = jax.tree_util.tree_flatten(folded64)
   return affine._fused_params(fu.apply_fn.analysis_for(xs), leaves64, tree64, np.float64)
 

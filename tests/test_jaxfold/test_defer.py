@@ -5,6 +5,7 @@ must agree to 1e-9 at two input shapes. Programs where deferral would be wrong
 are refused with the reader or construct named, and still compute the original.
 """
 
+import collections
 import dataclasses
 import functools
 
@@ -17,7 +18,7 @@ from conftest import rel_err
 from zoo_fused import ZOO, errors, fused, randomize_np
 
 import jaxfold
-from jaxfold._src import compat, deferral
+from jaxfold._src import compat, compiled, deferral
 
 D = 16
 
@@ -128,6 +129,7 @@ def test_the_statistic_is_what_makes_it_exact(x64, monkeypatch):
     ins[entry.operand] = values[entry.x]
     return compat.bind_eqn(eqn, ins), False
   monkeypatch.setattr(deferral, "run", unscaled)
+  monkeypatch.setattr(compiled, "_CACHE", collections.OrderedDict())   # (re-trace: no program compiled before)
   assert rel_err(ref, d.apply_fn(d.params, x)) > 1e-3
 
 
@@ -645,3 +647,30 @@ def test_rms_matmul_gradient_and_auto_on_cpu(x64):
   auto = jaxfold.fold(p, bias_then_gelu, x, defer_norms=True)
   assert auto.report.num_deferred == 1 and KERNEL_SAYS not in auto.report.deferred[0].reason
   assert _pallas_calls(auto.apply_fn, auto.params, x) == 0
+
+
+# defer_norms(fused, x) re-analyses at x: inputs at which the norm fuses otherwise
+# than at fuse_affine's example (here a Python branch on the rank: at rank 2 the
+# normalized value is also an output, so its γ stays; at rank 3 only the matmul
+# reads it) must be refused. Else the deferred model takes the fused parameters
+# (γ kept, W unscaled) as if γ were in W: the result silently drops γ (mutant N8).
+def _fuses_by_rank(p, x):
+  c = x - jnp.mean(x, -1, keepdims=True)
+  y = c / jnp.sqrt(jnp.mean(c * c, -1, keepdims=True) + 1e-5) * p["g"]
+  out = jnp.tanh(y @ p["w"])
+  return (out, y) if x.ndim == 2 else out
+
+
+def test_defer_refuses_inputs_that_fuse_otherwise(x64):
+  rng = np.random.default_rng(0)
+  p = {"g": jnp.asarray(1 + rng.normal(size=D)), "w": jnp.asarray(rng.normal(size=(D, 5)))}
+  fused = jaxfold.fuse_affine(jaxfold.fold(p, _fuses_by_rank, _x(2, D)))
+  assert fused.report.num_fused == 0                       # y is an output at the example's rank
+  assert jaxfold.fuse_affine(jaxfold.fold(p, _fuses_by_rank, _x(2, 3, D))).report.num_fused == 1
+  with pytest.raises(jaxfold.FuseError, match="fuse differently"):
+    jaxfold.defer_norms(fused, _x(2, 3, D))
+  # at the example's own rank it defers what it can, and computes the original
+  for x in (_x(1, D), _x(4, D)):
+    d = jaxfold.defer_norms(fused, x)
+    for a, b in zip(d.apply_fn(d.params, x), _fuses_by_rank(p, x)):
+      assert rel_err(a, b) < 1e-12

@@ -1,4 +1,4 @@
-"""What a newcomer sees first: short reprs, a self-explaining FoldedParams, the
+"""What a newcomer sees first: short reprs, a self-explaining Params, the
 report in a notebook, what the diff says about kernels, one parameter naming
 across fold/fuse/rotate, and rotate's hints."""
 
@@ -46,10 +46,10 @@ def test_reprs_summarise_shapes_not_values(tiny):
   _, _, f = tiny
   text = repr(f)
   assert "Array(" not in text and len(text) < 300, text
-  assert text.startswith("Folded(params=FoldedParams(params=<6 leaves, ")
+  assert text.startswith("Folded(params=Params(params=<6 leaves, ")
   assert "report=<1/1 normalization sites folded" in text
   fused = jaxfold.fuse_affine(f)
-  assert "Array(" not in repr(fused) and repr(fused).startswith("Fused(params=FusedParams(base=FoldedParams(")
+  assert "Array(" not in repr(fused) and repr(fused).startswith("Fused(params=Params(params=<")
   assert repr(f.report) == "<jaxfold.Report: 1/1 normalization sites folded, 0 auxiliary centering(s)>"
 
 
@@ -59,7 +59,7 @@ def test_folded_params_in_the_original_model_says_what_to_pass(tiny):
     m.apply(f.params, X)
   # copy and pickle look optional dunders up through __getattr__: they must still work
   again = pickle.loads(pickle.dumps(copy.deepcopy(f.params)))
-  assert isinstance(again, jaxfold.FoldedParams) and again.untied == {}
+  assert isinstance(again, jaxfold.Params) and again.extras == {}
 
 
 @pytest.mark.parametrize("kw", [{}, {"tied_weights": "copy"}])
@@ -68,7 +68,7 @@ def test_centered_tree_computes_the_original_function_in_the_original_model(gpt2
   fn = spec.apply_fn()
   f = jaxfold.fold(p, fn, *ids, **kw)
   # the case the claim is about: an auxiliary centering, or an untied copy
-  assert f.report.num_auxiliary if not kw else f.params.untied
+  assert f.report.num_auxiliary if not kw else f.params.extras
   changed = [not np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(p),
                                                        jax.tree_util.tree_leaves(f.params.params))]
   assert any(changed)

@@ -87,7 +87,7 @@ def test_folded_apply_with_original_params_after_untie():
   p = m.init(jax.random.PRNGKey(0), ids)
   f = jaxfold.fold(p, m.apply, ids, auxiliary_centering=False)
   assert f.report.untied_bytes > 0
-  with pytest.raises(jaxfold.FoldError, match="FoldedParams"):
+  with pytest.raises(jaxfold.FoldError, match="jaxfold.Params"):
     f.apply_fn(p, ids)
 
 
@@ -114,6 +114,6 @@ def test_fold_under_jit_says_to_call_it_outside(model):
                                ["Dense_0"]["kernel"]))(p)
   # traced inputs with concrete params, and cbwc under jit, are fine
   f = jax.jit(lambda x: jaxfold.fold(p, m.apply, x).params)(x)
-  assert isinstance(f, jaxfold.FoldedParams)
+  assert isinstance(f, jaxfold.Params)
   r = jax.jit(lambda p, x: jaxfold.cbwc(p, m.apply, x).apply_fn(p, x))(p, x)
   np.testing.assert_allclose(r, m.apply(p, x), atol=1e-5)

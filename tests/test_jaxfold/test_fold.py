@@ -471,7 +471,7 @@ def test_tied_embedding_is_untied_by_a_centered_copy(x64):
   f = run(Tied(), ids, auxiliary_centering=False, other=[(jnp.arange(14).reshape(2, 7) % 30,)])
   assert f.report.num_folded == 3 and f.report.num_auxiliary == 0
   assert f.report.untied_bytes == 30 * D * 8
-  assert isinstance(f.params, jaxfold.FoldedParams) and f.params.untied
+  assert isinstance(f.params, jaxfold.Params) and f.params.extras
   # The head still sees the original table.
   p = randomize(Tied().init(jax.random.PRNGKey(0), ids))
   assert jnp.array_equal(f.params.params["params"]["Embed_0"]["embedding"],

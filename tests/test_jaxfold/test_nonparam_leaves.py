@@ -128,7 +128,7 @@ def test_nnx_dropout_fold(x64):
   fused = jaxfold.fold(state, apply, x, fuse_affine=True)
   for z in (x, np.concatenate([x, x])):   # fuse_affine re-plans at another rank (issue 19, item 4)
     assert rel_err(apply(state, z), fused.apply_fn(fused.params, z)) < 1e-9
-  assert_same_nonfloat(state, fused.params.base.params)
+  assert_same_nonfloat(state, fused.params.params)
   after = _snapshot(state)
   assert [d for d, _ in before] == [d for d, _ in after]
   for (_, a), (_, b) in zip(before, after):
@@ -259,7 +259,7 @@ def test_linen_nonfloat_leaves_cbwc(x64):
   x, y = _xs()
   r = jaxfold.cbwc(params, apply, x)
   leaves = jax.tree_util.tree_leaves(params)
-  assert r.analysis.leaf_specs and all(_is_float(leaves[i]) for i, _ in r.analysis.leaf_specs)
+  assert r.leaf_specs and all(_is_float(leaves[i]) for i, _ in r.leaf_specs)
   other = randomize(params, seed=2)   # CBWC holds for every value of the parameters
   new = jax.jit(r.apply_fn)
   for z in (x, y):

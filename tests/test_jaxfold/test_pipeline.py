@@ -184,7 +184,7 @@ def test_rotate_raises_rotate_error_that_except_fuse_error_still_catches(model):
 def test_fuse_refusal_is_a_fuse_error_not_a_rotate_error(model):
   m, p, x = model
   fused = jaxfold.fuse_affine(jaxfold.fold(p, m.apply, x))
-  with pytest.raises(FuseError, match="FusedParams") as e:
+  with pytest.raises(FuseError, match="jaxfold.Params") as e:
     fused.apply_fn(p, x)
   assert type(e.value) is FuseError
 

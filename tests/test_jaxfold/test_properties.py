@@ -157,7 +157,7 @@ def check_program(prog, aux):
     assert rel_err(ref(q, x), r.apply_fn(q, x)) < 1e-9
     # Every centering is invisible: any shift constant over its axes.
     leaves, tree = jax.tree_util.tree_flatten(p)
-    for i, spec in r.analysis.leaf_specs:
+    for i, spec in r.leaf_specs:
       shifted = list(leaves)
       shifted[i] = leaves[i] + shift_along(jax.random.PRNGKey(i), leaves[i].shape, spec)
       assert rel_err(ref(p, x), ref(jax.tree_util.tree_unflatten(tree, shifted), x)) < 1e-9, (

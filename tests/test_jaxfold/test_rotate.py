@@ -81,7 +81,7 @@ def test_writers_readers_embeddings_positions(x64):
   assert rel_err(PreLN().apply(p, tokens), jax.jit(r.apply_fn)(r.params, tokens)) < 1e-9
   names = " ".join(n for n, _ in r.report.rotated)
   assert "emb" in names and "pos" in names and r.report.norms == 3
-  # stream_axes names the user's parameters (paths in p), not their place in FusedParams.
+  # stream_axes names the user's parameters (paths in p), not their place in jaxfold.Params.
   user = {jax.tree_util.keystr(k): np.shape(x) for k, x in jax.tree_util.tree_flatten_with_path(p)[0]}
   assert r.stream_axes and set(r.stream_axes) <= set(user)
   assert all(user[n][d] == D for n, dims in r.stream_axes.items() for d in dims)

@@ -166,7 +166,7 @@ def test_softmax_ignores_a_constant_shift(kind, x64):
   xs = _inputs()
   r = jaxfold.fold(p, f, xs[0])
   (site,) = r.report.sites
-  assert site.folded and not r.params.untied
+  assert site.folded and not r.params.extras
   assert sorted(c.label() for c in site.centered) == ["W1[1]", "b1[0]"]
   for xx in xs:
     assert rel_err(r.apply_fn(r.params, xx), f(p, xx)) < 1e-9
@@ -183,7 +183,7 @@ def test_softmax_over_other_axis_sees_the_shift(x64):
   r = jaxfold.fold(p, f, x)
   assert rel_err(r.apply_fn(r.params, x), f(p, x)) < 1e-9
   (site,) = r.report.sites
-  assert not site.folded or r.params.untied
+  assert not site.folded or r.params.extras
 
 
 @pytest.mark.slow

@@ -74,7 +74,7 @@ def test_gpt2_matches_transformer_lens_formulas(x64):
   assert "per row" in str(fu.report) and "Σ_k = 1" in str(fu.report)
   pp = p.get("params", p)
   tl = _tl_gpt2(_f64(pp), cfg.n_layer, cfg.n_embd)
-  base = fu.params.base.params
+  base = fu.params.params
   base = base.get("params", base)
   extras = {k: np.asarray(v, np.float64) for k, v in fu.params.extras.items()}
   d = cfg.n_embd
@@ -177,7 +177,7 @@ def test_einsum_gpt_matches_transformer_lens_formulas(x64):
   fu = jaxfold.fuse_affine(folded, center_unembed=True, fold_value_biases=True)
   assert sum(s.done for s in fu.report.edits) == L + 1, str(fu.report)
   tl = _tl_process(p["params"])
-  base = {k: np.asarray(v, np.float64) for k, v in fu.params.base.params["params"].items() if v is not None}
+  base = {k: np.asarray(v, np.float64) for k, v in fu.params.params["params"].items() if v is not None}
   extras = {k: np.asarray(v, np.float64) for k, v in fu.params.extras.items()}
   for i in range(L):
     np.testing.assert_allclose(base[f"{i}.W_V"], tl[f"{i}.W_V"], atol=1e-12)

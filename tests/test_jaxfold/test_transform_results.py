@@ -95,7 +95,7 @@ def test_export_load_exported(x64, kind):
       blob = jaxfold.export(res, *ids, symbolic=None, meta={"model": NAME})
     fn = jaxfold.load_exported(blob)
     assert max_rel_err(apply(p, *ids), fn(*ids)) < ZOO_TOL
-  # Parameters as an argument: the FusedParams pytree goes in as the caller passes it.
+  # Parameters as an argument: the Params pytree goes in as the caller passes it.
   blob = jaxfold.export(res, *ids, symbolic=None, params_as_argument=True, check=False)
   fn = jaxfold.load_exported(blob)
   assert max_rel_err(apply(p, *ids), fn(res.params, *ids)) < ZOO_TOL
@@ -106,11 +106,11 @@ def test_safetensors_refuses_what_it_cannot_represent(x64, tmp_path):
   ids = inputs(NAME, *shapes(NAME)[0])
   folded_copy, fu = fused(NAME)     # tied_weights="copy": an untied centered copy
   folded_aux = jaxfold.fold(p, apply, *ids, tied_weights="auxiliary")
-  assert folded_copy.params.untied and folded_aux.report.num_auxiliary
+  assert folded_copy.params.extras and folded_aux.report.num_auxiliary
   cases = {
       "fused": (fu, "fuse_affine result"),
       "fused params": (fu.params, "fuse_affine parameters"),
-      "fused base": (fu.params.base.params, "are None"),
+      "fused base": (fu.params.params, "are None"),
       "rotated": (_result("rotated"), "rotated"),
       "untied": (folded_copy, "untied centered copies"),
       "untied params": (folded_copy.params, "untied centered copies"),

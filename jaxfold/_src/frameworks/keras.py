@@ -14,7 +14,8 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 
-from jaxfold._src.fold import Folded, FoldedParams, FoldError
+from jaxfold._src.fold import Folded, FoldError
+from jaxfold._src.step import Params
 
 
 class KerasParams(NamedTuple):
@@ -140,7 +141,7 @@ def keras_assign(model: Any, params: Any) -> Any:
   """
   if isinstance(params, Folded):
     params = params.params
-  if isinstance(params, FoldedParams):
+  if isinstance(params, Params):
     params = params.params
   trainable, non_trainable = _variables(model)
   variables = trainable + non_trainable
