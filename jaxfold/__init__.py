@@ -26,21 +26,21 @@ is imported on demand.
 """
 
 from jaxfold import benchmarking, exporting, optax_transforms, serialization  # noqa: E402, I001
-from jaxfold._src.export import export, load_exported
+from jaxfold._src.artifact import export, load_exported
 from jaxfold._src.fold import Folded, FoldedParams, FoldError, FoldOptions, Reparameterized, cbwc
 from jaxfold._src.integrity import IntegrityError
 from jaxfold._src.report import Auxiliary, Centering, Changes, Report, Site
 from jaxfold._src.affine import Fused, FusedParams, FuseReport, fuse_affine
 from jaxfold._src.errors import FuseError, JaxfoldError, RotateError
 from jaxfold._src.defer import DeferSite, defer_norms
-from jaxfold._src.api import fold
+from jaxfold._src.compose import fold
 from jaxfold._src.rotate import Rotated, RotateReport, rotate
 from jaxfold._src.hadamard import hadamard
 from jaxfold._src.online import Online, OnlineReport, OnlineSite, online_hadamard
 from jaxfold._src.quantize import QuantizeError, Quantized, QuantParams, QuantReport, QuantSite, QWeight, quantize
 from jaxfold._src.step import Params
 from jaxfold._src.frameworks.keras import KerasParams, keras_assign, keras_params
-from jaxfold._src.serialization import load_fold, save_fold
+from jaxfold._src.saved_fold import load_fold, save_fold
 from jaxfold._src.version import __version__ as __version__
 
 __all__ = ["fold", "cbwc", "Folded", "Params", "FoldedParams", "FoldOptions", "Reparameterized", "FoldError",

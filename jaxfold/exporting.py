@@ -1,4 +1,4 @@
-"""Exported artifacts (public names of ``jaxfold._src.export``).
+"""Exported artifacts (public names of ``jaxfold._src.artifact``).
 
 An artifact is a ``jax.export`` program in a small content-hashed container
 (header with the program's SHA-256, the writer's versions and caller metadata);
@@ -13,7 +13,7 @@ Example:
     [(('batch', 'seq'), 'int32')]
 """
 
-from jaxfold._src.export import (
+from jaxfold._src.artifact import (
                                  ARTIFACT_VERSION,
                                  MAGIC,
                                  ExportWarning,

@@ -1,4 +1,4 @@
-"""Saved folds on disk (public names of ``jaxfold._src.serialization``).
+"""Saved folds on disk (public names of ``jaxfold._src.saved_fold``).
 
 Example:
     >>> from jaxfold import serialization
@@ -8,7 +8,7 @@ Example:
 """
 
 from jaxfold._src.integrity import IntegrityError
-from jaxfold._src.serialization import (
+from jaxfold._src.saved_fold import (
                                         FORMAT_VERSION,
                                         LoadedFold,
                                         check_target,

@@ -12,9 +12,9 @@ Example:
     >>> res.throughput, res.percentile(0.5), res.percentile(0.99)
 """
 
-from jaxfold._src.serve.app import ServeConfig, connection_limit, create_app, is_loopback, serve
-from jaxfold._src.serve.loadgen import LoadResult, load_test, run_load
-from jaxfold._src.serve.model import (
+from jaxfold._src.server.app import ServeConfig, connection_limit, create_app, is_loopback, serve
+from jaxfold._src.server.loadgen import LoadResult, load_test, run_load
+from jaxfold._src.server.model import (
                                      InputError,
                                      OutsideBuckets,
                                      ServedModel,

@@ -50,7 +50,7 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 # The fixed selections: fast soundness tests, the cheapest and most targeted first (with -x a
 # killed mutant stops at its first failure). Mutants of the analysis (rules, drivers, planner,
-# fold) run TESTS; mutants of fuse_affine/defer_norms (affine.py, deferral.py) run TESTS_FUSE.
+# fold) run TESTS; mutants of fuse_affine/defer_norms (affine.py, defer_analysis.py) run TESTS_FUSE.
 TESTS = (
     "tests/test_jaxfold/test_mutants.py",
     "tests/test_jaxfold/rules/",
@@ -68,7 +68,7 @@ TESTS_FUSE = (
     "tests/test_jaxfold/test_affine.py",
     "tests/test_jaxfold/test_defer.py",
 )
-FUSE_FILES = ("affine.py", "deferral.py")
+FUSE_FILES = ("affine.py", "defer_analysis.py")
 # Mutants of the rest of the library (sel=...): the tests of the module each concerns, fast.
 SELECTIONS = {
   "layout": ("tests/test_jaxfold/test_layout.py", "tests/test_jaxfold/test_centering.py",
@@ -83,9 +83,9 @@ SELECTIONS = {
              *(f"tests/test_integrity.py::{t}" for t in (
                  "test_damaged_artifacts", "test_newer_artifact_format_is_refused",
                  "test_raw_serialization_needs_verify_false_and_junk_still_fails")),
-             "tests/test_jaxfold/test_adversarial_export.py", "tests/test_export.py"),
+             "tests/test_jaxfold/test_adversarial_export.py", "tests/test_artifact.py"),
   "save": ("tests/test_deploy_safety.py::test_load_with_another_program_says_what_differs",
-           "tests/test_serialization.py::test_refuses_non_empty_dir_and_wrong_model",
+           "tests/test_saved_fold.py::test_refuses_non_empty_dir_and_wrong_model",
            *(f"tests/test_jaxfold/test_transform_results.py::{t}" for t in (
                "test_load_refuses_another_program", "test_load_refuses_a_chain_the_analysis_does_not_reproduce")),
            "tests/test_integrity.py::test_newer_format_is_refused"),
@@ -293,12 +293,13 @@ MUTANTS = [
   M("F2", "fold.py", "    if not self._center and not _compatible(an, self._base):", "    if False:",
     "folded apply: another shape's plan used with the fold's parameters, unproved"),
   # -- defer_norms and fuse_affine -------------------------------------------------------------------
-  M("D1", "deferral.py", "  if reader.y_dim not in f.const:\n    raise Block(", "  if False:\n    raise Block(",
+  M("D1", "defer_analysis.py", "  if reader.y_dim not in f.const:\n    raise Block(", "  if False:\n    raise Block(",
     "defer: the statistic need not be constant along the contracted dim after re-indexing"),
-  M("D2", "deferral.py", "           and level.facts(v).value is None and level.constant_along(v, (d,), y.shape)]",
+  M("D2", "defer_analysis.py",
+    "           and level.facts(v).value is None and level.constant_along(v, (d,), y.shape)]",
     "           and level.facts(v).value is None]",
     "defer: a statistic varying along the normalized dim accepted"),
-  M("D3", "deferral.py", "  if narrow:\n    raise Block(", "  if False:\n    raise Block(",
+  M("D3", "defer_analysis.py", "  if narrow:\n    raise Block(", "  if False:\n    raise Block(",
     "defer: contracting un-normalized values in a narrow-range dtype (overflow) accepted"),
   M("U1", "affine.py", "        if tuple(dd.contracting(k)) != (d,) or dd.lb:", "        if dd.lb:",
     "fuse: a contraction over other dims than the normalized one fused"),
@@ -314,9 +315,9 @@ MUTANTS = [
 
 # -- the library outside the analysis: centering, rotate, kernels, export, saving, serving, CBWC, Pallas ---
 # (run with the selection named by sel=, see SELECTIONS)
-LAY, ROT, KER, EXP, SER, INT, FP = ("layout.py", "rotate.py", "kernels.py", "export.py", "serialization.py",
+LAY, ROT, KER, EXP, SER, INT, FP = ("layout.py", "rotate.py", "kernels.py", "artifact.py", "saved_fold.py",
                                     "integrity.py", "fingerprint.py")
-RRO, SRV, OPT = "rules/rotation.py", "serve/model.py", "jaxfold/optax_transforms.py"
+RRO, SRV, OPT = "rules/rotation.py", "server/model.py", "jaxfold/optax_transforms.py"
 PRN, PRM = "pallas_kernels/rms_norm.py", "pallas_kernels/rms_matmul.py"
 LIB_MUTANTS = [
   # -- layout.center and the fold's host centering ------------------------------------------------------
@@ -589,7 +590,7 @@ VERDICTS.update({
         "[fused]",
   "V2": "gap: " + TJ + "test_transform_results.py::test_load_refuses_a_chain_the_analysis_does_not_reproduce"
         "[rotated]",
-  "V3": "gap: tests/test_serialization.py::test_refuses_non_empty_dir_and_wrong_model (without program.json "
+  "V3": "gap: tests/test_saved_fold.py::test_refuses_non_empty_dir_and_wrong_model (without program.json "
         "the per-site comparison is what refuses another model; it was never reached)",
 })
 MUTANTS = [m._replace(verdict=VERDICTS.get(m.id, "")) for m in MUTANTS]

@@ -18,7 +18,7 @@ import pytest
 
 import jaxfold
 from jaxfold._src import integrity
-from jaxfold._src.export import _LEN, MAGIC
+from jaxfold._src.artifact import _LEN, MAGIC
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}

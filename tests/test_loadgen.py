@@ -1,4 +1,4 @@
-"""jaxfold/_src/serve/loadgen.py against a tiny stdlib HTTP server: every
+"""jaxfold/_src/server/loadgen.py against a tiny stdlib HTTP server: every
 payload answered once, in order, over keep-alive connections, with chunked
 bodies and server-closed connections handled."""
 
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from jaxfold._src.serve.loadgen import LoadResult, load_test
+from jaxfold._src.server.loadgen import LoadResult, load_test
 
 
 class _Echo(http.server.BaseHTTPRequestHandler):

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfold._src import algebra as A
-from jaxfold._src import compat, compiled, counts, deferral, display, kernels, pipeline, tl_edits
+from jaxfold._src import compat, compiled, counts, defer_analysis, display, kernels, pipeline, tl_edits
 from jaxfold._src.analysis import Level, factor_leaf, param_operand, single_use, vector_along
 from jaxfold._src.errors import FuseError
 from jaxfold._src.pipeline import Call
@@ -75,7 +75,7 @@ class FuseReport:
   extra_bytes: int = 0    # untied weight copies and new biases
   kernels: int = 0        # norms the RMSNorm kernel computes in the fused program
   norm_impl: str = "xla"  # the fold's, kept for the fused program
-  deferred: tuple = ()    # deferral.DeferSite per affine site, with defer_norms
+  deferred: tuple = ()    # defer_analysis.DeferSite per affine site, with defer_norms
   edits: tuple = ()       # tl_edits.TLSite: center_unembed / fold_value_biases, when asked
   programs: Any = dataclasses.field(default=None, compare=False, repr=False)   # counts.ProgramCounts
 
@@ -639,7 +639,7 @@ def analyse(fn: Callable, params: Any, args: tuple, defer: bool = False,
                               reason))
     if defer:
       modified = {r.node.path for _, rs in accepted for r in rs}
-      deferred, dsites = deferral.defer_sites(level, accepted, names, modified, sites, norm_impl)
+      deferred, dsites = defer_analysis.defer_sites(level, accepted, names, modified, sites, norm_impl)
     if kernels.may_use_kernel(norm_impl):
       epilogues = _kernel_epilogues(level, removed, changed)
       # A deferred norm's output is dead: no kernel computes it.

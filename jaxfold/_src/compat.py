@@ -690,7 +690,7 @@ def undecided_size_comparisons() -> Iterator[list]:
 # What ``jaxfold serve`` reads from an exported program (``jax.export``'s
 # StableHLO): which operation gathers rows of a table, which only moves its
 # operand's elements, and the attributes those questions need. The dataflow
-# over them is serve/tables.py's; the operation names and bindings are here.
+# over them is server/tables.py's; the operation names and bindings are here.
 
 _HLO_MOVES = frozenset({
     "stablehlo.convert", "stablehlo.reshape", "stablehlo.dynamic_reshape", "stablehlo.broadcast_in_dim",

@@ -1,6 +1,6 @@
 """``jaxfold.defer_norms``: the front end of deferred normalization (FlashNorm).
 
-The analysis and the rewrite are in ``deferral.py`` (run by fuse's analysis
+The analysis and the rewrite are in ``defer_analysis.py`` (run by fuse's analysis
 and by ``rewrite.evaluate``); this module checks what it is given, fuses a
 fold first, and re-analyses with ``affine.analyse(..., defer=True)``.
 """
@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from jaxfold._src import affine, counts, pipeline, rotate
-from jaxfold._src.deferral import Deferred, DeferSite
+from jaxfold._src.defer_analysis import Deferred, DeferSite
 from jaxfold._src.step import Params
 
 __all__ = ["DeferSite", "Deferred", "defer_norms"]

@@ -1,5 +1,5 @@
 """The fold and ``jaxfold.cbwc``: trace → analyse → plan → rewrite (``jaxfold.fold`` is
-``api.fold``: this fold, then ``fuse_affine``/``defer_norms`` when asked)."""
+``compose.fold``: this fold, then ``fuse_affine``/``defer_norms`` when asked)."""
 
 from __future__ import annotations
 
@@ -475,7 +475,7 @@ def fold(params: Any, apply_fn: Callable, *example_args: Any,
          norm_impl: NormImpl = "auto", example_kwargs: Optional[dict] = None,
          generic_shapes: bool = True, centering: CenteringPolicy = DEFAULT_POLICY) -> Folded:
   """The fold alone: ``jaxfold.fold`` without ``fuse_affine``/``defer_norms``
-  (``api.fold`` composes those on this result; the arguments are its own;
+  (``compose.fold`` composes those on this result; the arguments are its own;
   ``centering``: where the centered parameters are computed, see ``centering.py``).
 
   Example:

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Sequence
 
 import jax.numpy as jnp
 
-from jaxfold._src import compat, deferral, hadamard, kernels, layout
+from jaxfold._src import compat, defer_analysis, hadamard, kernels, layout
 from jaxfold._src.rules import rule_for
 from jaxfold._src.zero import Zero
 
@@ -75,7 +75,7 @@ class Plan:
   epilogues: tuple = ()                       # kernels.Epilogue of proven sites
   norm_impl: str = "auto"                     # see kernels.IMPLS
   biases: tuple[BiasAt, ...] = ()
-  deferred: tuple = ()                        # deferral.Deferred: contractions reading x, scaled by s
+  deferred: tuple = ()                        # defer_analysis.Deferred: contractions reading x, scaled by s
   constants: tuple[ConstantAt, ...] = ()      # values replaced by fold-time constants
   hadamards: tuple[OperandMap, ...] = ()      # operands rotated online before their equation
   quantized: tuple = ()                       # quantize.QuantizedAt: contractions run through qwix
@@ -168,7 +168,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
   online: dict = {}
   for m in plan.hadamards:
     online.setdefault((m.path, m.operand), []).append(m.axis)
-  # The add of a kernel reader's own bias: the reader is held (deferral.Pending) until it.
+  # The add of a kernel reader's own bias: the reader is held (defer_analysis.Pending) until it.
   own_bias = ({e.kernel.add[0]: e for e in plan.deferred if e.kernel is not None and e.kernel.add is not None}
               if plan.norm_impl != "xla" else {})
   touched = plan.touched
@@ -186,7 +186,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
       val = _materialize(val) + extras[biases[key]]
     if compat.is_var(v):
       env[v] = val
-    if not isinstance(val, deferral.Pending):   # (a kernel substitution reading it computes it as written)
+    if not isinstance(val, defer_analysis.Pending):   # (a kernel substitution reading it computes it as written)
       values[key] = val
 
   for i, (v, c) in enumerate(zip(compat.constvars(jaxpr), consts)):
@@ -225,7 +225,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
     if path in quantized:
       outs = quantized[path].contract(eqn, [_materialize(v) for v in invals], extras)
     elif path in own_bias:
-      outs = deferral.resolve(own_bias[path], eqn, invals)
+      outs = defer_analysis.resolve(own_bias[path], eqn, invals)
       if outs is None:
         invals = _unhold(invals)
     if outs is not None:
@@ -243,7 +243,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
     if outs is None and path in deferred:
       key = (path, "out", 0)
       bias = extras[biases[key]] if key in biases and key not in aux else None
-      outs, biased = deferral.run(deferred[path], eqn, invals, values, plan.norm_impl, bias,
+      outs, biased = defer_analysis.run(deferred[path], eqn, invals, values, plan.norm_impl, bias,
                                   key not in aux)    # hold: a kernel reader with its own bias
     if outs is not None:
       pass
@@ -292,7 +292,7 @@ def _run_group(deferred, path, untied, extras, biases, aux, values, plan):
         w = _through(_materialize(w), m.convert)
     weights.append(w)
     fused.append(extras[biases[out]] if out in biases else None)
-  return deferral.run_group(entries, weights, fused, values, plan.norm_impl)
+  return defer_analysis.run_group(entries, weights, fused, values, plan.norm_impl)
 
 
 def _untied_value(entry: tuple, extras: dict):
@@ -310,12 +310,12 @@ def _through(val, chain: tuple):
 
 
 def _unhold(invals: list) -> list:
-  """``invals`` with every held kernel reader (``deferral.Pending``) computed."""
-  return [v.materialize() if isinstance(v, deferral.Pending) else v for v in invals]
+  """``invals`` with every held kernel reader (``defer_analysis.Pending``) computed."""
+  return [v.materialize() if isinstance(v, defer_analysis.Pending) else v for v in invals]
 
 
 def _materialize(x):
-  return x.materialize() if isinstance(x, (Zero, deferral.Pending)) else x
+  return x.materialize() if isinstance(x, (Zero, defer_analysis.Pending)) else x
 
 
 def _call_out_keys(eqn, path) -> list:

@@ -267,7 +267,7 @@ def test_a_size_decided_without_a_comparison_is_caught_by_the_size_probes(x64):
 
 
 def test_max_rel_diff_counts_a_non_finite_mismatch_as_a_difference():
-  from jaxfold._src.export import _max_rel_diff
+  from jaxfold._src.artifact import _max_rel_diff
   w = np.array([1.0, 2.0, np.nan, np.inf])
   assert _max_rel_diff([w], [w]) == 0.0                        # the program's own NaN/inf: no difference
   assert _max_rel_diff([np.array([1.0, np.nan, np.nan, np.inf])], [w]) == np.inf

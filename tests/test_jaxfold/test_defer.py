@@ -18,7 +18,7 @@ from conftest import rel_err
 from zoo_fused import ZOO, errors, fused, randomize_np
 
 import jaxfold
-from jaxfold._src import compat, compiled, deferral
+from jaxfold._src import compat, compiled, defer_analysis
 
 D = 16
 
@@ -128,7 +128,7 @@ def test_the_statistic_is_what_makes_it_exact(x64, monkeypatch):
     ins = list(invals)
     ins[entry.operand] = values[entry.x]
     return compat.bind_eqn(eqn, ins), False
-  monkeypatch.setattr(deferral, "run", unscaled)
+  monkeypatch.setattr(defer_analysis, "run", unscaled)
   monkeypatch.setattr(compiled, "_CACHE", collections.OrderedDict())   # (re-trace: no program compiled before)
   assert rel_err(ref, d.apply_fn(d.params, x)) > 1e-3
 

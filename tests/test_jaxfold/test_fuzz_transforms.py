@@ -45,7 +45,7 @@ import pytest
 from conftest import x64_context
 
 import jaxfold
-from jaxfold._src.export import ExportWarning
+from jaxfold._src.artifact import ExportWarning
 
 N_DEFAULT = int(os.environ.get("JAXFOLD_FUZZX_N", "6"))
 N_SLOW = int(os.environ.get("JAXFOLD_FUZZX_N_SLOW", "400"))

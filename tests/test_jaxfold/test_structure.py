@@ -249,7 +249,7 @@ def test_cycle_finder_finds_a_planted_cycle():
   assert import_cycles({"a": {"b": 1}, "b": {}}) == []
   graph = import_graph()
   assert "jaxfold._src.analysis" in graph["jaxfold._src.pipeline"]   # a real edge: the scan sees imports
-  assert "jaxfold._src.deferral" in graph["jaxfold._src.rewrite"]
+  assert "jaxfold._src.defer_analysis" in graph["jaxfold._src.rewrite"]
 
 
 # ----------------------------------------------------------------------------
@@ -337,19 +337,19 @@ def test_public_modules_export_only_public_names():
 
 def test_private_reexport_check_finds_both_kinds(tmp_path):
   shim = tmp_path / "shim.py"
-  shim.write_text("from jaxfold._src.serialization import save_fold\n"
-                  "from jaxfold._src.serialization import _helper as helper\n"
+  shim.write_text("from jaxfold._src.saved_fold import save_fold\n"
+                  "from jaxfold._src.saved_fold import _helper as helper\n"
                   "from jaxfold._src.integrity import atomic_write_bytes as write_it\n")
   bad = private_reexports([shim])
-  assert [b.split(": ", 1)[1] for b in bad] == ["jaxfold._src.serialization._helper is private",
+  assert [b.split(": ", 1)[1] for b in bad] == ["jaxfold._src.saved_fold._helper is private",
                                                 "jaxfold._src.integrity.atomic_write_bytes re-exported as write_it"]
 
 
 # Mirror rule: module ``jaxfold/_src/[pkg/]m.py`` is mirrored by the first of these that exists:
 # ``tests/test_jaxfold/[pkg/]test_m.py``, ``tests/test_m.py``, ``tests/test_pkg/test_m.py``,
 # ``tests/test_pkg_m.py`` (e.g. rules/dims.py -> tests/test_jaxfold/rules/test_dims.py,
-# export.py -> tests/test_export.py, frameworks/keras.py -> tests/test_frameworks/test_keras.py,
-# serve/batcher.py -> tests/test_serve_batcher.py). Package ``__init__.py`` files need none.
+# artifact.py -> tests/test_artifact.py, frameworks/keras.py -> tests/test_frameworks/test_keras.py,
+# server/batcher.py -> tests/test_server_batcher.py). Package ``__init__.py`` files need none.
 def mirror_candidates(module: pathlib.Path, tests: pathlib.Path) -> list:
   rel = module.relative_to(ROOT / "_src")
   pkg, m = rel.parts[:-1], module.stem
@@ -392,8 +392,8 @@ PUBLIC_UNDERSCORED = frozenset({"_replace", "_fields", "_asdict", "_make", "_fie
 PRIVATE_READS_ALLOWED = frozenset({"_src/compat.py"})
 TRANSFORM_NAMES = frozenset({"fold", "cbwc", "fuse_affine", "defer_norms", "rotate"})
 # Modules that persist or export any chain: they must not branch on a step's name.
-CHAIN_CONSUMERS = ("_src/serialization.py", "_src/export.py", "_src/defer.py", "serialization.py",
-                   "exporting.py", "_src/serve/")
+CHAIN_CONSUMERS = ("_src/saved_fold.py", "_src/artifact.py", "_src/defer.py", "serialization.py",
+                   "exporting.py", "_src/server/")
 
 
 def _own_private_names(tree: ast.AST) -> set:
@@ -500,6 +500,6 @@ def test_step_scans_find_planted_offenders():
                           "    return fn._base, affine._relayout, self._mine, np._core, fn._replace(a=1)\n"}
   got = private_read_offenders(planted)
   assert [g.split(": ")[1] for g in got] == ["affine._relayout", "fn._base"]   # not self's, np's, _replace
-  planted = {"_src/serialization.py": "if step['name'] == 'rotate':\n  pass\nX = ('fuse_affine', 'rotate')\n"
+  planted = {"_src/saved_fold.py": "if step['name'] == 'rotate':\n  pass\nX = ('fuse_affine', 'rotate')\n"
                                       "ok = kind == 'other'\n"}
   assert len(name_branch_offenders(planted)) == 2

@@ -12,7 +12,7 @@ from test_rotate import hadamard
 from zoo_fused import ZOO_TOL, errors, fused, inputs, original, shapes
 
 import jaxfold
-from jaxfold._src.export import ExportWarning
+from jaxfold._src.artifact import ExportWarning
 from models.common import max_rel_err
 from models.safetensors_io import NotRepresentable, save_safetensors
 
@@ -128,7 +128,7 @@ def test_safetensors_refuses_what_it_cannot_represent(x64, tmp_path):
 
 def test_serve_loads_a_fused_fold_dir(x64, tmp_path):
   pytest.importorskip("uvicorn")
-  from jaxfold._src.serve.model import load_model
+  from jaxfold._src.server.model import load_model
   fu = _result("fused")
   jaxfold.save_fold(fu, tmp_path / "f", meta={"model": NAME})
   apply, p = original(NAME)

@@ -1,4 +1,4 @@
-"""deferral.py: the analysis that lets a fused norm's readers contract the
+"""defer_analysis.py: the analysis that lets a fused norm's readers contract the
 un-normalized input, and its rewrite (front end: test_defer.py).
 
 Float64 with random non-uniform γ, β and biases; deferred against the original
@@ -11,7 +11,7 @@ import pytest
 from conftest import rel_err
 
 import jaxfold
-from jaxfold._src.deferral import DeferSite
+from jaxfold._src.defer_analysis import DeferSite
 
 D = 16
 
@@ -66,7 +66,7 @@ def test_another_use_of_the_normalized_value_keeps_the_site_fused(x64):
 
 def test_a_float16_reader_is_not_deferred_for_its_range():
   """x @ W in float16 is rms(x) times the normalized product: it may overflow
-  where the original does not (deferral._check_range)."""
+  where the original does not (defer_analysis._check_range)."""
   p = _params(jnp.float16)
   x = _x((3, 7, 4), 1, jnp.float16)
   d = jaxfold.fold(p, reader, x, defer_norms=True)

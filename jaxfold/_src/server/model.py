@@ -48,7 +48,7 @@ class OutsideBuckets(Exception):
 
 def program_bounds(fn: Any) -> dict:
   """What the program's own tables bound, read from its dataflow (never from
-  parameter names or metadata; :mod:`jaxfold._src.serve.tables`):
+  parameter names or metadata; :mod:`jaxfold._src.server.tables`):
   ``{"inputs": {k: rows}, "vocab", "positions", "unbounded": {k: how}}`` —
   the rows of the smallest table each integer input ``k`` is gathered from,
   ``vocab`` the first integer input's, ``positions`` the rows of the table an
@@ -58,7 +58,7 @@ def program_bounds(fn: Any) -> dict:
       >>> program_bounds(load_exported("gpt2-tiny.jaxexport"))
       {'inputs': {0: 96}, 'vocab': 96, 'positions': 32, 'unbounded': {}}
   """
-  from jaxfold._src.serve.tables import program_tables
+  from jaxfold._src.server.tables import program_tables
   t = program_tables(fn)
   ints = [k for k, a in enumerate(fn.in_avals) if np.dtype(a.dtype).kind in "iu"]
   vocab = t.inputs.get(ints[0]) if ints else None
@@ -542,7 +542,7 @@ def load_model(source: str, *, zoo_meta=None, key: Optional[bytes] = None,
   :class:`ServedModel`.  ``key``: refuse an artifact or fold that is not signed
   with it (``--verify-key``).
   """
-  from jaxfold._src.export import export, load_exported
+  from jaxfold._src.artifact import export, load_exported
   source = os.path.abspath(os.fspath(source))
   if not os.path.exists(source):
     raise FileNotFoundError(f"{source} does not exist: pass an artifact from `jaxfold export` or "
@@ -553,7 +553,7 @@ def load_model(source: str, *, zoo_meta=None, key: Optional[bytes] = None,
                        "fold directory from `jaxfold fold` or an artifact file")
     if zoo_meta is None:
       raise ServeError("serving a fold directory needs the model's code: use `jaxfold serve DIR`")
-    from jaxfold._src.serialization import load_fold, load_meta
+    from jaxfold._src.saved_fold import load_fold, load_meta
     name = load_meta(source).get("model")
     if not name:
       raise ServeError(f"{source}/meta.json names no model: export the fold with the Python API "
@@ -563,7 +563,7 @@ def load_model(source: str, *, zoo_meta=None, key: Optional[bytes] = None,
     args = folded.apply_fn.example_args
     import warnings
 
-    from jaxfold._src.export import ExportWarning
+    from jaxfold._src.artifact import ExportWarning
     with warnings.catch_warnings():
       warnings.simplefilter("ignore", ExportWarning)
       blob = export(folded, *args, meta=meta, check=False)

@@ -10,7 +10,7 @@ import pytest
 
 import jaxfold
 from jaxfold import serving
-from jaxfold._src.serve.tables import program_tables
+from jaxfold._src.server.tables import program_tables
 
 nn = pytest.importorskip("flax.linen")
 

@@ -11,9 +11,9 @@ import pytest
 
 pytest.importorskip("starlette")
 
-# this file mirrors jaxfold/_src/serve/batcher.py (its private Batcher and Request)
-from jaxfold._src.serve.batcher import Batcher, QueueFull, ShuttingDown  # noqa: E402
-from jaxfold._src.serve.model import Request  # noqa: E402
+# this file mirrors jaxfold/_src/server/batcher.py (its private Batcher and Request)
+from jaxfold._src.server.batcher import Batcher, QueueFull, ShuttingDown  # noqa: E402
+from jaxfold._src.server.model import Request  # noqa: E402
 from jaxfold.serving import InputError, ServeConfig, create_app, pow2_buckets  # noqa: E402
 
 

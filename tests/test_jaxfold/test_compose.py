@@ -1,4 +1,4 @@
-"""api.py: ``jaxfold.fold`` is the fold, then ``fuse_affine``/``defer_norms`` on its result when asked."""
+"""compose.py: ``jaxfold.fold`` is the fold, then ``fuse_affine``/``defer_norms`` on its result when asked."""
 
 import flax.linen as nn
 import jax

@@ -52,8 +52,8 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from jaxfold._src.serve.batcher import Batcher, DrainTimeout, Metrics, QueueFull, ShuttingDown
-from jaxfold._src.serve.model import InputError, OutsideBuckets, ServedModel, ServeError
+from jaxfold._src.server.batcher import Batcher, DrainTimeout, Metrics, QueueFull, ShuttingDown
+from jaxfold._src.server.model import InputError, OutsideBuckets, ServedModel, ServeError
 
 __all__ = ["ServeConfig", "create_app", "serve", "bind_socket"]
 

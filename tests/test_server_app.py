@@ -6,7 +6,7 @@ import resource
 
 import pytest
 
-from jaxfold._src.serve.app import ServeConfig, connection_limit, is_loopback
+from jaxfold._src.server.app import ServeConfig, connection_limit, is_loopback
 
 
 def test_connection_limit_follows_the_descriptor_limit():

@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from jaxfold._src.serve.model import Request, ServedModel
+from jaxfold._src.server.model import Request, ServedModel
 
 __all__ = ["Batcher", "QueueFull", "ShuttingDown", "DrainTimeout", "Metrics"]
 

@@ -8,7 +8,7 @@ import types
 import numpy as np
 import pytest
 
-from jaxfold._src.serve.model import InputError, InputSpec, pow2_buckets
+from jaxfold._src.server.model import InputError, InputSpec, pow2_buckets
 
 
 @pytest.mark.parametrize("limit, start, want", [
