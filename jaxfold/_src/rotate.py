@@ -370,8 +370,7 @@ def _stream_samples(jaxpr: Any, consts: list, args: list, n: int, out: list) -> 
     if sub is not None:
       outs = _stream_samples(*compat.open_jaxpr(sub), ins, n, out)
     else:
-      outs = eqn.primitive.bind(*ins, **eqn.params)
-      outs = outs if eqn.primitive.multiple_results else [outs]
+      outs = compat.bind_eqn(eqn, ins)
     x = compat.squared_operand(eqn)
     if x is not None and getattr(x.aval, "shape", ()) and x.aval.shape[-1] == n:
       out.append(np.asarray(read(x), np.float64).reshape(-1, n))
