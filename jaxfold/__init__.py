@@ -13,7 +13,7 @@ Public API:
   defer_norms(fused) -> Fused   (readers contract the un-normalized input, scaled per row;
                                  or fold(..., defer_norms=True))
   rotate(fused, q) -> Rotated(params, apply_fn, report)     (orthogonal q on the residual stream;
-                             q = "hadamard" | "random" picks one of the stream's width; hadamard(n))
+                             q = "hadamard" | "random" | "pca" (calibration=) of the stream width)
   online_hadamard(result) -> Online(params, apply_fn, report)  (QuaRot's online Hadamards before
                              the MLP's down-projection and attention's output projection)
   quantize(result | (params, apply_fn), *args, weights=, activations=, group_size=) -> Quantized

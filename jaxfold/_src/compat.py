@@ -403,6 +403,17 @@ def call_jaxpr_of(eqn: Any) -> Any | None:
   return None
 
 
+def squared_operand(eqn: Any) -> Any | None:
+  """The operand an equation squares (``x**2``, ``square(x)``, ``x*x``), or None:
+  how the RMS norms the fold leaves spell their sum of squares (rotate's PCA)."""
+  name, ins = eqn.primitive.name, eqn.invars
+  if name == "square" or (name == "integer_pow" and eqn.params.get("y") == 2):
+    return ins[0]
+  if name == "mul" and ins[0] is ins[1]:
+    return ins[0]
+  return None
+
+
 def call_prims() -> tuple:
   """The primitives ``call_jaxpr_of`` recognises: jit, remat, custom_jvp/vjp
   and, where this jax defines them, ``closed_call``/``core_call``."""

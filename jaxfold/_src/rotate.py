@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfold._src import display, kernels, pipeline
+from jaxfold._src import compat, display, kernels, pipeline
 from jaxfold._src.analysis import LeafNeed, Level, factor_leaf, leaf_of
 from jaxfold._src.errors import RotateError
 from jaxfold._src.fold import FoldedApply
@@ -339,8 +339,10 @@ def _stream_widths(fn: Callable, params: Any, args: tuple) -> list:
     return sorted((n for n in sizes if n > 1 and _norm_inputs(level, n)), reverse=True)
 
 
-def _named(name: str, n: int, seed: int) -> np.ndarray:
+def _named(name: str, n: int, seed: int, pca: Optional[Callable[[int], np.ndarray]] = None) -> np.ndarray:
   """The orthogonal matrix a name stands for, of order ``n``."""
+  if name == "pca":
+    return pca(n)
   if name == "hadamard":
     try:
       return hadamard(n)
@@ -350,7 +352,48 @@ def _named(name: str, n: int, seed: int) -> np.ndarray:
   return random_orthogonal(n, jax.random.PRNGKey(seed))
 
 
-NAMED = ("hadamard", "random")
+NAMED = ("hadamard", "random", "pca")
+
+
+def _stream_samples(jaxpr: Any, consts: list, args: list, n: int, out: list) -> list:
+  """Evaluates ``jaxpr`` and appends to ``out`` every value, flattened to rows
+  of width ``n``, that the program squares along a last axis of size ``n``:
+  the inputs of the RMS norms, i.e. the residual stream the rotation acts on.
+  Sub-programs (``pjit``, ``custom_jvp_call``) are entered so that norms
+  inside jitted functions are seen."""
+  env = dict(zip(compat.constvars(jaxpr), consts))
+  env.update(zip(jaxpr.invars, args))
+  read = lambda v: v.val if compat.is_literal(v) else env[v]   # noqa: E731
+  for eqn in jaxpr.eqns:
+    ins = [read(v) for v in eqn.invars]
+    sub = compat.call_jaxpr_of(eqn)
+    if sub is not None:
+      outs = _stream_samples(*compat.open_jaxpr(sub), ins, n, out)
+    else:
+      outs = compat.bind_eqn(eqn, ins)
+    x = compat.squared_operand(eqn)
+    if x is not None and getattr(x.aval, "shape", ()) and x.aval.shape[-1] == n:
+      out.append(np.asarray(read(x), np.float64).reshape(-1, n))
+    env.update(zip(eqn.outvars, outs))
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _pca(fn: Callable, params: Any, calibration: Any, kwargs: dict, n: int) -> np.ndarray:
+  """Eigenvectors (columns, largest eigenvalue first) of the second-moment
+  matrix ``E[x xᵀ]`` of the stream rows ``x`` at every RMS norm's input over
+  the calibration inputs: the rotation that makes the stream's leading
+  directions its first channels (SliceGPT's PCA)."""
+  batches = [calibration] if isinstance(calibration, tuple) else list(calibration)
+  rows: list = []
+  for args in batches:
+    args = args if isinstance(args, tuple) else (args,)
+    closed = jax.make_jaxpr(lambda p, *a: fn(p, *a, **kwargs))(params, *args)
+    _stream_samples(*compat.open_jaxpr(closed), jax.tree_util.tree_leaves((params, args)), n, rows)
+  if not rows:
+    raise RotateError(f"rotate(..., \"pca\"): the calibration inputs reach no RMS norm over a stream of width {n}")
+  x = np.concatenate(rows)
+  w, v = np.linalg.eigh(x.T @ x / len(x))
+  return np.ascontiguousarray(v[:, ::-1])
 
 
 def _hints(model: Any) -> str:
@@ -447,13 +490,16 @@ class RotatedApply(Step):
 
 
 def _rotate_named(model: Any, name: str, params: Any, fn: Callable, args: tuple, kwargs: dict, given: tuple,
-                  seed: int, size: Optional[int]) -> Rotated:
+                  seed: int, size: Optional[int], calibration: Any = None) -> Rotated:
   """``rotate`` by a named matrix of the stream's width: ``size``, or the widest
   width whose stream the rotation is proved on."""
   if name not in NAMED:
     raise RotateError(f"rotate: q must be an orthogonal matrix or one of {NAMED}, got {name!r}")
+  if name == "pca" and calibration is None:
+    raise RotateError("rotate(..., \"pca\") needs calibration= (example args: a tuple, or a list of tuples)")
+  pca = lambda n: _pca(fn, params, calibration, kwargs, n)   # noqa: E731
   if size is not None:
-    return rotate(model, _named(name, int(size), seed), *given)
+    return rotate(model, _named(name, int(size), seed, pca), *given)
   abstract = pipeline.abstract_tree(params, RotateError)
   call = pipeline.bind(fn, tuple(pipeline.abstract_tree(args, RotateError)), kwargs, RotateError)
   widths = _stream_widths(call.fn, abstract, call.abstract_args(RotateError))
@@ -463,19 +509,25 @@ def _rotate_named(model: Any, name: str, params: Any, fn: Callable, args: tuple,
   first: Optional[RotateError] = None
   for n in widths:   # the residual stream is the widest normalized width in every model we know
     try:
-      return rotate(model, _named(name, n, seed), *given)
+      return rotate(model, _named(name, n, seed, pca), *given)
     except RotateError as e:
       first = first or e
   raise first
 
 
-def rotate(model: Any, q: Any, *example_args: Any, seed: int = 0, size: Optional[int] = None) -> Rotated:
+def rotate(model: Any, q: Any, *example_args: Any, seed: int = 0, size: Optional[int] = None,
+           calibration: Any = None) -> Rotated:
   """Rotates the residual stream of a fused model by an orthogonal ``q`` (d×d).
 
   ``q`` is a matrix, or ``"hadamard"`` (the normalized Hadamard matrix of the
   stream's width, also for widths like 384, 768, 1280: ``jaxfold.hadamard``)
   or ``"random"`` (Haar-random, from ``seed``), which spread outlier channels
-  over all channels before quantization (QuaRot). A named matrix takes the
+  over all channels before quantization (QuaRot), or ``"pca"``: the
+  eigenvectors, largest first, of ``E[x xᵀ]`` over the rows ``x`` of every
+  value the program squares along the stream axis (the inputs of its RMS
+  norms) when run on ``calibration`` (example args: a tuple, or a list of
+  tuples) — SliceGPT's rotation. Any orthogonal q is exact, so the choice of
+  samples affects only quality, never correctness. A named matrix takes the
   width of the widest stream whose rotation is proved (``size`` to choose).
 
   Every parameter meeting the stream becomes ``p ×_d q`` along its stream dim
@@ -500,7 +552,7 @@ def rotate(model: Any, q: Any, *example_args: Any, seed: int = 0, size: Optional
   params, fn, example_args = pipeline.model_parts(
       model, example_args, "rotate takes a model with params and apply_fn (jaxfold.Fused)", RotateError)
   if isinstance(q, str):
-    return _rotate_named(model, q, params, fn, tuple(example_args), kwargs, given, seed, size)
+    return _rotate_named(model, q, params, fn, tuple(example_args), kwargs, given, seed, size, calibration)
   q = np.asarray(q, np.float64)
   if q.ndim != 2 or q.shape[0] != q.shape[1]:
     raise RotateError(f"q must be a square matrix, got shape {q.shape}")

@@ -98,3 +98,12 @@ def test_lax_prims_finds_public_and_private_primitives():
 def test_user_source_points_at_this_file():
   eqn = _eqn(lambda y: jnp.exp(y), jnp.ones(2))
   assert "test_compat.py" in compat.user_source(eqn) or "test_compat.py" in compat.source_summary(eqn)
+
+
+def test_squared_operand_finds_every_spelling_of_a_square():
+  x = jnp.arange(6.0).reshape(2, 3)
+  for fn in (lambda a: a ** 2, jnp.square, lambda a: a * a):
+    eqn = _eqn(fn, x)
+    assert compat.squared_operand(eqn) is eqn.invars[0]
+  assert compat.squared_operand(_eqn(lambda a: a * jnp.sin(a), x, prim=lax.mul_p)) is None
+  assert compat.squared_operand(_eqn(lambda a: a ** 3, x)) is None

@@ -330,3 +330,41 @@ def test_named_rotation_refusals(x64):
   assert jaxfold.rotate(fused, "random").report.size == 156
   with pytest.raises(jaxfold.RotateError, match="one of"):
     jaxfold.rotate(fused, "pca2")
+
+
+def test_pca_rotation_is_exact_and_orders_the_stream(x64, tmp_path):
+  d = 16
+  m = _pre_ln(d)
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.normal(size=(2, 3, 6)))
+  p = jax.tree_util.tree_map(lambda a: jnp.asarray(rng.normal(size=a.shape) * 0.5 + (a.ndim == 1)),
+                             m.init(jax.random.PRNGKey(0), x))
+  fused = jaxfold.fuse_affine(jaxfold.fold(p, m.apply, x))
+  with pytest.raises(jaxfold.RotateError, match="calibration="):
+    jaxfold.rotate(fused, "pca")
+  calib = [(jnp.asarray(rng.normal(size=(4, 5, 6))),), (jnp.asarray(rng.normal(size=(1, 7, 6))),)]
+  r = jaxfold.rotate(fused, "pca", calibration=calib)
+  q = np.asarray(r.apply_fn.q)
+  assert np.allclose(q @ q.T, np.eye(d), atol=1e-10)
+  for xx in (x, jnp.asarray(rng.normal(size=(1, 1, 6)))):
+    np.testing.assert_allclose(r.apply_fn(r.params, xx), m.apply(p, xx), rtol=1e-10, atol=1e-10)
+  jaxfold.save_fold(r, tmp_path / "r")
+  back = jaxfold.load_fold(tmp_path / "r", m.apply)
+  np.testing.assert_array_equal(back.apply_fn(back.params, x), r.apply_fn(r.params, x))
+
+
+def test_pca_rotation_sorts_the_stream_energy(x64):
+  d = 12   # one norm: the stream is the centered Dense output, computed independently below
+  m = nn.Sequential([nn.Dense(d), nn.LayerNorm(), nn.Dense(3)])
+  rng = np.random.default_rng(4)
+  x = jnp.asarray(rng.normal(size=(2, 5)))
+  p = jax.tree_util.tree_map(lambda a: jnp.asarray(rng.normal(size=a.shape) + (a.ndim == 1)),
+                             m.init(jax.random.PRNGKey(0), x))
+  fused = jaxfold.fuse_affine(jaxfold.fold(p, m.apply, x))
+  calib = jnp.asarray(rng.normal(size=(64, 5)) * rng.uniform(0.1, 3, size=5))
+  q = np.asarray(jaxfold.rotate(fused, "pca", calibration=(calib,)).apply_fn.q)
+  k = p["params"]["layers_0"]
+  h = np.asarray(calib) @ np.asarray(k["kernel"]) + np.asarray(k["bias"])
+  h = h - h.mean(-1, keepdims=True)
+  e = ((h @ q) ** 2).sum(0)
+  assert np.all(np.diff(e) <= 1e-9 * e[0]) and e[0] > 10 * e[-1]
