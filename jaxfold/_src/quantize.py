@@ -500,16 +500,15 @@ def quantize(model: Any, *example_args: Any, weights: str = "int8", activations:
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in flat):
       runs = []   # (a result's recorded example arguments are abstract: errors need values, calibration=)
       break
-    other = analyse(c.fn, abstract, c.abstract_args(QuantizeError), cfg)
+    # (an input of the example's signature has the example's analysis: not traced again)
+    other = an if c.key == call.key else analyse(c.fn, abstract, c.abstract_args(QuantizeError), cfg)
     if other.key != an.key:
       raise QuantizeError(f"calibration inputs of shapes {pipeline.shapes_text(c.args)} quantize other "
                           "contractions than the example's; calibrate at shapes like the example's")
     runs.append((other, flat))
   errors = _site_errors(runs, leaves, stored) if runs else {}
-  names = {e.name: e for e in an.plan.quantized}
-  by_weight = {traced_name: n for n, traced_name in zip(names, [s.weight for s in an.sites if s.quantized])}
-  sites = tuple(dataclasses.replace(s, error=errors.get(by_weight.get(s.weight), -1.0)) if s.quantized else s
-                for s in an.sites)
+  measured = iter([errors.get(e.name, -1.0) for e in an.plan.quantized])   # (quantized sites, in plan order)
+  sites = tuple(dataclasses.replace(s, error=next(measured)) if s.quantized else s for s in an.sites)
   report = QuantReport(sites, cfg.weights, cfg.activations, cfg.group_size, before, after)
   apply = QuantizedApply(fn, abstract, an, cfg, example_args, kwargs)
   return Quantized(QuantParams(_placeholders(params, an), stored), apply, report)
