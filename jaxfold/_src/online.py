@@ -45,6 +45,7 @@ from jaxfold._src.pipeline import Call
 from jaxfold._src.program import Val
 from jaxfold._src.report import param_label
 from jaxfold._src.rewrite import OperandMap, Plan
+from jaxfold._src.rotate import advance
 from jaxfold._src.rules import Block, rule_for
 from jaxfold._src.rules.rotation import Lin
 from jaxfold._src.step import RestoreContext, Restored, Result, Step, StepRecord, digest, register
@@ -240,12 +241,9 @@ def _prove(level: Level, seeds: dict, online: dict) -> Optional[str]:
       outs = rule_for(node.prim).rotate(node, ins, level)
     except Block as err:   # (a Want too: a use of the weight that is not rotated online)
       return f"another use of the weight is not rotated the same way: {err} [at {node.where()}]"
-    for o, s in zip(node.outs, outs):
-      if s is None:
-        continue
-      if o in prog.output_positions:
-        return f"the rotation reaches program output #{prog.output_positions[o][0]} [from {node.where()}]"
-      states[o] = s
+    why = advance(prog, node, outs, states)
+    if why is not None:
+      return why
   return None
 
 

@@ -255,13 +255,22 @@ def _propagate(level: Level, seeds: dict):
       return (w, node)
     except Block as err:
       return f"{err} [at {node.where()}]"
-    for o, s in zip(node.outs, outs):
-      if s is None:
-        continue
-      if o in prog.output_positions:
-        return f"the rotation reaches program output #{prog.output_positions[o][0]} [from {node.where()}]"
-      states[o] = s
+    why = advance(prog, node, outs, states)
+    if why is not None:
+      return why
   return states
+
+
+def advance(prog: Any, node: Any, outs: list, states: dict) -> Optional[str]:
+  """Records the rotation states of ``node``'s outputs (its rotate facet's
+  ``outs``) in ``states``; the reason, when one reaches an output of ``prog``."""
+  for o, s in zip(node.outs, outs):
+    if s is None:
+      continue
+    if o in prog.output_positions:
+      return f"the rotation reaches program output #{prog.output_positions[o][0]} [from {node.where()}]"
+    states[o] = s
+  return None
 
 
 def _solve(fn: Callable, params: Any, args: tuple, n: int):
