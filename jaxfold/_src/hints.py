@@ -15,7 +15,8 @@ def rotation_aux_hint(report: Any, ties_copied: bool) -> str:
   centered copies (``tied_weights="copy"``), so no auxiliary centering
   stands for a tied parameter: each centers a stream that starts at a value
   no parameter rotation reaches (an activation, e.g. GELU output plus
-  positions), and no fold option changes that."""
+  positions), and no fold option changes that; ``rotate`` (unless
+  ``insert=False``) computes ``x @ Q`` there instead."""
   aux = report.auxiliary
   n = len(aux)
   first = f"; {aux[0].describe()}" if aux else ""
@@ -23,12 +24,12 @@ def rotation_aux_hint(report: Any, ties_copied: bool) -> str:
     return (f"the fold has {n} auxiliary centering(s) (a mean over the stream) although it already "
             "used tied_weights=\"copy\": the stream starts at a value no parameter rotation reaches "
             "(an activation, e.g. a GELU output plus positions), so its mean is not a parameter's "
-            "and a rotation of the stream is not exact; auxiliary_centering=False would keep "
-            f"those norms as LayerNorms, which a rotation does not commute with either{first}")
+            "and no parameter rotation reaches it; rotate without insert=False computes x @ Q "
+            f"there in the program{first}")
   return (f"the fold has {n} auxiliary centering(s) (a mean over the stream): where one stands for a "
           "tied parameter (e.g. an embedding reused as the LM head), fold with tied_weights=\"copy\"; "
-          "where the stream starts at an activation no parameter rotation reaches, no fold option "
-          f"makes the rotation exact (auxiliary_centering=False keeps those norms as LayerNorms){first}")
+          "where the stream starts at an activation no parameter rotation reaches, rotate without "
+          f"insert=False computes x @ Q there in the program{first}")
 
 
 def cast_hint(made_by: str, src: str, dst: str) -> str:

@@ -8,8 +8,10 @@ away (``h - 0 = h``, ``0 * y = 0``), auxiliary centerings are inserted after
 the values the plan names, captured constants are centered, untied copies
 replace a parameter at one use, and proven epilogues run as the RMSNorm
 kernel (fused with the residual add that feeds them where that is proved),
-and operands the plan names are multiplied by a Hadamard matrix before their
-equation reads them (``OperandMap``: online_hadamard).
+operands the plan names are multiplied by a Hadamard matrix before their
+equation reads them (``OperandMap``: online_hadamard), and values and program
+outputs are multiplied by a rotation of the extras (``RotationAt``: rotate, for
+a stream that starts at a value no parameter writes or ends at an output).
 A call whose body the plan does not touch is bound unchanged, so its custom
 differentiation rules are kept.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple, Sequence
 
+import jax
 import jax.numpy as jnp
 
 from jaxfold._src import compat, defer_analysis, hadamard, kernels, layout
@@ -58,6 +61,16 @@ class OperandMap(NamedTuple):
   axis: int
 
 
+class RotationAt(NamedTuple):
+  """A rotation by the extras' matrix ``name`` along ``axis``: the value
+  ``key`` (every reader's) times ``Q``; with ``key = (path, "operand", k)``,
+  operand k of that equation (that use only) times ``Qᵀ``, and with ``key =
+  ("output", i)`` program output i times ``Qᵀ`` (a rotated stream leaving)."""
+  key: tuple
+  axis: int
+  name: str
+
+
 class ConstantAt(NamedTuple):
   """The value ``key`` (one no input reaches) is replaced by ``value``, its
   auxiliary centering computed once at fold time."""
@@ -79,6 +92,7 @@ class Plan:
   constants: tuple[ConstantAt, ...] = ()      # values replaced by fold-time constants
   hadamards: tuple[OperandMap, ...] = ()      # operands rotated online before their equation
   quantized: tuple = ()                       # quantize.QuantizedAt: contractions run through qwix
+  rotations: tuple[RotationAt, ...] = ()      # values and outputs multiplied by a rotation
 
   @property
   def touched(self) -> frozenset:
@@ -86,6 +100,7 @@ class Plan:
     paths |= {u for u, *_ in self.untied}
     paths |= {k[0] for k, _ in self.biases} | {k[0] for k, _ in self.constants}
     paths |= {m.path for m in self.hadamards} | {q.path for q in self.quantized}
+    paths |= {r.key[0] for r in self.rotations if r.key[0] != "output"}   # (value and operand keys)
     paths |= {e.path for e in self.deferred} | {k[0] for e in self.deferred for k in (e.x, e.s)}
     paths |= {e.kernel.add[0] for e in self.deferred if e.kernel is not None and e.kernel.add is not None}
     if self.norm_impl != "xla":
@@ -165,6 +180,8 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
   untied = {(u.path, u.operand): (u.name, u.chain) for u in plan.untied}
   deferred = {e.path: e for e in plan.deferred}
   quantized = {q.path: q for q in plan.quantized}
+  rotations = {r.key: r for r in plan.rotations}
+  left: dict = {}   # (var, RotationAt) -> the value un-rotated
   online: dict = {}
   for m in plan.hadamards:
     online.setdefault((m.path, m.operand), []).append(m.axis)
@@ -184,6 +201,8 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
       val = _aux(val, aux[key])
     if key in biases and not biased:
       val = _materialize(val) + extras[biases[key]]
+    if key in rotations:
+      val = _rotate(_materialize(val), rotations[key], extras)
     if compat.is_var(v):
       env[v] = val
     if not isinstance(val, defer_analysis.Pending):   # (a kernel substitution reading it computes it as written)
@@ -219,6 +238,11 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
         invals[k] = _untied_value(untied[(path, k)], extras)
       for axis in online.get((path, k), ()):
         invals[k] = hadamard.hadamard_transform(_materialize(invals[k]), axis)
+      if (path, "operand", k) in rotations:   # (one y @ Qᵀ per value, whichever equations read it)
+        at, var = rotations[(path, "operand", k)], eqn.invars[k]
+        if (var, at) not in left:
+          left[(var, at)] = _rotate(_materialize(invals[k]), at, extras, transpose=True)
+        invals[k] = left[(var, at)]
     outs, biased = None, False
     if observe is not None and rule.inline(eqn) is None:
       observe(path, eqn, [_materialize(v) for v in invals])
@@ -266,7 +290,11 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan,
               values[key] = outs[k]
     for k, (v, val) in enumerate(zip(eqn.outvars, outs)):
       write(v, val, (path, "out", k), biased)
-  return [_materialize(v) for v in (read(a) for a in jaxpr.outvars)]
+  outs = [_materialize(v) for v in (read(a) for a in jaxpr.outvars)]
+  if not prefix:
+    outs = [_rotate(o, rotations[("output", i)], extras, transpose=True) if ("output", i) in rotations else o
+            for i, o in enumerate(outs)]
+  return outs
 
 
 def _leads(entry, plan) -> bool:
@@ -342,6 +370,13 @@ def _call_out_keys(eqn, path) -> list:
     else:
       out.append((k, None))  # an input of the call: already recorded outside
   return out
+
+
+def _rotate(x, at: RotationAt, extras: dict, transpose: bool = False):
+  """``x ×_axis Q`` (or ``Qᵀ``) for the extras' ``Q``, in ``x``'s dtype at full precision."""
+  q = jnp.asarray(extras[at.name]).astype(x.dtype)
+  y = jnp.tensordot(x, q.T if transpose else q, axes=([at.axis], [0]), precision=jax.lax.Precision.HIGHEST)
+  return jnp.moveaxis(y, -1, at.axis)
 
 
 def _aux(x, spec):

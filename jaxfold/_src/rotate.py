@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfold._src import compat, display, kernels, pipeline
+from jaxfold._src import compat, compiled, display, kernels, pipeline
 from jaxfold._src.analysis import LeafNeed, Level, factor_leaf, leaf_of
 from jaxfold._src.errors import RotateError
 from jaxfold._src.fold import FoldedApply
@@ -30,22 +30,31 @@ from jaxfold._src.hints import rotation_aux_hint
 from jaxfold._src.pipeline import Call
 from jaxfold._src.program import Val
 from jaxfold._src.report import param_label
+from jaxfold._src.rewrite import Plan, RotationAt
 from jaxfold._src.rules import Block, rule_for
 from jaxfold._src.rules.rotation import Lin, Quad, Want
-from jaxfold._src.step import RestoreContext, Restored, Result, Step, StepRecord, register
+from jaxfold._src.step import RestoreContext, Restored, Result, Step, StepRecord, digest, register
 
 
 @dataclasses.dataclass(frozen=True)
 class RotateReport:
-  """What ``rotate`` changed: ``rotated`` is ``((leaf name, dims), ...)``."""
+  """What ``rotate`` changed: ``rotated`` is ``((leaf name, dims), ...)``;
+  ``inserted``: one line per rotation the program computes (``x @ Q`` where a
+  stream starts at a value no parameter writes, ``y @ Qᵀ`` where it reaches an
+  output), empty when only parameters were rotated."""
   rotated: tuple
   norms: int            # parameter-free norms whose input is the rotated stream
   size: int
+  inserted: tuple = ()
 
   def __str__(self) -> str:
     lines = [f"rotated the residual stream (d={self.size}) through {self.norms} norm(s); "
              f"{len(self.rotated)} parameters rotated:"]
     lines += [f"  {param_label(name)} along dim {', '.join(map(str, dims))}" for name, dims in self.rotated]
+    if self.inserted:
+      lines.append(f"{len(self.inserted)} rotation(s) computed in the program (a {self.size}x{self.size} "
+                   "matrix product per row each):")
+      lines += [f"  {why}" for why in self.inserted]
     return "\n".join(lines)
 
 
@@ -238,48 +247,185 @@ def _writers_of(level: Level, node: Any, a: Any, dims: frozenset, depth: int, me
   return None
 
 
-def _propagate(level: Level, seeds: dict):
-  """Forward states from rotated parameters: None, or (Want, node) / reason."""
+def _propagate(level: Level, seeds: dict, inserted: dict, ends: Optional[dict], n: int = 0):
+  """Forward states from rotated parameters and inserted rotations (``inserted``:
+  value -> its state once multiplied by Q where it is made): the states, or
+  (Want, node) / a reason. With ``ends`` a dict (rotations may be inserted), a
+  rotated stream may also leave: a program output reached rotated along one
+  dim of size ``n`` is recorded as ``ends[("output", i)] = dim``, and an
+  operation that would block on such an operand reads it un-rotated instead,
+  ``ends[(path, "operand", k)] = dim`` (the rewrite multiplies each by Qᵀ);
+  with ``ends=None`` both are refused."""
   prog = level.program
+  exits: list = []   # (node, why): where the stream was un-rotated before an operation
   states = {prog.invars[i]: Lin(frozenset(d)) for i, d in seeds.items()}
-  for v in states:
+  for v, s in inserted.items():
+    if v.producer is None:
+      if v in states:
+        return f"an inserted rotation of a rotated parameter [{v.key}]"
+      states[v] = s
+  for v in list(states):
     if v in prog.output_positions:
-      return "a rotated parameter is a program output"
+      why = _end(prog, v, states[v], ends, n, "a rotated parameter")
+      if why is not None:
+        return why
   for node in prog.nodes:
     ins = [states.get(a) if isinstance(a, Val) else None for a in node.ins]
-    if all(s is None for s in ins):
-      continue
-    try:
-      outs = rule_for(node.prim).rotate(node, ins, level)
-    except Want as w:
-      return (w, node)
-    except Block as err:
-      return f"{err} [at {node.where()}]"
-    why = advance(prog, node, outs, states)
+    outs = [None] * len(node.outs)
+    if any(s is not None for s in ins):
+      try:
+        outs = rule_for(node.prim).rotate(node, ins, level)
+      except Want as w:
+        return (w, node)
+      except Block as err:
+        cut = _leaving(node, ins, ends, n)
+        if cut is None:
+          return _Blocked(node, f"{err} [at {node.where()}]", states)
+        ends.update(cut)   # (the node reads what it read before: its outputs are unchanged)
+        exits.append((node, f"{err} [at {node.where()}]"))
+    for k, o in enumerate(node.outs):
+      if o in inserted:
+        if outs[k] is not None:
+          return f"a value rotated twice (an inserted rotation of a rotated value) [at {node.where()}]"
+        outs[k] = inserted[o]
+    why = advance(prog, node, outs, states, ends, n)
     if why is not None:
       return why
+  for node, why in exits:
+    if _rejoins(prog, node, states):
+      return _Blocked(node, f"{why}; the rotated stream may end there (y @ Qᵀ) only where nothing "
+                            "after it is rotated again, and here the stream goes on", states)
   return states
 
 
-def advance(prog: Any, node: Any, outs: list, states: dict) -> Optional[str]:
+class _Blocked(NamedTuple):
+  """The forward pass stopped: ``node`` cannot take its rotated operands."""
+  node: Any
+  why: str
+  states: dict
+
+
+def _blocked_site(b: _Blocked, sites: list) -> Optional[tuple]:
+  """The norm site ``(x, axis)`` nearest upstream of the blocked node through
+  rotated values: the norm whose output the stream could not carry on (a
+  post-LN or embedding LayerNorm keeping its γ, whose output starts the stream)."""
+  by_x = {x: (x, axis) for x, axis in sites}
+  seen, layer = set(), [a for a in b.node.ins if isinstance(a, Val) and b.states.get(a) is not None]
+  while layer:
+    nxt = []
+    for v in layer:
+      if v in seen:
+        continue
+      seen.add(v)
+      if v in by_x:
+        return by_x[v]
+      node = v.producer
+      if node is not None:
+        nxt += [a for a in node.ins if isinstance(a, Val) and b.states.get(a) is not None]
+    layer = nxt
+  return None
+
+
+def _rejoins(prog: Any, node: Any, states: dict) -> bool:
+  """Whether a value computed from ``node``'s outputs is rotated (the stream goes on after it)."""
+  seen, todo = set(), list(node.outs)
+  while todo:
+    v = todo.pop()
+    if v in seen:
+      continue
+    seen.add(v)
+    if states.get(v) is not None:
+      return True
+    for nd, _ in prog.consumers.get(v, ()):
+      todo.extend(nd.outs)
+  return False
+
+
+def _leaving(node: Any, ins: list, ends: Optional[dict], n: int) -> Optional[dict]:
+  """``{(path, "operand", k): dim}`` un-rotating every rotated operand of
+  ``node`` (each ``Lin`` along one dim of size n), or None (refused, or a
+  state no ``y @ Qᵀ`` undoes: a sum of squares, two dims)."""
+  if ends is None:
+    return None
+  cut = {}
+  for k, s in enumerate(ins):
+    if s is None:
+      continue
+    if not isinstance(s, Lin) or len(s.dims) != 1 or node.ins[k].shape[next(iter(s.dims))] != n:
+      return None
+    cut[(node.path, "operand", k)] = next(iter(s.dims))
+  return cut
+
+
+def _end(prog: Any, v: Any, s: Any, ends: Optional[dict], n: int, what: str) -> Optional[str]:
+  """Records program output ``v`` rotated by ``s`` in ``ends``; the reason when it cannot be un-rotated."""
+  if ends is None or not isinstance(s, Lin) or len(s.dims) != 1 or v.shape[next(iter(s.dims))] != n:
+    return f"{what} reaches program output #{prog.output_positions[v][0]}"
+  for i in prog.output_positions[v]:
+    ends[("output", i)] = next(iter(s.dims))
+  return None
+
+
+def advance(prog: Any, node: Any, outs: list, states: dict, ends: Optional[dict] = None,
+            n: int = 0) -> Optional[str]:
   """Records the rotation states of ``node``'s outputs (its rotate facet's
-  ``outs``) in ``states``; the reason, when one reaches an output of ``prog``."""
+  ``outs``) in ``states``; the reason, when one reaches an output of ``prog``
+  (unless ``ends`` records it to be un-rotated there, see ``_propagate``)."""
   for o, s in zip(node.outs, outs):
     if s is None:
       continue
     if o in prog.output_positions:
-      return f"the rotation reaches program output #{prog.output_positions[o][0]} [from {node.where()}]"
+      why = _end(prog, o, s, ends, n, f"the rotation [from {node.where()}]")
+      if why is not None:
+        return why
     states[o] = s
   return None
 
 
-def _solve(fn: Callable, params: Any, args: tuple, n: int):
-  """``(leaf dims, norms, names)`` of a proven rotation, or raises RotateError."""
+class Insertion(NamedTuple):
+  """A rotation the program computes: value ``key`` times Q along ``axis``
+  (``key = ("output", i)``: program output i times Qᵀ); ``why`` for the report."""
+  key: tuple
+  axis: int
+  why: str
+
+
+class Solution(NamedTuple):
+  """One signature's proven rotation: the leaves rotated (``key``), the norms
+  it passes, the rotations inserted into the program and, where there are
+  any, the traced program and the plan that computes them."""
+  key: tuple            # ((leaf, dims), ...)
+  norms: int
+  names: tuple
+  inserted: tuple       # Insertion, ...
+  lines: tuple          # the report's line per inserted rotation (un-rotations of one value together)
+  jaxpr: Any
+  consts: list
+  out_tree: Any
+  plan: Any             # rewrite.Plan
+
+
+def _where_made(a: Any, num_params: int = 0) -> str:
+  node = getattr(a, "producer", None)
+  if node is not None:
+    return f"the output of `{node.prim.name}`"
+  return {"in": f"input array #{a.index - num_params} of the call (after the parameters) {tuple(a.shape)}",
+          "const": f"a captured constant {tuple(a.shape)}"}.get(a.kind, str(a.key))
+
+
+def _solve(fn: Callable, params: Any, args: tuple, n: int, insert: bool = True) -> Solution:
+  """The proven rotation of ``fn``'s stream of width ``n``, or raises RotateError.
+
+  Parameters are proposed first (what writes each norm's input, then what a
+  facet asks for: ``Want``). A value that must be rotated but that no
+  parameter rotation reaches (an activation, a norm's output, a program input)
+  gets an inserted ``x @ Q`` where it is made, and a program output reached
+  rotated an inserted ``y @ Qᵀ`` (``insert=False``: both refused)."""
   # The proof reads the XLA expression of every kernel the program would run (the
   # fold's RMSNorm, a deferred reader's RMS-matmul): each computes that expression
   # exactly in real arithmetic, so the rotation is exact for the kernels too; traced
   # as they run, a kernel is an opaque pallas_call that no rotation passes.
-  with kernels.xla_level():
+  with kernels.xla_level() as asked:
     traced = pipeline.trace(fn, params, args)
   names = traced.names
   with pipeline.analyzer(traced) as an:
@@ -289,29 +435,43 @@ def _solve(fn: Callable, params: Any, args: tuple, n: int):
       raise RotateError(f"no sum of squares over an axis of size {n} (a parameter-free RMS norm "
                         f"of a stream of width {n}): nothing to rotate; q must match the stream "
                         "width, and the model must be folded and fused (jaxfold.fuse_affine)")
-    seeds: dict = {}
-    for x, axis in sites:  # proposal: what writes each norm's input
-      for need in level.needs(x, ((axis, n),)):
-        if isinstance(need, LeafNeed):
-          i = leaf_of(need.var, level)
-          spec = dict(need.spec)
-          if i is not None and len(spec) == 1 and all(
-              b == need.var.shape[d] == n for d, b in spec.items()):
-            seeds.setdefault(i, set()).update(spec)
-    for _ in range(4 * len(names) + 4):
-      res = _propagate(level, {i: frozenset(d) for i, d in seeds.items()})
+    active = list(sites)
+    seeds, inserted, asked_at = _proposal(level, active, n), {}, {}
+    # inserted: value -> Lin, rotated where it is made; asked_at: the node that needed it (for the report)
+    ends: Optional[dict] = None
+    first: Optional[str] = None   # the first block, the reason given if no norm is left
+    for _ in range(4 * len(names) + 4 + len(level.program.nodes) + 2 * len(sites)):
+      ends = {} if insert else None
+      res = _propagate(level, {i: frozenset(d) for i, d in seeds.items()}, inserted, ends, n)
       if isinstance(res, dict):
         break
+      if isinstance(res, _Blocked):
+        site = _blocked_site(res, active) if insert else None
+        first = first or res.why
+        if site is None:
+          raise RotateError(f"the rotation is not provably exact: {first}")
+        # The stream cannot go on from this norm's output (it keeps its γ, say): it
+        # starts after it instead. Propose again without it.
+        active.remove(site)
+        seeds, inserted, asked_at = _proposal(level, active, n), {}, {}
+        continue
       if isinstance(res, str):
         raise RotateError(f"the rotation is not provably exact: {res}")
       want, node = res
       a = node.ins[want.operand]
       hits = _writers(level, a, want.dims)
       if not hits:
+        (d,) = want.dims if len(want.dims) == 1 else (None,)
+        if insert and isinstance(a, Val) and d is not None and a.shape[d] == n and a not in inserted:
+          inserted[a] = Lin(want.dims)   # (x @ Q where x is made: every reader sees it rotated)
+          asked_at[a] = node
+          continue
         src = f"the output of `{a.producer.prim.name}`" if getattr(a, "producer", None) else "it"
         raise RotateError(f"the rotation is not provably exact: {want} and {src} is neither a "
                           f"parameter seen through re-indexing nor written by parameters that a "
-                          f"rotation would rotate [at {node.where()}]")
+                          f"rotation would rotate [at {node.where()}]"
+                          + ("" if insert else "; rotate(..., insert=True) would multiply it by "
+                             "Q in the program"))
       if all(set(d) <= seeds.get(i, set()) for i, d in hits.items()):
         raise RotateError(f"the rotation is not provably exact: {want} [at {node.where()}]")
       for i, dims in hits.items():
@@ -323,8 +483,72 @@ def _solve(fn: Callable, params: Any, args: tuple, n: int):
       raise RotateError("the rotation did not settle on a set of parameters")
     norms = sum(1 for x, axis in sites if res.get(x) == Lin(frozenset({axis})))
     if not norms:
-      raise RotateError("no norm reads the rotated stream")
-  return tuple(sorted((i, tuple(sorted(d))) for i, d in seeds.items())), norms, names
+      raise RotateError(f"the rotation is not provably exact: {first}" if first else
+                        "no norm reads the rotated stream")
+    made = tuple(Insertion(a.key, next(iter(s.dims)),
+                           f"x @ Q computed for {_where_made(a, len(names))}: `{asked_at[a].prim.name}` [at "
+                           f"{asked_at[a].where()}] meets it with the rotated stream, and no parameter "
+                           "rotation reaches it")
+                 for a, s in sorted(inserted.items(), key=lambda kv: _order_key(kv[0].key)))
+    lines = tuple(m.why for m in made)
+    exits = sorted((ends or {}).items(), key=_end_order)
+    made += tuple(Insertion(k, ax, "") for k, ax in exits)
+    lines += _exit_lines(level, [k for k, _ in exits])
+    plan = None
+    if made:
+      norm_impl = next(iter(asked)) if len(asked) == 1 else "xla"
+      epilogues = ()
+      if kernels.may_use_kernel(norm_impl):   # (the program runs at the XLA level: choose the kernels again)
+        epilogues = tuple(ep for ep, _ in kernels.prove_epilogues(level, {}))
+      plan = Plan(rotations=tuple(RotationAt(m.key, m.axis, _Q) for m in made), epilogues=epilogues,
+                  norm_impl=norm_impl)
+  key = tuple(sorted((i, tuple(sorted(d))) for i, d in seeds.items()))
+  return Solution(key, norms, names, made, lines, traced.jaxpr if made else None,
+                  traced.consts if made else [], traced.out_tree, plan)
+
+
+_Q = "rotation"   # the extras' name of Q in a plan with inserted rotations
+
+
+def _end_order(item: tuple) -> tuple:
+  key = item[0]
+  return (1, key[1], ()) if key[0] == "output" else (0, tuple(key[0]), key[2])
+
+
+def _exit_lines(level: Level, keys: list) -> tuple:
+  """The report's lines for the stream's exits: one per program output, one per
+  value read un-rotated (by every operation that does not commute with Q)."""
+  nodes = {nd.path: nd for nd in level.program.nodes}
+  out, by_value = [], {}
+  for key in keys:
+    if key[0] == "output":
+      out.append(f"y @ Qᵀ computed for program output #{key[1]}: the rotated stream is an output")
+    else:
+      node = nodes[key[0]]
+      by_value.setdefault(node.ins[key[2]], []).append(node)
+  for v, readers in by_value.items():
+    ops = ", ".join(dict.fromkeys(f"`{nd.prim.name}`" for nd in readers))
+    out.append(f"y @ Qᵀ computed for {_where_made(v)} (the stream), which {ops} [at {readers[0].where()}] "
+               "read: they do not commute with the rotation, and nothing after them is rotated")
+  return tuple(out)
+
+
+def _proposal(level: Level, sites: list, n: int) -> dict:
+  """``{leaf: dims}``: the parameters that write each norm's input (``level.needs``)."""
+  seeds: dict = {}
+  for x, axis in sites:
+    for need in level.needs(x, ((axis, n),)):
+      if isinstance(need, LeafNeed):
+        i = leaf_of(need.var, level)
+        spec = dict(need.spec)
+        if i is not None and len(spec) == 1 and all(b == need.var.shape[d] == n for d, b in spec.items()):
+          seeds.setdefault(i, set()).update(spec)
+  return seeds
+
+
+def _order_key(key: tuple) -> tuple:
+  path, kind, i = key
+  return (tuple(path), kind, i)
 
 
 def _stream_widths(fn: Callable, params: Any, args: tuple) -> list:
@@ -443,22 +667,29 @@ class _RotateRecord(NamedTuple):
   size: int
   rotated: tuple    # ((leaf, dims), ...), as _solve's key spells them
   has_q: bool
+  insert: bool      # rotations may be inserted into the program
+  inserted: str     # digest of the inserted rotations ("": none)
 
 
 @register
 class RotatedApply(Step):
-  """The model's apply function, re-proving the rotation per input signature
-  (the program is the model's: only its parameters are rotated)."""
+  """The model's apply function, re-proving the rotation per input signature.
+  Only parameters rotated: the program is the model's. With rotations
+  inserted (a stream that starts at an activation), it runs the traced program
+  with them (``rewrite.RotationAt``, Q passed as an argument)."""
 
   error = RotateError
   kind = "rotate"
 
-  def __init__(self, fn: Callable, params_abstract: Any, key: tuple, n: int, args: tuple,
-               kwargs: Optional[dict] = None, q: Optional[np.ndarray] = None):
+  def __init__(self, fn: Callable, params_abstract: Any, base: Solution, n: int, args: tuple,
+               kwargs: Optional[dict] = None, q: Optional[np.ndarray] = None, insert: bool = True):
     super().__init__(fn, params_abstract, args, kwargs)
-    self._key, self._n = key, n
-    self._q = q   # the rotation, kept so that save_fold records it
-    self.seed(self.bind(args, kwargs), key)
+    self._key, self._n, self._insert = base.key, n, insert
+    self._q = q   # the rotation, kept so that save_fold records it and inserted rotations compute it
+    self._tree = jax.tree_util.tree_structure(params_abstract)
+    if base.inserted and q is None:
+      raise RotateError("this rotation computes x @ Q in the program, and Q was not kept; rotate again")
+    self.seed(self.bind(args, kwargs), base)
 
   @property
   def q(self) -> Optional[np.ndarray]:
@@ -466,40 +697,65 @@ class RotatedApply(Step):
     return self._q
 
   def record(self) -> StepRecord:
+    base = self._cached(self.bind(self.example_args, self.example_kwargs))
     info = {"name": self.kind, "size": self._n,
             "rotated": [[int(i), [int(d) for d in dims]] for i, dims in self._key],
-            "q": self._q is not None}
+            "q": self._q is not None, "insert": self._insert,
+            "inserted": digest(_inserted_key(base)) if base.inserted else ""}
     return StepRecord(info, {} if self._q is None else {"rotation": np.asarray(self._q, np.float64)})
 
   @classmethod
   def parse(cls, info: dict, decode: Callable[[Any], Any]) -> _RotateRecord:
     rotated = tuple((int(i), tuple(int(d) for d in dims)) for i, dims in info["rotated"])
-    return _RotateRecord(int(info["size"]), rotated, bool(info.get("q")))
+    return _RotateRecord(int(info["size"]), rotated, bool(info.get("q")), bool(info.get("insert", False)),
+                         str(info.get("inserted", "")))
 
   @classmethod
   def restore(cls, inner: Callable, params: Any, parsed: _RotateRecord, ctx: RestoreContext) -> Restored:
     args = tuple(ctx.args)
     call = pipeline.bind(inner, args, ctx.kwargs, ctx.error)
-    key, norms, names = _solve(call.fn, params, call.abstract_args(ctx.error), parsed.size)
-    if ctx.verify and key != tuple(sorted((ctx.leaf(i), d) for i, d in parsed.rotated)):
+    sol = _solve(call.fn, params, call.abstract_args(ctx.error), parsed.size, parsed.insert)
+    if ctx.verify and sol.key != tuple(sorted((ctx.leaf(i), d) for i, d in parsed.rotated)):
       raise ctx.refuse("rotation (other parameters meet the residual stream)")
+    if ctx.verify and (digest(_inserted_key(sol)) if sol.inserted else "") != parsed.inserted:
+      raise ctx.refuse("rotation (the program computes the rotation at other values)")
     q = ctx.array("rotation") if parsed.has_q else None
-    report = RotateReport(tuple((names[i], d) for i, d in key), norms, parsed.size)
-    return Restored(cls(inner, params, key, parsed.size, args, ctx.kwargs, q=q), report, None)
+    return Restored(cls(inner, params, sol, parsed.size, args, ctx.kwargs, q=q, insert=parsed.insert),
+                    _report(sol, parsed.size), None)
 
-  def _analyse(self, call: Call) -> tuple:
-    key, _, _ = _solve(call.fn, self._params, call.abstract_args(RotateError), self._n)
-    if key != self._key:
+  def _analyse(self, call: Call) -> Solution:
+    sol = _solve(call.fn, self._params, call.abstract_args(RotateError), self._n, self._insert)
+    if sol.key != self._key:
       raise RotateError("inputs of these shapes rotate different parameters; call rotate again")
-    return key
+    if sol.inserted and self._q is None:
+      raise RotateError("inputs of these shapes need x @ Q computed in the program, and Q was not kept; "
+                        "call rotate again")
+    return sol
 
   def __call__(self, params, *args, **kwargs):
-    self._cached(self.bind(args, kwargs))
-    return self._inner(params, *args, **kwargs)
+    call = self.bind(args, kwargs)
+    sol = self._cached(call)
+    if not sol.inserted:
+      return self._inner(params, *args, **kwargs)
+    try:
+      leaves = self._tree.flatten_up_to(params)
+    except (ValueError, TypeError) as err:
+      raise RotateError("params do not have the structure of the rotate result's params") from err
+    flat = jax.tree_util.tree_leaves(leaves) + jax.tree_util.tree_leaves(call.args)
+    outs = compiled.run(sol, flat, {_Q: np.asarray(self._q)})
+    return jax.tree_util.tree_unflatten(sol.out_tree, outs)
+
+
+def _inserted_key(sol: Solution) -> tuple:
+  return tuple((m.key, m.axis) for m in sol.inserted)
+
+
+def _report(sol: Solution, n: int) -> RotateReport:
+  return RotateReport(tuple((sol.names[i], d) for i, d in sol.key), sol.norms, n, sol.lines)
 
 
 def _rotate_named(model: Any, name: str, params: Any, fn: Callable, args: tuple, kwargs: dict, given: tuple,
-                  seed: int, size: Optional[int], calibration: Any = None) -> Rotated:
+                  seed: int, size: Optional[int], calibration: Any = None, insert: bool = True) -> Rotated:
   """``rotate`` by a named matrix of the stream's width: ``size``, or the widest
   width whose stream the rotation is proved on."""
   if name not in NAMED:
@@ -508,7 +764,7 @@ def _rotate_named(model: Any, name: str, params: Any, fn: Callable, args: tuple,
     raise RotateError("rotate(..., \"pca\") needs calibration= (example args: a tuple, or a list of tuples)")
   pca = lambda n: _pca(fn, params, calibration, kwargs, n)   # noqa: E731
   if size is not None:
-    return rotate(model, _named(name, int(size), seed, pca), *given)
+    return rotate(model, _named(name, int(size), seed, pca), *given, insert=insert)
   abstract = pipeline.abstract_tree(params, RotateError)
   call = pipeline.bind(fn, tuple(pipeline.abstract_tree(args, RotateError)), kwargs, RotateError)
   widths = _stream_widths(call.fn, abstract, call.abstract_args(RotateError))
@@ -518,14 +774,14 @@ def _rotate_named(model: Any, name: str, params: Any, fn: Callable, args: tuple,
   first: Optional[RotateError] = None
   for n in widths:   # the residual stream is the widest normalized width in every model we know
     try:
-      return rotate(model, _named(name, n, seed, pca), *given)
+      return rotate(model, _named(name, n, seed, pca), *given, insert=insert)
     except RotateError as e:
       first = first or e
   raise first
 
 
 def rotate(model: Any, q: Any, *example_args: Any, seed: int = 0, size: Optional[int] = None,
-           calibration: Any = None) -> Rotated:
+           calibration: Any = None, insert: bool = True) -> Rotated:
   """Rotates the residual stream of a fused model by an orthogonal ``q`` (d×d).
 
   ``q`` is a matrix, or ``"hadamard"`` (the normalized Hadamard matrix of the
@@ -546,6 +802,12 @@ def rotate(model: Any, q: Any, *example_args: Any, seed: int = 0, size: Optional
   re-indexing, or a parameter-free RMS norm over the rotated axis — so fold
   and ``fuse_affine`` first. Raises ``RotateError`` with the reason otherwise.
 
+  Where the stream starts at a value no parameter writes (a GELU output plus
+  positions, a norm's output, an input of embeddings) the program computes
+  ``x @ Q`` there, and where the rotated stream is itself an output it
+  computes ``y @ Qᵀ`` for that output; ``report.inserted`` lists them (each a
+  d×d product per row). ``insert=False`` refuses those instead.
+
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, flax.linen as nn, jaxfold
     >>> m = nn.Sequential([nn.Dense(8), nn.LayerNorm(), nn.Dense(3)])
@@ -561,7 +823,7 @@ def rotate(model: Any, q: Any, *example_args: Any, seed: int = 0, size: Optional
   params, fn, example_args = pipeline.model_parts(
       model, example_args, "rotate takes a model with params and apply_fn (jaxfold.Fused)", RotateError)
   if isinstance(q, str):
-    return _rotate_named(model, q, params, fn, tuple(example_args), kwargs, given, seed, size, calibration)
+    return _rotate_named(model, q, params, fn, tuple(example_args), kwargs, given, seed, size, calibration, insert)
   q = np.asarray(q, np.float64)
   if q.ndim != 2 or q.shape[0] != q.shape[1]:
     raise RotateError(f"q must be a square matrix, got shape {q.shape}")
@@ -573,12 +835,11 @@ def rotate(model: Any, q: Any, *example_args: Any, seed: int = 0, size: Optional
   abstract = pipeline.abstract_tree(params, RotateError)
   call = pipeline.bind(fn, tuple(args), kwargs, RotateError)
   try:
-    key, norms, names = _solve(call.fn, abstract, call.abstract_args(RotateError), len(q))
+    sol = _solve(call.fn, abstract, call.abstract_args(RotateError), len(q), insert)
   except RotateError as e:
     raise RotateError(f"{e}{_hints(model)}") from None
   leaves, tree = jax.tree_util.tree_flatten(params)
-  dims = dict(key)
+  dims = dict(sol.key)
   new = [_apply(x, dims[i], q) if i in dims else x for i, x in enumerate(leaves)]
-  report = RotateReport(tuple((names[i], d) for i, d in key), norms, len(q))
-  apply = RotatedApply(fn, abstract, key, len(q), args, kwargs, q=q)
-  return Rotated(jax.tree_util.tree_unflatten(tree, new), apply, report)
+  apply = RotatedApply(fn, abstract, sol, len(q), args, kwargs, q=q, insert=insert)
+  return Rotated(jax.tree_util.tree_unflatten(tree, new), apply, _report(sol, len(q)))

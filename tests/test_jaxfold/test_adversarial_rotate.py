@@ -14,6 +14,8 @@ arguments, GroupNorm convnets, bf16 parameters). Each case is either exact
 *original* program) or refused with a reason that names what blocks.
 """
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -213,7 +215,12 @@ def test_rotate_writers_found_backwards(x64, fn, refusal):
   fu = jaxfold.fuse_affine(jaxfold.fold(p, fn, _x(*SHAPES[0])))
   if refusal:
     with pytest.raises(jaxfold.RotateError, match=refusal):
-      jaxfold.rotate(fu, _orth())
+      jaxfold.rotate(fu, _orth(), insert=False)
+    # The layer-scaled MLP output (ls varies along the stream) gets x @ Q where it is
+    # made; the Gram head's centering reads the stream un-rotated.
+    r = jaxfold.rotate(fu, _orth())
+    assert [t[:6] for t in r.report.inserted] == ["x @ Q ", "y @ Qᵀ"], r.report
+    _same(fn, p, r)
     return
   r = jaxfold.rotate(fu, _orth())
   rotated = {n.split("'")[1]: d for n, d in r.stream_axes.items() if n.startswith("[")}   # the user's
@@ -393,24 +400,30 @@ def reader_splits_heads(p, x):      # a reader contracts the normalized axis spl
 
 
 KW = {"example_kwargs": {"train": True, "scale": 2.0}}
-CAMPAIGN = [  # (program, fold kwargs, call kwargs, rotate refusal or None)
-    (heads_einsum_where_mask, {}, {}, None),
-    (heads_reshape_add_mask, {}, {}, None),
-    (parallel_block, {}, {}, None),
-    (tied_lm, {"tied_weights": "copy"}, {}, None),
-    (tied_lm, {}, {}, "hint: the fold has 1 auxiliary centering"),
-    (rms_model, {}, {}, None),
-    (reader_transposed, {}, {}, None),
-    (keyword_model, KW, KW["example_kwargs"], None),
-    (post_ln_then_pre_ln, {}, {}, "hint: the fold has 1 auxiliary centering"),
-    (rms_then_ln, {}, {}, r"hint: the fold left 1 of 1 norm site\(s\) unfolded .*nonlinearity `rsqrt`"),
-    (reader_splits_heads, {}, {}, r"hint: fuse_affine kept 1 norm\(s\) .*`reshape` reads it"),
+# (program, fold kwargs, call kwargs, refusal of a parameters-only rotation (insert=False) or None,
+#  what rotate computes in the program instead: (x @ Q lines, y @ Qᵀ lines, norms not on the stream))
+CAMPAIGN = [
+    (heads_einsum_where_mask, {}, {}, None, (0, 0, 0)),
+    (heads_reshape_add_mask, {}, {}, None, (0, 0, 0)),
+    (parallel_block, {}, {}, None, (0, 0, 0)),
+    (tied_lm, {"tied_weights": "copy"}, {}, None, (0, 0, 0)),
+    # the tied table's aux-centered embedding starts the stream
+    (tied_lm, {}, {}, "hint: the fold has 1 auxiliary centering", (1, 0, 0)),
+    (rms_model, {}, {}, None, (0, 0, 0)),
+    (reader_transposed, {}, {}, None, (0, 0, 0)),
+    (keyword_model, KW, KW["example_kwargs"], None, (0, 0, 0)),
+    # the stream starts at the post-LN block's output (its norm keeps γ: not on the stream)
+    (post_ln_then_pre_ln, {}, {}, "hint: the fold has 1 auxiliary centering", (1, 0, 1)),
+    # the unfolded LayerNorm reads the stream un-rotated (its mean does not commute with Q)
+    (rms_then_ln, {}, {}, r"hint: the fold left 1 of 1 norm site\(s\) unfolded .*nonlinearity `rsqrt`", (0, 1, 1)),
+    # the reader splitting heads reads the norm's output un-rotated
+    (reader_splits_heads, {}, {}, r"hint: fuse_affine kept 1 norm\(s\) .*`reshape` reads it", (0, 1, 0)),
 ]
 
 
-@pytest.mark.parametrize("fn, fold_kw, call_kw, refusal", CAMPAIGN,
+@pytest.mark.parametrize("fn, fold_kw, call_kw, refusal, inserted", CAMPAIGN,
                          ids=[f"{c[0].__name__}{'-' + '-'.join(c[1]) if c[1] else ''}" for c in CAMPAIGN])
-def test_campaign(x64, fn, fold_kw, call_kw, refusal):
+def test_campaign(x64, tmp_path, fn, fold_kw, call_kw, refusal, inserted):
   p = named_params(**P)
   f = jaxfold.fold(p, fn, _x(*SHAPES[0]), **fold_kw)
   fu = jaxfold.fuse_affine(f)
@@ -419,11 +432,20 @@ def test_campaign(x64, fn, fold_kw, call_kw, refusal):
     _same(fn, p, m, **call_kw)
   if refusal:
     with pytest.raises(jaxfold.RotateError, match=refusal):
-      jaxfold.rotate(d, _orth())
-    return
+      jaxfold.rotate(d, _orth(), insert=False)
   r = jaxfold.rotate(d, _orth())
-  assert r.report.norms == len(fu.report.sites), (r.report, fu.report)
+  starts, ends, off = inserted
+  lines = r.report.inserted
+  assert sum(t.startswith("x @ Q") for t in lines) == starts, r.report
+  assert sum(t.startswith("y @ Qᵀ") for t in lines) == ends, r.report
+  assert r.report.norms == len(fu.report.sites) - off, (r.report, fu.report)
   _same(fn, p, r, **call_kw)
+  if lines:   # (the program computes them: the same under jit, and after a save and load)
+    _same(fn, p, types.SimpleNamespace(params=r.params, apply_fn=jax.jit(r.apply_fn)), **call_kw)
+    jaxfold.save_fold(r, tmp_path / "r")
+    back = jaxfold.load_fold(tmp_path / "r", fn)
+    assert back.report.inserted == lines
+    _same(fn, p, back, **call_kw)
 
 
 @pytest.mark.slow      # (~20 s: flax init and eager applies)

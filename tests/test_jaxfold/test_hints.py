@@ -76,10 +76,15 @@ def test_rotation_of_an_activation_started_stream_gives_the_real_reason(x64):
     assert np.allclose(f.apply_fn(f.params, x), m.apply(p, x), rtol=1e-10, atol=1e-10)
   q = np.linalg.qr(np.random.default_rng(0).normal(size=(16, 16)))[0]
   with pytest.raises(jaxfold.RotateError) as e:
-    jaxfold.rotate(jaxfold.fuse_affine(f), q)
+    jaxfold.rotate(jaxfold.fuse_affine(f), q, insert=False)
   text = str(e.value)
   assert "already used tied_weights=\"copy\"" in text and "no parameter rotation reaches" in text
-  assert "fold with tied_weights" not in text
+  assert "fold with tied_weights" not in text and "computes x @ Q there" in text
+  # By default the program computes x @ Q on the activation that starts the stream.
+  r = jaxfold.rotate(jaxfold.fuse_affine(f), q)
+  assert len(r.report.inserted) == 1 and r.report.inserted[0].startswith("x @ Q computed for the output of")
+  for x in (_x(2, 5, 8), _x(1, 1, 8, seed=2)):
+    np.testing.assert_allclose(r.apply_fn(r.params, x), m.apply(p, x), rtol=1e-10, atol=1e-10)
 
 
 def test_rotation_hint_offers_copies_only_when_the_fold_did_not_use_them():

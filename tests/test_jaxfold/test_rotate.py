@@ -130,13 +130,22 @@ def test_refused_with_reason(x64, module):
     jaxfold.rotate(fu, random_orthogonal(D))
 
 
-def test_auxiliary_centering_refused(x64):
+def test_auxiliary_centering_gets_an_inserted_rotation(x64):
   # fold's auxiliary centering of the tied GPT-2 embedding subtracts a mean
-  # over the stream dim, which no rotation commutes with.
+  # over the stream dim, which no parameter rotation commutes with: the
+  # program computes x @ Q on the centered embedding instead (insert=False refuses).
   apply, p = original("gpt2-tiny")
   fu = jaxfold.fuse_affine(jaxfold.fold(p, apply, *inputs("gpt2-tiny", 2, 8)))
-  with pytest.raises(jaxfold.FuseError, match="not provably exact"):
-    jaxfold.rotate(fu, hadamard(32))
+  with pytest.raises(jaxfold.FuseError, match="not provably exact.*insert=True"):
+    jaxfold.rotate(fu, hadamard(32), insert=False)
+  r = jaxfold.rotate(fu, hadamard(32))
+  assert len(r.report.inserted) == 1 and "x @ Q computed for the output of `sub`" in r.report.inserted[0]
+  assert "1 rotation(s) computed in the program" in str(r.report)
+  for b, t in ((2, 8), (1, 5)):
+    args = inputs("gpt2-tiny", b, t)
+    ref = apply(p, *args)
+    for fn in (r.apply_fn, jax.jit(r.apply_fn)):
+      np.testing.assert_allclose(fn(r.params, *args), ref, rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.slow
@@ -230,9 +239,10 @@ def test_more_zoo_models(x64, name):
 
 
 @pytest.mark.parametrize("which", ["stream", "stream slice"])
-def test_rotated_stream_as_an_output_refused(x64, which):
+def test_rotated_stream_as_an_output(x64, which):
   """A program that also returns the residual stream (hidden states): rotated,
-  that output would be h·Q, so rotate refuses it."""
+  that output would be h·Q, so rotate computes (h·Q)·Qᵀ for it (insert=False
+  refuses it)."""
   r = np.random.default_rng(1)
   params = {"w_in": jnp.asarray(r.normal(size=(5, D))), "b": jnp.asarray(r.normal(size=(D,))),
             "w_out": jnp.asarray(r.normal(size=(D, 3)))}
@@ -240,8 +250,15 @@ def test_rotated_stream_as_an_output_refused(x64, which):
   def apply(p, x):
     h = x @ p["w_in"] + p["b"]
     return _rms(h) @ p["w_out"], (h if which == "stream" else h[:, -1])
+  model = _Model(params, apply)
   with pytest.raises(jaxfold.FuseError, match="program output"):
-    jaxfold.rotate(_Model(params, apply), random_orthogonal(D, 7), _x(2, 4, 5))
+    jaxfold.rotate(model, random_orthogonal(D, 7), _x(2, 4, 5), insert=False)
+  r = jaxfold.rotate(model, random_orthogonal(D, 7), _x(2, 4, 5))
+  assert r.report.inserted == ("y @ Qᵀ computed for program output #1: the rotated stream is an output",)
+  for shape in ((2, 4, 5), (1, 3, 5)):
+    x = _x(*shape)
+    for got, ref in zip(r.apply_fn(r.params, x), apply(params, x)):
+      assert rel_err(ref, got) < 1e-12
 
 
 def test_inputs_that_rotate_other_parameters_are_refused(x64):
@@ -368,3 +385,122 @@ def test_pca_rotation_sorts_the_stream_energy(x64):
   h = h - h.mean(-1, keepdims=True)
   e = ((h @ q) ** 2).sum(0)
   assert np.all(np.diff(e) <= 1e-9 * e[0]) and e[0] > 10 * e[-1]
+
+
+# ----------------------------------------------------------------------------
+# Streams no parameter rotation starts: the program computes x @ Q there.
+
+_F = jnp.float64
+
+
+class _Block(nn.Module):
+  cross: bool = False
+
+  @nn.compact
+  def __call__(self, h, enc=None, mask=None):
+    a = nn.LayerNorm(param_dtype=_F)(h)
+    h = h + nn.MultiHeadDotProductAttention(2, param_dtype=_F)(a, a, mask=mask)
+    if self.cross:
+      c = nn.LayerNorm(param_dtype=_F)(h)
+      h = h + nn.MultiHeadDotProductAttention(2, param_dtype=_F)(c, enc)
+    m = nn.LayerNorm(param_dtype=_F)(h)
+    return h + nn.Dense(h.shape[-1], param_dtype=_F)(nn.gelu(nn.Dense(4 * h.shape[-1], param_dtype=_F)(m)))
+
+
+class _EncDec(nn.Module):
+  """Whisper's shape: the encoder stream starts at gelu(conv(x)) + positions (an
+  activation), the decoder's at a tied token table, read by cross-attention."""
+
+  @nn.compact
+  def __call__(self, mel, tokens):
+    x = nn.gelu(nn.Conv(16, (3,), param_dtype=_F)(mel))
+    x = nn.gelu(nn.Conv(16, (3,), strides=(2,), param_dtype=_F)(x))
+    x = x + self.param("enc_pos", nn.initializers.normal(1.0), (32, 16), _F)[: x.shape[1]]
+    enc = nn.LayerNorm(param_dtype=_F)(_Block()(x))
+    emb = nn.Embed(11, 16, param_dtype=_F)
+    h = emb(tokens) + self.param("dec_pos", nn.initializers.normal(1.0), (16, 16), _F)[: tokens.shape[1]]
+    h = _Block(cross=True)(h, enc, nn.make_causal_mask(tokens))
+    return emb.attend(nn.LayerNorm(param_dtype=_F)(h))
+
+
+def _enc_dec_inputs(b, t, s, seed=0):
+  return (jax.random.normal(jax.random.PRNGKey(seed), (b, t, 4), _F),
+          jax.random.randint(jax.random.PRNGKey(seed + 1), (b, s), 0, 11))
+
+
+@pytest.mark.parametrize("tied", ["copy", "auto"])
+def test_encoder_decoder_stream_starting_at_an_activation(x64, tmp_path, tied):
+  m = _EncDec()
+  p = randomize_np(m.init(jax.random.PRNGKey(0), *_enc_dec_inputs(2, 12, 5)))
+  fu = jaxfold.fuse_affine(jaxfold.fold(p, m.apply, *_enc_dec_inputs(2, 12, 5), tied_weights=tied))
+  with pytest.raises(jaxfold.RotateError, match="adds an unrotated value to the rotated stream"):
+    jaxfold.rotate(fu, "hadamard", insert=False)
+  r = jaxfold.rotate(fu, "hadamard")
+  # x @ Q on the encoder's activation; and on the decoder's embedding where the
+  # tied table is not copied (its aux-centered lookup starts that stream).
+  assert len(r.report.inserted) == (1 if tied == "copy" else 2), r.report
+  assert all(t.startswith("x @ Q computed for the output of `sub`") for t in r.report.inserted)
+  assert r.report.norms == 7
+  jaxfold.save_fold(r, tmp_path / "r")
+  back = jaxfold.load_fold(tmp_path / "r", m.apply)
+  assert back.report.inserted == r.report.inserted
+  for b, t, s in ((2, 12, 5), (1, 8, 3)):
+    args = _enc_dec_inputs(b, t, s, seed=b + 7)
+    ref = m.apply(p, *args)
+    for model in (r, back):
+      assert rel_err(ref, model.apply_fn(model.params, *args)) < 1e-12
+    assert rel_err(ref, jax.jit(r.apply_fn)(r.params, *args)) < 1e-12
+
+
+class _EmbeddingNorm(nn.Module):
+  """BLOOM's shape: the stream starts at a LayerNorm of the embeddings (its γ
+  stays: the stream is no reader); optionally the final norm's output is also
+  returned (last_hidden_state: its γ stays, and it reads the stream un-rotated)."""
+  hidden: bool = False
+
+  @nn.compact
+  def __call__(self, ids):
+    h = nn.LayerNorm(param_dtype=_F)(nn.Embed(13, D, param_dtype=_F)(ids))
+    h = nn.LayerNorm(param_dtype=_F)(_Block()(_Block()(h)))
+    logits = nn.Dense(7, param_dtype=_F)(h)
+    return (logits, h) if self.hidden else logits
+
+
+@pytest.mark.parametrize("hidden", [False, True])
+def test_stream_starting_at_a_norm_output(x64, hidden):
+  m = _EmbeddingNorm(hidden)
+  ids = jnp.arange(10).reshape(2, 5) % 13
+  p = randomize_np(m.init(jax.random.PRNGKey(0), ids))
+  fu = jaxfold.fuse_affine(jaxfold.fold(p, m.apply, ids))
+  r = jaxfold.rotate(fu, random_orthogonal(D, 3))
+  starts = [t for t in r.report.inserted if t.startswith("x @ Q")]
+  outs = [t for t in r.report.inserted if t.startswith("y @ Qᵀ")]
+  assert len(starts) == 1 and len(outs) == int(hidden), r.report
+  assert r.report.norms == 5    # the embedding norm keeps its γ: the stream starts after it
+  for ids2 in (ids, jnp.array([[3, 1, 4]])):
+    for got, ref in zip(jax.tree.leaves(r.apply_fn(r.params, ids2)), jax.tree.leaves(m.apply(p, ids2))):
+      assert rel_err(ref, got) < 1e-12
+
+
+def test_stream_starting_at_an_input(x64):
+  """The model takes embeddings (inputs_embeds): the input is rotated in the program."""
+  r0 = np.random.default_rng(4)
+  params = {"w1": r0.normal(size=(D, 4 * D)), "w2": r0.normal(size=(4 * D, D)), "wo": r0.normal(size=(D, 3))}
+
+  def apply(p, x):
+    h = x + jax.nn.gelu(_rms(x) @ p["w1"]) @ p["w2"]
+    return _rms(h) @ p["wo"]
+  r = jaxfold.rotate(_Model(params, apply), random_orthogonal(D, 5), _x(2, 3, D))
+  assert len(r.report.inserted) == 1 and "input array #0 of the call" in r.report.inserted[0], r.report
+  for shape in ((2, 3, D), (1, 1, D)):
+    x = _x(*shape, seed=2)
+    assert rel_err(apply(params, x), r.apply_fn(r.params, x)) < 1e-12
+
+
+def test_unfused_norms_are_still_refused_with_insertions(x64):
+  """A stream whose norms keep γ cannot go on rotated past any of them; rotate
+  refuses (with the fuse hint) rather than un-rotate and re-rotate at every norm."""
+  tokens = jnp.zeros((2, 6), jnp.int32)
+  p = randomize_np(jax.eval_shape(PreLN().init, jax.random.PRNGKey(0), tokens))
+  with pytest.raises(jaxfold.FuseError, match="(?s)varies along the rotated dim.*fuse_affine"):
+    jaxfold.rotate(jaxfold.fold(p, PreLN().apply, tokens), random_orthogonal(D))
