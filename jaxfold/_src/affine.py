@@ -69,8 +69,29 @@ class AffineSite:
 
 
 @dataclasses.dataclass(frozen=True)
+class Widening:
+  """How fusing γ into a reader changed its weight's range, per output channel:
+  ``before``/``after``: the median over output channels of ``max|w| / rms(w)``
+  along the contracted dim (what per-channel quantization's step size sees
+  relative to the typical weight); a ratio above 1 makes the reader harder to
+  quantize (``fuse_affine``'s report lists those above ``WIDENS``)."""
+  weight: str
+  gamma: str
+  before: float
+  after: float
+
+  @property
+  def ratio(self) -> float:
+    return self.after / self.before if self.before > 0 else 1.0
+
+
+WIDENS = 1.5   # the ratio from which the report points at the remedy
+
+
+@dataclasses.dataclass(frozen=True)
 class FuseReport:
-  """What ``fuse_affine`` did, per affine site."""
+  """What ``fuse_affine`` did, per affine site; ``widened``: a :class:`Widening`
+  per weight γ was fused into (computed on the parameters; empty when abstract)."""
   sites: tuple
   extra_bytes: int = 0    # untied weight copies and new biases
   kernels: int = 0        # norms the RMSNorm kernel computes in the fused program
@@ -78,6 +99,7 @@ class FuseReport:
   deferred: tuple = ()    # defer_analysis.DeferSite per affine site, with defer_norms
   edits: tuple = ()       # tl_edits.TLSite: center_unembed / fold_value_biases, when asked
   programs: Any = dataclasses.field(default=None, compare=False, repr=False)   # counts.ProgramCounts
+  widened: tuple = dataclasses.field(default=(), compare=False)
 
   def diff(self) -> str:
     """What changed, counted in the original and this program (traced on first use)."""
@@ -100,6 +122,12 @@ class FuseReport:
     for i, s in enumerate(self.deferred):
       lines.append(f"{i}  {'deferred' if s.deferred else 'normed':8}  {s.where}: {s.reason}")
     lines += [str(tl_edits.TLEdits(sites=self.edits))] if self.edits else []
+    wide = sorted((w for w in self.widened if w.ratio >= WIDENS), key=lambda w: -w.ratio)
+    if wide:
+      lines.append(f"γ widens the weight range of {len(wide)} reader(s) (per output channel, max|w|/rms(w) up to "
+                   f"{wide[0].ratio:.1f}x: {param_label(wide[0].weight)}, by {param_label(wide[0].gamma)}); "
+                   "to quantize them, rotate first (jaxfold.rotate(fused, \"hadamard\")) or migrate the range "
+                   "(jaxfold.quantize(..., smooth=0.5), SmoothQuant)")
     if self.deferred:
       lines.append(f"{self.num_deferred}/{len(self.deferred)} fused norms deferred (readers "
                    "contract the un-normalized input)")
@@ -975,4 +1003,27 @@ def fuse_affine(model: Any, *example_args: Any, center_unembed: bool = False,
   an = analyse(call.fn, abstract, call.abstract_args(FuseError), tl=(center_unembed, fold_value_biases))
   new = _fused_params(an, leaves, tree)
   apply = FusedApply(fn, abstract, an, example_args, kwargs)
-  return Fused(new, apply, dataclasses.replace(an.report, programs=counts.result_counts(new, apply)))
+  return Fused(new, apply, dataclasses.replace(an.report, programs=counts.result_counts(new, apply),
+                                               widened=_widening(an, params)))
+
+
+def _crest(w: np.ndarray, dim: int) -> float:
+  """Median over the other dims of ``max|w| / rms(w)`` along ``dim``."""
+  a = np.moveaxis(np.abs(w), dim, -1).reshape(-1, w.shape[dim])
+  rms = np.sqrt((a * a).mean(-1))
+  ok = rms > 0
+  return float(np.median(a.max(-1)[ok] / rms[ok])) if ok.any() else 0.0
+
+
+def _widening(an: FuseAnalysis, params: Any) -> tuple:
+  """A :class:`Widening` per weight γ was fused into (none for abstract parameters)."""
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  if any(isinstance(x, jax.ShapeDtypeStruct) for _, x in flat):
+    return ()
+  names = [jax.tree_util.keystr(k) for k, _ in flat]
+  out = []
+  for w, g, dim in [(s.leaf, s.gamma, s.dim) for s in an.scaled] + [(c.leaf, c.gamma, c.dim) for c in an.copies]:
+    x = np.asarray(_host(flat[w][1]), np.float64)
+    scaled = x * _along(np.asarray(_host(flat[g][1]), np.float64).ravel(), x.ndim, dim)
+    out.append(Widening(names[w], names[g], _crest(x, dim), _crest(scaled, dim)))
+  return tuple(out)

@@ -98,6 +98,7 @@ class QuantizedAt(NamedTuple):
   group: Optional[int]
   atype: Optional[str]
   numbers: tuple    # the dot_general's dimension numbers
+  smooth: Optional[str] = None   # the stored per-channel scale s: x/s meets the weight quantized as s·W
 
   def contract(self, eqn: Any, invals: list, extras: dict) -> list:
     """The equation's output computed from the stored weight (rewrite.evaluate calls this)."""
@@ -105,6 +106,8 @@ class QuantizedAt(NamedTuple):
     w = _unpacked(self, extras[self.name])
     x = invals[1 - self.operand]
     (lc, rc), _ = self.numbers
+    if self.smooth is not None:   # (x / s)·(s W) = x W: SmoothQuant's migration, before x is quantized
+      x = x / _along_dim(extras[self.smooth], x.ndim, (lc if self.operand == 1 else rc)[0]).astype(x.dtype)
     if self.atype is not None:
       contracted = lc if self.operand == 1 else rc
       rows = tuple(d for d in range(x.ndim) if d not in contracted)
@@ -140,6 +143,7 @@ class QuantReport:
   group_size: Optional[int]
   bytes_before: int
   bytes_after: int
+  smooth: Optional[float] = None   # SmoothQuant's α, when the activations' range was migrated into the weights
 
   @property
   def num_quantized(self) -> int:
@@ -147,18 +151,20 @@ class QuantReport:
 
   def __str__(self) -> str:
     w = max([len(param_label(s.weight)) for s in self.sites] + [6])
+    fw = max([len(s.formats) for s in self.sites] + [36])
     lines = [f"quantized {self.num_quantized}/{len(self.sites)} contractions reading a parameter "
              f"(weights {self.weights}{f' g{self.group_size}' if self.group_size else ''}, activations "
-             f"{self.activations or 'float'}); their weights {_size(self.bytes_before)} -> "
-             f"{_size(self.bytes_after)}",
-             f"  {'weight':{w}}  {'shape':>12}  {'formats':36}  rel. error of the output / kept in float because"]
+             f"{self.activations or 'float'}"
+             f"{f'; SmoothQuant α={self.smooth:g}' if self.smooth is not None else ''}); their weights "
+             f"{_size(self.bytes_before)} -> {_size(self.bytes_after)}",
+             f"  {'weight':{w}}  {'shape':>12}  {'formats':{fw}}  rel. error of the output / kept in float because"]
     for s in self.sites:
       shape = "x".join(map(str, s.shape))
       if s.quantized:
         tail = f"{s.error:.2e}" if s.error >= 0 else "not measured (pass calibration=[example args, ...])"
       else:
         tail = s.reason
-      lines.append(f"  {param_label(s.weight):{w}}  {shape:>12}  {s.formats or 'float':36}  {tail}")
+      lines.append(f"  {param_label(s.weight):{w}}  {shape:>12}  {s.formats or 'float':{fw}}  {tail}")
     return "\n".join(lines)
 
   def summary(self) -> str:
@@ -167,6 +173,12 @@ class QuantReport:
   def to_json(self) -> str:
     import json
     return json.dumps(dataclasses.asdict(self), indent=1, default=list)
+
+
+def _along_dim(v: Any, rank: int, dim: int) -> Any:
+  shape = [1] * rank
+  shape[dim] = -1
+  return jnp.reshape(v, shape)
 
 
 def _size(n: int) -> str:
@@ -190,6 +202,7 @@ class _Config(NamedTuple):
   activations: Optional[str]
   group_size: Optional[int]
   skip: tuple
+  smooth: Optional[float] = None   # SmoothQuant's α (None: no migration)
 
 
 class QuantAnalysis(NamedTuple):
@@ -249,12 +262,15 @@ def analyse(fn: Callable, params: Any, args: tuple, cfg: _Config) -> QuantAnalys
                                f"multiple of group_size={group}"))
         continue
       qname = f"w{leaf:05d}"
+      smooth = f"{qname}.s" if cfg.smooth is not None and len(contracted) == 1 else None
       entries.append(QuantizedAt(node.path, k, qname, shape, w_aval.dtype, cfg.weights, channel, tiled, group,
-                                 cfg.activations, dd.numbers))
+                                 cfg.activations, dd.numbers, smooth))
       chains[leaf] = tuple(n.eqn for n in chain)
       key.append((leaf, node.path, k))
       fmt = f"W {cfg.weights}" + (f" g{group}" if group else " per channel")
       fmt += f" / A {cfg.activations} per token" if cfg.activations else " / A float"
+      if cfg.smooth is not None:
+        fmt += f", smoothed α={cfg.smooth:g}" if smooth else ", not smoothed (several contracted dims)"
       sites.append(QuantSite(name, shape, fmt))
   return QuantAnalysis(traced.jaxpr, traced.consts, traced.out_tree, Plan(quantized=tuple(entries)),
                        tuple(key), chains, tuple(sites))
@@ -264,11 +280,14 @@ def analyse(fn: Callable, params: Any, args: tuple, cfg: _Config) -> QuantAnalys
 # Storing weights.
 
 
-def _quantize_weight(w: Any, e: QuantizedAt) -> QWeight:
+def _quantize_weight(w: Any, e: QuantizedAt, s: Any = None) -> QWeight:
+  """``w`` (times the smoothing scale ``s`` along its contracted dim) quantized and stored."""
   qwix = _qwix()
   tiled = {e.tiled: e.group} if e.group else None
   w = jnp.asarray(w)
   wide = w.astype(jnp.promote_types(w.dtype, jnp.float32))   # (scales of a bf16 weight in float32)
+  if s is not None:
+    wide = wide * _along_dim(jnp.asarray(s, wide.dtype), wide.ndim, _w_contracted(e))
   q = qwix.quantize(wide, _QTYPE[e.wtype], channelwise_axes=e.channel, tiled_axes=tiled)
   data = q.qvalue
   if e.wtype == "int4":
@@ -276,6 +295,49 @@ def _quantize_weight(w: Any, e: QuantizedAt) -> QWeight:
   elif e.wtype == "fp8":
     data = jax.lax.bitcast_convert_type(data, jnp.uint8)
   return QWeight(data, q.scale.astype(wide.dtype))
+
+
+def _w_contracted(e: QuantizedAt) -> int:
+  (lc, rc), _ = e.numbers
+  return (rc if e.operand == 1 else lc)[0]
+
+
+def _smoothing(e: QuantizedAt, w: Any, amax: Any, alpha: float) -> np.ndarray:
+  """SmoothQuant's per-channel scale ``s = max|x|^α / max|W|^(1-α)`` over the
+  contracted channel (1 where either is zero; in the weight's float type)."""
+  d = _w_contracted(e)
+  w = np.abs(np.asarray(w, np.float64))
+  wmax = w.max(axis=tuple(i for i in range(w.ndim) if i != d))
+  amax = np.asarray(amax, np.float64)
+  ok = (wmax > 0) & (amax > 0)
+  s = np.where(ok, np.power(np.where(ok, amax, 1.0), alpha) / np.power(np.where(ok, wmax, 1.0), 1 - alpha), 1.0)
+  return np.clip(s, 1e-5, 1e5).astype(_scale_dtype(e))
+
+
+def _scale_dtype(e: QuantizedAt) -> Any:
+  return jnp.promote_types(e.dtype, jnp.float32)
+
+
+def _activation_ranges(runs: list, leaves: list) -> dict:
+  """``{path: per-channel max |x|}`` of the activation operand of every planned
+  contraction over ``runs`` (the float program: no plan applied)."""
+  from jaxfold._src import rewrite
+
+  amax: dict = {}
+  for an, flat in runs:
+    at = {e.path: e for e in an.plan.quantized if e.smooth is not None}
+
+    def hook(path, eqn, invals, at=at):
+      e = at.get(path)
+      if e is not None:
+        (lc, rc), _ = e.numbers
+        c = (lc if e.operand == 1 else rc)[0]
+        x = np.abs(np.asarray(invals[1 - e.operand], np.float64))
+        m = x.max(axis=tuple(i for i in range(x.ndim) if i != c))
+        amax[path] = m if path not in amax else np.maximum(amax[path], m)
+
+    rewrite.evaluate(an.jaxpr, an.consts, list(leaves) + list(flat), Plan(), {}, observe=hook)
+  return amax
 
 
 def _pack_int4(q: Any) -> jax.Array:
@@ -319,6 +381,8 @@ def _abstract_weights(an: QuantAnalysis) -> dict:
   for e in an.plan.quantized:
     w = jax.ShapeDtypeStruct(e.shape, e.dtype)
     out[e.name] = jax.eval_shape(functools.partial(_quantize_weight, e=e), w)
+    if e.smooth is not None:
+      out[e.smooth] = jax.ShapeDtypeStruct((e.shape[_w_contracted(e)],), _scale_dtype(e))
   return out
 
 
@@ -331,7 +395,7 @@ class _QuantRecord(NamedTuple):
   key_sha256: str
 
 
-def _config(weights: Any, activations: Any, group_size: Any, skip: Any) -> _Config:
+def _config(weights: Any, activations: Any, group_size: Any, skip: Any, smooth: Any = None) -> _Config:
   if weights not in WEIGHTS:
     raise QuantizeError(f"quantize: weights must be one of {WEIGHTS}, got {weights!r}")
   if activations not in ACTIVATIONS:
@@ -342,7 +406,10 @@ def _config(weights: Any, activations: Any, group_size: Any, skip: Any) -> _Conf
     raise QuantizeError(f"quantize: weights {weights} with activations {activations}: qwix contracts "
                         "integers with integers and fp8 with fp8; pick matching formats (or activations=None)")
   skip = (skip,) if isinstance(skip, str) or callable(skip) else tuple(skip or ())
-  return _Config(weights, activations, group_size, skip)
+  if smooth is not None and (isinstance(smooth, bool) or not isinstance(smooth, (int, float)) or not 0 <= smooth <= 1):
+    raise QuantizeError(f"quantize: smooth must be SmoothQuant's α, a number in [0, 1] (0.5 is usual), or None; "
+                        f"got {smooth!r}")
+  return _Config(weights, activations, group_size, skip, None if smooth is None else float(smooth))
 
 
 @register
@@ -367,12 +434,12 @@ class QuantizedApply(Step):
     if any(callable(s) for s in c.skip):
       raise QuantizeError("a quantized result with a callable skip= cannot be saved: pass parameter names")
     info = {"name": self.kind, "weights": c.weights, "activations": c.activations, "group_size": c.group_size,
-            "skip": list(c.skip), "key_sha256": digest(self._base.key)}
+            "skip": list(c.skip), "smooth": c.smooth, "key_sha256": digest(self._base.key)}
     return StepRecord(info, {})
 
   @classmethod
   def parse(cls, info: dict, decode: Callable[[Any], Any]) -> _QuantRecord:
-    cfg = _config(info["weights"], info["activations"], info["group_size"], tuple(info["skip"]))
+    cfg = _config(info["weights"], info["activations"], info["group_size"], tuple(info["skip"]), info.get("smooth"))
     return _QuantRecord(cfg, str(info["key_sha256"]))
 
   @classmethod
@@ -382,7 +449,8 @@ class QuantizedApply(Step):
     an = analyse(call.fn, params, call.abstract_args(ctx.error), parsed.cfg)
     if ctx.verify and digest(an.key) != parsed.key_sha256:
       raise ctx.refuse("quantize (other contractions would be quantized now than when saved)")
-    report = QuantReport(an.sites, parsed.cfg.weights, parsed.cfg.activations, parsed.cfg.group_size, 0, 0)
+    report = QuantReport(an.sites, parsed.cfg.weights, parsed.cfg.activations, parsed.cfg.group_size, 0, 0,
+                         parsed.cfg.smooth)
     tree = jax.tree_util.tree_structure(QuantParams(_placeholders(params, an), _abstract_weights(an)))
     return Restored(cls(inner, params, an, parsed.cfg, args, ctx.kwargs), report, tree)
 
@@ -446,7 +514,8 @@ def _site_errors(runs: list, leaves: list, weights: dict) -> dict:
 
 
 def quantize(model: Any, *example_args: Any, weights: str = "int8", activations: Optional[str] = None,
-             group_size: Optional[int] = None, calibration: Optional[list] = None, skip: Any = ()) -> Quantized:
+             group_size: Optional[int] = None, calibration: Optional[list] = None, skip: Any = (),
+             smooth: Optional[float] = None) -> Quantized:
   """Runs every contraction that reads a parameter as a quantized GEMM (qwix).
 
   ``model`` is any jaxfold result (``fold``, ``fuse_affine``, ``rotate``,
@@ -459,6 +528,12 @@ def quantize(model: Any, *example_args: Any, weights: str = "int8", activations:
   named in ``skip`` (substrings of parameter paths, or a predicate) stays in
   float. ``report`` gives every contraction's formats and its relative error
   on ``calibration`` (a list of example-argument tuples; default: the example).
+  ``smooth=α`` migrates each contraction's activation range into its weight
+  (SmoothQuant): per contracted channel ``s = max|x|^α / max|W|^(1-α)`` over
+  the calibration inputs, the weight is quantized as ``s·W`` and the program
+  divides ``x`` by ``s`` before quantizing it — ``(x/s)·(s·W) = x·W`` exactly
+  before quantization; the remedy where fusing γ into the readers widened
+  their weights' range, or where a channel of ``x`` is an outlier.
   Needs qwix (``pip install "jaxfold[quantize]"``).
 
   Example:
@@ -471,7 +546,7 @@ def quantize(model: Any, *example_args: Any, weights: str = "int8", activations:
     >>> bool(jnp.allclose(q.apply_fn(q.params, x), m.apply(p, x), atol=0.1))
     True
   """
-  cfg = _config(weights, activations, group_size, skip)
+  cfg = _config(weights, activations, group_size, skip, smooth)
   _qwix()
   if isinstance(model, tuple) and len(model) == 2 and callable(model[1]) and not isinstance(model, Result):
     params, fn = model
@@ -486,13 +561,6 @@ def quantize(model: Any, *example_args: Any, weights: str = "int8", activations:
   call = pipeline.bind(fn, tuple(example_args), kwargs, QuantizeError)
   an = analyse(call.fn, abstract, call.abstract_args(QuantizeError), cfg)
   leaves = jax.tree_util.tree_leaves(params)
-  stored = {}
-  before = after = 0
-  for e, (leaf, _, _) in zip(an.plan.quantized, an.key):
-    w = _weight_operand(leaves[leaf], an.chains[leaf])
-    stored[e.name] = _quantize_weight(w, e)
-    before += leaves[leaf].size * leaves[leaf].dtype.itemsize
-    after += sum(a.size * a.dtype.itemsize for a in stored[e.name])
   runs = []
   for a in (calibration or [example_args]):
     c = pipeline.bind(fn, tuple(a), kwargs, QuantizeError)
@@ -506,9 +574,23 @@ def quantize(model: Any, *example_args: Any, weights: str = "int8", activations:
       raise QuantizeError(f"calibration inputs of shapes {pipeline.shapes_text(c.args)} quantize other "
                           "contractions than the example's; calibrate at shapes like the example's")
     runs.append((other, flat))
+  if cfg.smooth is not None and not runs:
+    raise QuantizeError("quantize(..., smooth=α) measures the activations' ranges: pass calibration=[example "
+                        "args, ...] with values")
+  amax = _activation_ranges(runs, leaves) if cfg.smooth is not None else {}
+  stored = {}
+  before = after = 0
+  for e, (leaf, _, _) in zip(an.plan.quantized, an.key):
+    w = _weight_operand(leaves[leaf], an.chains[leaf])
+    s = None
+    if e.smooth is not None:
+      s = stored[e.smooth] = jnp.asarray(_smoothing(e, w, amax[e.path], cfg.smooth))
+    stored[e.name] = _quantize_weight(w, e, s)
+    before += leaves[leaf].size * leaves[leaf].dtype.itemsize
+    after += sum(a.size * a.dtype.itemsize for a in stored[e.name])
   errors = _site_errors(runs, leaves, stored) if runs else {}
   measured = iter([errors.get(e.name, -1.0) for e in an.plan.quantized])   # (quantized sites, in plan order)
   sites = tuple(dataclasses.replace(s, error=next(measured)) if s.quantized else s for s in an.sites)
-  report = QuantReport(sites, cfg.weights, cfg.activations, cfg.group_size, before, after)
+  report = QuantReport(sites, cfg.weights, cfg.activations, cfg.group_size, before, after, cfg.smooth)
   apply = QuantizedApply(fn, abstract, an, cfg, example_args, kwargs)
   return Quantized(QuantParams(_placeholders(params, an), stored), apply, report)

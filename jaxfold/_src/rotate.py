@@ -258,6 +258,7 @@ def _propagate(level: Level, seeds: dict, inserted: dict, ends: Optional[dict], 
   with ``ends=None`` both are refused."""
   prog = level.program
   exits: list = []   # (node, why): where the stream was un-rotated before an operation
+  rounded: set = set()   # rotated values rounded on the way (a narrowing cast): y @ Qᵀ would not undo that
   states = {prog.invars[i]: Lin(frozenset(d)) for i, d in seeds.items()}
   for v, s in inserted.items():
     if v.producer is None:
@@ -278,7 +279,7 @@ def _propagate(level: Level, seeds: dict, inserted: dict, ends: Optional[dict], 
       except Want as w:
         return (w, node)
       except Block as err:
-        cut = _leaving(node, ins, ends, n)
+        cut = _leaving(node, ins, ends, n, rounded)
         if cut is None:
           return _Blocked(node, f"{err} [at {node.where()}]", states)
         ends.update(cut)   # (the node reads what it read before: its outputs are unchanged)
@@ -288,7 +289,9 @@ def _propagate(level: Level, seeds: dict, inserted: dict, ends: Optional[dict], 
         if outs[k] is not None:
           return f"a value rotated twice (an inserted rotation of a rotated value) [at {node.where()}]"
         outs[k] = inserted[o]
-    why = advance(prog, node, outs, states, ends, n)
+    if any(s is not None for s in outs) and (_rounds(node) or any(a in rounded for a in node.ins)):
+      rounded.update(o for o, s in zip(node.outs, outs) if s is not None)
+    why = advance(prog, node, outs, states, ends, n, rounded)
     if why is not None:
       return why
   for node, why in exits:
@@ -341,33 +344,51 @@ def _rejoins(prog: Any, node: Any, states: dict) -> bool:
   return False
 
 
-def _leaving(node: Any, ins: list, ends: Optional[dict], n: int) -> Optional[dict]:
+def _rounds(node: Any) -> bool:
+  """``node`` rounds its operand to a narrower precision (reduce_precision, a narrowing float cast:
+  the rules' ``cast`` facet): the rotation passes it only up to that rounding, which ``y @ Qᵀ``
+  after it would expose."""
+  cast = rule_for(node.prim).cast
+  bits = None if cast is None or len(node.ins) != 1 else cast(node.params, node.ins[0].dtype, node.outs[0].dtype)
+  if bits is None:
+    return False
+  src = jnp.finfo(node.ins[0].dtype)
+  return bits[0] < src.nmant or bits[1] < src.nexp
+
+
+def _leaving(node: Any, ins: list, ends: Optional[dict], n: int, rounded: set = frozenset()) -> Optional[dict]:
   """``{(path, "operand", k): dim}`` un-rotating every rotated operand of
-  ``node`` (each ``Lin`` along one dim of size n), or None (refused, or a
-  state no ``y @ Qᵀ`` undoes: a sum of squares, two dims)."""
+  ``node`` (each ``Lin`` along one dim of size n, not rounded since it was
+  rotated), or None (refused, or a state no ``y @ Qᵀ`` undoes: a sum of
+  squares, two dims, a rounded value)."""
   if ends is None:
     return None
   cut = {}
   for k, s in enumerate(ins):
     if s is None:
       continue
-    if not isinstance(s, Lin) or len(s.dims) != 1 or node.ins[k].shape[next(iter(s.dims))] != n:
+    if (not isinstance(s, Lin) or len(s.dims) != 1 or node.ins[k].shape[next(iter(s.dims))] != n
+            or node.ins[k] in rounded):
       return None
     cut[(node.path, "operand", k)] = next(iter(s.dims))
   return cut
 
 
-def _end(prog: Any, v: Any, s: Any, ends: Optional[dict], n: int, what: str) -> Optional[str]:
+def _end(prog: Any, v: Any, s: Any, ends: Optional[dict], n: int, what: str,
+         rounded: set = frozenset()) -> Optional[str]:
   """Records program output ``v`` rotated by ``s`` in ``ends``; the reason when it cannot be un-rotated."""
   if ends is None or not isinstance(s, Lin) or len(s.dims) != 1 or v.shape[next(iter(s.dims))] != n:
     return f"{what} reaches program output #{prog.output_positions[v][0]}"
+  if v in rounded:
+    return (f"{what} reaches program output #{prog.output_positions[v][0]} after a rounding to a narrower "
+            "precision, which y @ Qᵀ there would not undo")
   for i in prog.output_positions[v]:
     ends[("output", i)] = next(iter(s.dims))
   return None
 
 
 def advance(prog: Any, node: Any, outs: list, states: dict, ends: Optional[dict] = None,
-            n: int = 0) -> Optional[str]:
+            n: int = 0, rounded: set = frozenset()) -> Optional[str]:
   """Records the rotation states of ``node``'s outputs (its rotate facet's
   ``outs``) in ``states``; the reason, when one reaches an output of ``prog``
   (unless ``ends`` records it to be un-rotated there, see ``_propagate``)."""
@@ -375,7 +396,7 @@ def advance(prog: Any, node: Any, outs: list, states: dict, ends: Optional[dict]
     if s is None:
       continue
     if o in prog.output_positions:
-      why = _end(prog, o, s, ends, n, f"the rotation [from {node.where()}]")
+      why = _end(prog, o, s, ends, n, f"the rotation [from {node.where()}]", rounded)
       if why is not None:
         return why
     states[o] = s
@@ -460,6 +481,8 @@ def _solve(fn: Callable, params: Any, args: tuple, n: int, insert: bool = True) 
       want, node = res
       a = node.ins[want.operand]
       hits = _writers(level, a, want.dims)
+      if hits and all(set(d) <= seeds.get(i, set()) for i, d in hits.items()):
+        hits = None   # (the parameters proposed are rotated already, and the value is still not)
       if not hits:
         (d,) = want.dims if len(want.dims) == 1 else (None,)
         if insert and isinstance(a, Val) and d is not None and a.shape[d] == n and a not in inserted:
@@ -472,8 +495,6 @@ def _solve(fn: Callable, params: Any, args: tuple, n: int, insert: bool = True) 
                           f"rotation would rotate [at {node.where()}]"
                           + ("" if insert else "; rotate(..., insert=True) would multiply it by "
                              "Q in the program"))
-      if all(set(d) <= seeds.get(i, set()) for i, d in hits.items()):
-        raise RotateError(f"the rotation is not provably exact: {want} [at {node.where()}]")
       for i, dims in hits.items():
         # A weight that both reads and writes the stream (a square W in
         # h + f(h) @ W ... read along one dim, written along the other) is

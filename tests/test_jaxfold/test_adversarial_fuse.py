@@ -560,6 +560,8 @@ def gram_over_features(h):
 ROTATE_REFUSED = [max_over_tokens, sort_tokens, relu, select_on_sign, cumsum_features,
                   max_pool_tokens, l1_norm, feature_mask, outer_product, fft_features, top_k_tokens,
                   rounded]
+# (still refused with insertions: rotated along two dims; rounded after the rotation)
+ROTATE_STILL_REFUSED = [outer_product, rounded]
 ROTATE_EXACT = [two_norm, gram_over_features]
 
 
@@ -572,9 +574,17 @@ def test_rotate_stream_readers(x64, read):
   assert fu.report.num_fused == 2, fu.report
   if read in ROTATE_REFUSED:
     with pytest.raises(jaxfold.RotateError, match="not provably exact"):
-      jaxfold.rotate(fu, _orth())
-    return
-  r = jaxfold.rotate(fu, _orth())
+      jaxfold.rotate(fu, _orth(), insert=False)
+    if read in ROTATE_STILL_REFUSED:
+      with pytest.raises(jaxfold.RotateError, match="not provably exact"):
+        jaxfold.rotate(fu, _orth())
+      return
+    # The side reader ends the stream (nothing after it is rotated): it reads y @ Qᵀ.
+    r = jaxfold.rotate(fu, _orth())
+    assert r.report.inserted and all(t.startswith("y @ Qᵀ") for t in r.report.inserted), r.report
+  else:
+    r = jaxfold.rotate(fu, _orth())
+    assert not r.report.inserted, r.report
   assert r.report.norms >= 2, r.report
   _same(fn, p, r)
 
@@ -624,9 +634,18 @@ def test_rotate_stream_writers(x64, write):
   assert fu.report.num_fused == 2, fu.report
   if write in WRITERS_REFUSED:
     with pytest.raises(jaxfold.RotateError, match="not provably exact"):
-      jaxfold.rotate(fu, _orth())
-    return
-  _same(fn, p, jaxfold.rotate(jaxfold.defer_norms(fu), _orth()))
+      jaxfold.rotate(fu, _orth(), insert=False)
+    if write is reversed_positions:   # (`rev` of a rotated table: no rule, and the stream goes on)
+      with pytest.raises(jaxfold.RotateError, match="`rev`, which has no rotation rule"):
+        jaxfold.rotate(fu, _orth())
+      return
+    # The stream then starts at a value no parameter rotation reaches: x @ Q there.
+    r = jaxfold.rotate(jaxfold.defer_norms(fu), _orth())
+    assert r.report.inserted and all(t.startswith("x @ Q") for t in r.report.inserted), r.report
+  else:
+    r = jaxfold.rotate(jaxfold.defer_norms(fu), _orth())
+    assert not r.report.inserted, r.report
+  _same(fn, p, r)
 
 
 # ----------------------------------------------------------------------------

@@ -169,3 +169,67 @@ def test_save_and_load_a_quantized_result(tmp_path):
   size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tmp_path / "q4" / "params") for f in fs)
   floats = sum(a.size * 4 for a in jax.tree_util.tree_leaves(p))
   assert size < floats / 5, (size, floats)
+
+
+def test_smooth_matches_an_independent_numpy_smoothquant(x64):
+  """SmoothQuant: s = max|x|^α / max|W|^(1-α) per input channel over the
+  calibration inputs, W quantized as s·W, x divided by s in the program."""
+  m = nn.Dense(8)
+  scale = np.ones(16)
+  scale[[2, 11]] = [30.0, 12.0]   # outlier input channels
+  cal = [(_x(4, 6, 16, seed=s) * scale,) for s in (5, 6)]
+  p = _init(m, cal[0][0])
+  alpha = 0.6
+  q = jaxfold.quantize((p, m.apply), cal[0][0], weights="int8", calibration=cal, smooth=alpha)
+  assert q.report.smooth == alpha and "smoothed α=0.6" in q.report.sites[0].formats
+  w = np.asarray(p["params"]["kernel"], np.float64)
+  amax = np.max([np.abs(np.asarray(c[0])).reshape(-1, 16).max(0) for c in cal], axis=0)
+  s = amax ** alpha / np.abs(w).max(1) ** (1 - alpha)
+  (stored,) = [v for k, v in q.params.weights.items() if k.endswith(".s")]
+  np.testing.assert_allclose(np.asarray(stored), s, rtol=1e-13)
+  ints, wscale, tie = _np_int8(s[:, None] * w)
+  got = np.asarray(next(v for k, v in q.params.weights.items() if not k.endswith(".s")).data, np.float64)
+  assert np.array_equal(got[~tie], ints[~tie]) and np.all(np.abs(got - ints)[tie] <= 1)
+  wq = np.where(tie, got, ints) * wscale
+  b = np.asarray(p["params"]["bias"], np.float64)
+  for x in (_x(2, 5, 16, seed=7) * scale, _x(1, 1, 16, seed=8) * scale, _x(3, 7, 16, seed=9) * scale):
+    ref = (np.asarray(x, np.float64) / s) @ wq + b     # (x/s)(s W) = x W before quantization
+    np.testing.assert_allclose(q.apply_fn(q.params, x), ref, rtol=1e-10, atol=1e-10)
+    exact = (np.asarray(x, np.float64) / s) @ (s[:, None] * w) + b
+    np.testing.assert_allclose(exact, m.apply(p, x), rtol=1e-12, atol=1e-12)
+
+
+def test_smooth_lowers_the_error_of_a_reader_gamma_widened(tmp_path):
+  """Fusing an outlier γ widens the reader's weight range (the fuse report says
+  so); W8A8 with smooth=0.5 measures a smaller error there than without."""
+  m = _MLP()
+  x = _x(4, 6, 16, dtype=jnp.float32)
+  p = _init(m, x)
+  g = np.ones(16, np.float32)
+  g[[3, 9]] = [40.0, -25.0]
+  p["params"]["LayerNorm_0"]["scale"] = jnp.asarray(g)
+  fu = jaxfold.fuse_affine(jaxfold.fold(p, m.apply, x))
+  (wd,) = fu.report.widened
+  w = np.asarray(p["params"]["up"]["kernel"], np.float64)
+  crest = lambda a: np.median(np.abs(a).max(0) / np.sqrt((a * a).mean(0)))   # noqa: E731
+  assert wd.before == pytest.approx(crest(w)) and wd.after == pytest.approx(crest(g[:, None] * w))
+  assert wd.ratio > 1.5 and "γ widens the weight range of 1 reader(s)" in str(fu.report)
+  cal = [(_x(4, 6, 16, seed=s, dtype=jnp.float32),) for s in (2, 3)]
+  err = {}
+  for sm in (None, 0.5):
+    q = jaxfold.quantize(fu, weights="int8", activations="int8", calibration=cal, smooth=sm)
+    (site,) = [t for t in q.report.sites if "up" in t.weight]
+    err[sm] = site.error
+  assert 0 < err[0.5] < 0.7 * err[None], err
+  jaxfold.save_fold(q, tmp_path / "q")
+  back = jaxfold.load_fold(tmp_path / "q", m.apply)
+  assert back.report.smooth == 0.5
+  for shape in ((4, 6, 16), (1, 3, 16)):
+    xx = _x(*shape, seed=4, dtype=jnp.float32)
+    np.testing.assert_array_equal(back.apply_fn(back.params, xx), q.apply_fn(q.params, xx))
+  q = np.ones(16, np.float32)   # a uniform γ scales every row alike: no widening, no line
+  p["params"]["LayerNorm_0"]["scale"] = jnp.asarray(2 * q)
+  plain = jaxfold.fuse_affine(jaxfold.fold(p, m.apply, x))
+  assert plain.report.widened[0].ratio == pytest.approx(1.0) and "γ widens" not in str(plain.report)
+  with pytest.raises(jaxfold.QuantizeError, match="smooth must be"):
+    jaxfold.quantize(fu, weights="int8", smooth=2.0)
