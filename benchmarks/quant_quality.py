@@ -10,6 +10,7 @@ stands in: int4 weights, float activations), three models are quantized the same
 
 * ``naive``: the original model, ``jaxfold.quantize((params, apply_fn), ...)``;
 * ``fold+fuse``: ``fuse_affine(fold(...))`` then quantize (γ/β fused into the readers);
+* ``naive+smooth(0.5)``: the original with SmoothQuant's migration, ``quantize(..., smooth=0.5)``;
 * ``fold+fuse+rotate``: with ``rotate(..., "hadamard")`` first, where it is proved
   (MiniLM is post-LN: the rotation is refused, and the table says so).
 
@@ -95,12 +96,14 @@ def main(argv=None) -> int:
     bases["fold+fuse+rotate(hadamard)"] = jaxfold.rotate(fused, "hadamard")
   except jaxfold.RotateError as e:
     notes["rotate"] = f"rotate(fused, 'hadamard') refused: {str(e).splitlines()[0][:220]}"
+  bases["naive+smooth(0.5)"] = bases["naive"]   # SmoothQuant's scale migration (quantize(..., smooth=0.5))
   rows = [{"format": "float", "model": "original", **score(fn, params)}]
   for fmt, kw in FORMATS.items():
     for label, base in bases.items():
       model = base
       args_ = (ids, mask, types) if isinstance(base, tuple) else ()
-      q = jaxfold.quantize(model, *args_, **kw, calibration=[calib])
+      smooth = 0.5 if "smooth" in label else None
+      q = jaxfold.quantize(model, *args_, **kw, calibration=[calib], smooth=smooth)
       rows.append({"format": fmt, "model": label, "quantized": f"{q.report.num_quantized}/{len(q.report.sites)}",
                    **score(q.apply_fn, q.params)})
       C.log(f"{fmt} {label}: mean cos {rows[-1]['mean_cos']:.5f}")

@@ -156,6 +156,7 @@ def main(argv=None) -> int:
   with open(args.out + ".md", "w") as f:
     f.write("\n".join(lines))
   plot(outliers, chmax, rot, args.out + "_outliers.png")
+  plot_quality(rows, args.out + "_kl.png")
   print("\n".join(table + [""] + targets_txt + [""] + otable))
   return 0
 
@@ -199,6 +200,30 @@ def plot(outliers, chmax, rot, path):
     ax.set_ylabel(f"{k} max|x|")
   axes[0, 0].legend()
   axes[-1, 0].set_xlabel("channel")
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+
+
+def plot_quality(rows, path):
+  """KL to the float model (log scale) per format, one bar per model: which pipeline loses least."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return
+  formats = [f for f in dict.fromkeys(r["format"] for r in rows) if f != "float"]
+  labels = list(dict.fromkeys(r["model"] for r in rows if r["format"] != "float"))
+  by = {(r["format"], r["model"]): r["kl"] for r in rows}
+  fig, ax = plt.subplots(figsize=(10, 4))
+  width = 0.8 / len(labels)
+  for i, label in enumerate(labels):
+    xs = [j + i * width for j in range(len(formats))]
+    ax.bar(xs, [by.get((f, label), float("nan")) for f in formats], width, label=label)
+  ax.set_xticks([j + 0.4 - width / 2 for j in range(len(formats))], formats)
+  ax.set_yscale("log")
+  ax.set_ylabel("KL(float || quantized), nats/byte")
+  ax.legend(fontsize=7, ncol=2)
   fig.tight_layout()
   fig.savefig(path, dpi=90)
 

@@ -19,8 +19,9 @@ checked (``H Hᵀ = m I`` in integers) before use. Widths 384, 768, 1280, 1536,
 factorization (e.g. 156 and 172, which need Williamson-type constructions) are
 refused with a ``ValueError`` naming ``n`` and the factorizations tried.
 
-``hadamard_transform(x, axis)`` computes ``x @ H`` along ``axis`` in
-``O(n log n + n m)``: a butterfly for ``H_{2^k}`` and a small matmul for ``H_m``.
+``hadamard_transform(x, axis)`` computes ``x @ H`` along ``axis`` as one small
+dense matmul per Kronecker factor (``H_m`` and Sylvester factors of at most 256):
+``O(n (m + Σ p_i))`` operations in a few GEMMs rather than ``log2 n`` passes.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def hadamard(n: int, dtype: Any = np.float64) -> np.ndarray:
 
 def hadamard_factorization(n: int) -> tuple[int, int]:
   """``(m, 2^k)`` with ``n = m · 2^k``: the smallest constructible factor ``m``
-  (1 for a power of two) and the power of two the butterfly handles.
+  (1 for a power of two) and the power of two (a Sylvester matrix).
 
   Example:
     >>> hadamard_factorization(768), hadamard_factorization(1024)
@@ -95,9 +96,15 @@ def hadamard_factorization(n: int) -> tuple[int, int]:
 def hadamard_transform(x: Any, axis: int = -1) -> jax.Array:
   """``x @ H`` along ``axis``, for ``H = hadamard(x.shape[axis])``, without forming ``H``.
 
-  The power-of-two factor runs as a butterfly (``log2`` steps of sums and
-  differences), the small factor ``H_m`` as one ``m × m`` matmul; the result is
-  scaled by ``1/√n`` in ``x``'s dtype. Traceable (jit, vmap, grad).
+  ``H = H_m ⊗ H_{2^k}`` and a Sylvester ``H_{2^k}`` is itself a Kronecker
+  product of Sylvester factors, so the transform runs as one small dense
+  matmul per factor (``m`` and powers of two of at most ``_FACTOR``: for
+  3072 = 12·256, a 12×12 and a 256×256 one) over the axis reshaped into the
+  factors: each a GEMM a GPU runs on its tensor cores, where a butterfly's
+  ``log2 n`` passes would each read and write ``x``. Up to ``_BUTTERFLY_ROWS``
+  rows (decode: a few tokens, where reading the factor matrices costs more than
+  the passes) the power-of-two factor runs as a butterfly of sums and
+  differences instead. ``1/√n`` scales the first factor. Traceable (jit, vmap, grad).
 
   Example:
     >>> x = jnp.arange(24.0).reshape(2, 12)
@@ -110,14 +117,61 @@ def hadamard_transform(x: Any, axis: int = -1) -> jax.Array:
   axis = axis % x.ndim
   n = x.shape[axis]
   m, p2 = hadamard_factorization(n)
+  sizes = ([m] if m > 1 else []) + _power_factors(p2)
   y = jnp.moveaxis(x, axis, -1)
   lead = y.shape[:-1]
-  y = _butterfly(y.reshape(lead + (m, p2)))
-  if m > 1:
-    hm = jnp.asarray(_small(m), dtype=y.dtype)
-    y = jnp.einsum("...ab,ac->...cb", y, hm, precision=jax.lax.Precision.HIGHEST)
-  y = y.reshape(lead + (n,)) * jnp.asarray(1.0 / np.sqrt(n), dtype=y.dtype)
-  return jnp.moveaxis(y, -1, axis)
+  if p2 > 1 and _rows(lead) <= _BUTTERFLY_ROWS:
+    y = _butterfly(y.reshape(lead + (m, p2)))
+    if m > 1:
+      hm = jnp.asarray(_small(m), dtype=y.dtype)
+      y = jnp.einsum("...ab,ac->...cb", y, hm, precision=jax.lax.Precision.HIGHEST)
+    y = y.reshape(lead + (n,)) * jnp.asarray(1.0 / np.sqrt(n), dtype=y.dtype)
+    return jnp.moveaxis(y, -1, axis)
+  y = y.reshape(lead + tuple(sizes))
+  letters = "abcdefgh"[:len(sizes)]
+  scale = 1.0 / np.sqrt(n)
+  for j, size in enumerate(sizes):
+    h = (_small(m) if (j == 0 and m > 1) else _sylvester(size)).astype(np.float64)
+    h = jnp.asarray(h * scale if j == 0 else h, dtype=y.dtype)
+    out = letters[:j] + "z" + letters[j + 1:]
+    y = jnp.einsum(f"...{letters},{letters[j]}z->...{out}", y, h, precision=jax.lax.Precision.HIGHEST)
+  return jnp.moveaxis(y.reshape(lead + (n,)), -1, axis)
+
+
+_FACTOR = 256          # the largest power-of-two factor run as one dense matmul
+_BUTTERFLY_ROWS = 64   # rows up to which the power-of-two factor runs as a butterfly (decode)
+
+
+def _rows(lead: tuple) -> float:
+  """The number of rows, or infinity where a dim is symbolic (jax.export: any size)."""
+  try:
+    return float(np.prod([int(d) for d in lead]))
+  except Exception:  # noqa: BLE001 - jax's InconclusiveDimensionOperation and kin: not a constant
+    return float("inf")
+
+
+def _butterfly(y: jax.Array) -> jax.Array:
+  """``y @ H_{2^k}`` (unnormalized Sylvester) along the last axis: one
+  ``(a + b, a - b)`` step per bit of the index; the factors are all
+  ``[[1, 1], [1, -1]]``, so their order does not matter."""
+  lead, n = y.shape[:-1], y.shape[-1]
+  h = 1
+  while h < n:
+    y = y.reshape(lead + (n // (2 * h), 2, h))
+    a, b = y[..., 0, :], y[..., 1, :]
+    y = jnp.stack([a + b, a - b], axis=-2)
+    h *= 2
+  return y.reshape(lead + (n,))
+
+
+def _power_factors(p2: int) -> list:
+  """``p2`` (a power of two) as a product of powers of two of at most ``_FACTOR``, near-equal."""
+  if p2 == 1:
+    return []
+  k = p2.bit_length() - 1
+  parts = -(-k // (_FACTOR.bit_length() - 1))
+  bits = [k // parts + (1 if i < k % parts else 0) for i in range(parts)]
+  return [1 << b for b in bits]
 
 
 def random_orthogonal(n: int, key: jax.Array, dtype: Any = np.float64) -> np.ndarray:
@@ -137,24 +191,6 @@ def random_orthogonal(n: int, key: jax.Array, dtype: Any = np.float64) -> np.nda
   d = np.sign(np.diagonal(r))
   d[d == 0] = 1.0
   return (q * d).astype(dtype)
-
-
-# ----------------------------------------------------------------------------
-# The butterfly.
-
-
-def _butterfly(y: jax.Array) -> jax.Array:
-  """``y @ H_{2^k}`` (unnormalized Sylvester) along the last axis: one
-  ``(a + b, a - b)`` step per bit of the index; the factors are all
-  ``[[1, 1], [1, -1]]``, so their order does not matter."""
-  lead, n = y.shape[:-1], y.shape[-1]
-  h = 1
-  while h < n:
-    y = y.reshape(lead + (n // (2 * h), 2, h))
-    a, b = y[..., 0, :], y[..., 1, :]
-    y = jnp.stack([a + b, a - b], axis=-2)
-    h *= 2
-  return y.reshape(lead + (n,))
 
 
 # ----------------------------------------------------------------------------

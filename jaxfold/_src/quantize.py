@@ -99,6 +99,7 @@ class QuantizedAt(NamedTuple):
   atype: Optional[str]
   numbers: tuple    # the dot_general's dimension numbers
   smooth: Optional[str] = None   # the stored per-channel scale s: x/s meets the weight quantized as s·W
+  static: Optional[str] = None   # the stored calibrated scale of x (one per contraction); None: per token
 
   def contract(self, eqn: Any, invals: list, extras: dict) -> list:
     """The equation's output computed from the stored weight (rewrite.evaluate calls this)."""
@@ -108,7 +109,9 @@ class QuantizedAt(NamedTuple):
     (lc, rc), _ = self.numbers
     if self.smooth is not None:   # (x / s)·(s W) = x W: SmoothQuant's migration, before x is quantized
       x = x / _along_dim(extras[self.smooth], x.ndim, (lc if self.operand == 1 else rc)[0]).astype(x.dtype)
-    if self.atype is not None:
+    if self.atype is not None and self.static is not None:
+      x = _static_quantized(x, extras[self.static], self.atype)
+    elif self.atype is not None:
       contracted = lc if self.operand == 1 else rc
       rows = tuple(d for d in range(x.ndim) if d not in contracted)
       x = qwix.quantize(x, _QTYPE[self.atype], channelwise_axes=rows)
@@ -144,6 +147,7 @@ class QuantReport:
   bytes_before: int
   bytes_after: int
   smooth: Optional[float] = None   # SmoothQuant's α, when the activations' range was migrated into the weights
+  activation_scale: str = "dynamic"   # or "static": one calibrated scale per contraction
 
   @property
   def num_quantized(self) -> int:
@@ -154,7 +158,7 @@ class QuantReport:
     fw = max([len(s.formats) for s in self.sites] + [36])
     lines = [f"quantized {self.num_quantized}/{len(self.sites)} contractions reading a parameter "
              f"(weights {self.weights}{f' g{self.group_size}' if self.group_size else ''}, activations "
-             f"{self.activations or 'float'}"
+             f"{self.activations or 'float'}{' static' if self.activation_scale == 'static' else ''}"
              f"{f'; SmoothQuant α={self.smooth:g}' if self.smooth is not None else ''}); their weights "
              f"{_size(self.bytes_before)} -> {_size(self.bytes_after)}",
              f"  {'weight':{w}}  {'shape':>12}  {'formats':{fw}}  rel. error of the output / kept in float because"]
@@ -173,6 +177,26 @@ class QuantReport:
   def to_json(self) -> str:
     import json
     return json.dumps(dataclasses.asdict(self), indent=1, default=list)
+
+
+# Largest magnitude of each format: a scale of absmax / _QMAX maps the calibrated range onto it
+# (qwix's own convention for int: absmax / 127.5 and 7.5, the rounding boundary of the extreme value).
+_QMAX = {"int8": 127.5, "int4": 7.5, "fp8": 448.0}
+_QRANGE = {"int8": (-128, 127), "int4": (-8, 7)}
+
+
+def _static_quantized(x: Any, scale: Any, atype: str) -> Any:
+  """``x`` quantized with one calibrated scale (a qwix ``QArray``): values beyond the
+  calibrated range saturate, the cost of a static scale (no per-token reduction)."""
+  qwix = _qwix()
+  s = jnp.asarray(scale, jnp.float32)
+  y = x.astype(jnp.float32) / s
+  if atype == "fp8":
+    q = jnp.clip(y, -_QMAX["fp8"], _QMAX["fp8"]).astype(jnp.float8_e4m3fn)
+  else:
+    lo, hi = _QRANGE[atype]
+    q = jnp.clip(jnp.round(y), lo, hi).astype(_QTYPE[atype])
+  return qwix.QArray(qvalue=q, scale=jnp.reshape(s, (1,) * x.ndim), zero_point=None, qtype=_QTYPE[atype])
 
 
 def _along_dim(v: Any, rank: int, dim: int) -> Any:
@@ -203,6 +227,7 @@ class _Config(NamedTuple):
   group_size: Optional[int]
   skip: tuple
   smooth: Optional[float] = None   # SmoothQuant's α (None: no migration)
+  static: bool = False             # activation scales calibrated once (else per token, in the program)
 
 
 class QuantAnalysis(NamedTuple):
@@ -264,11 +289,12 @@ def analyse(fn: Callable, params: Any, args: tuple, cfg: _Config) -> QuantAnalys
       qname = f"w{leaf:05d}"
       smooth = f"{qname}.s" if cfg.smooth is not None and len(contracted) == 1 else None
       entries.append(QuantizedAt(node.path, k, qname, shape, w_aval.dtype, cfg.weights, channel, tiled, group,
-                                 cfg.activations, dd.numbers, smooth))
+                                 cfg.activations, dd.numbers, smooth, f"{qname}.a" if cfg.static else None))
       chains[leaf] = tuple(n.eqn for n in chain)
       key.append((leaf, node.path, k))
       fmt = f"W {cfg.weights}" + (f" g{group}" if group else " per channel")
-      fmt += f" / A {cfg.activations} per token" if cfg.activations else " / A float"
+      fmt += (f" / A {cfg.activations} {'static' if cfg.static else 'per token'}" if cfg.activations
+              else " / A float")
       if cfg.smooth is not None:
         fmt += f", smoothed α={cfg.smooth:g}" if smooth else ", not smoothed (several contracted dims)"
       sites.append(QuantSite(name, shape, fmt))
@@ -325,15 +351,15 @@ def _activation_ranges(runs: list, leaves: list) -> dict:
 
   amax: dict = {}
   for an, flat in runs:
-    at = {e.path: e for e in an.plan.quantized if e.smooth is not None}
+    at = {e.path: e for e in an.plan.quantized if e.smooth is not None or e.static is not None}
 
     def hook(path, eqn, invals, at=at):
       e = at.get(path)
-      if e is not None:
+      if e is not None:   # (per channel along the one contracted dim when smoothing; else one value)
         (lc, rc), _ = e.numbers
-        c = (lc if e.operand == 1 else rc)[0]
+        c = (lc if e.operand == 1 else rc)[0] if e.smooth is not None else None
         x = np.abs(np.asarray(invals[1 - e.operand], np.float64))
-        m = x.max(axis=tuple(i for i in range(x.ndim) if i != c))
+        m = x.max(axis=tuple(i for i in range(x.ndim) if i != c)) if c is not None else x.max(keepdims=False)
         amax[path] = m if path not in amax else np.maximum(amax[path], m)
 
     rewrite.evaluate(an.jaxpr, an.consts, list(leaves) + list(flat), Plan(), {}, observe=hook)
@@ -383,6 +409,8 @@ def _abstract_weights(an: QuantAnalysis) -> dict:
     out[e.name] = jax.eval_shape(functools.partial(_quantize_weight, e=e), w)
     if e.smooth is not None:
       out[e.smooth] = jax.ShapeDtypeStruct((e.shape[_w_contracted(e)],), _scale_dtype(e))
+    if e.static is not None:
+      out[e.static] = jax.ShapeDtypeStruct((), np.float32)
   return out
 
 
@@ -395,7 +423,8 @@ class _QuantRecord(NamedTuple):
   key_sha256: str
 
 
-def _config(weights: Any, activations: Any, group_size: Any, skip: Any, smooth: Any = None) -> _Config:
+def _config(weights: Any, activations: Any, group_size: Any, skip: Any, smooth: Any = None,
+            activation_scale: str = "dynamic") -> _Config:
   if weights not in WEIGHTS:
     raise QuantizeError(f"quantize: weights must be one of {WEIGHTS}, got {weights!r}")
   if activations not in ACTIVATIONS:
@@ -409,7 +438,14 @@ def _config(weights: Any, activations: Any, group_size: Any, skip: Any, smooth: 
   if smooth is not None and (isinstance(smooth, bool) or not isinstance(smooth, (int, float)) or not 0 <= smooth <= 1):
     raise QuantizeError(f"quantize: smooth must be SmoothQuant's α, a number in [0, 1] (0.5 is usual), or None; "
                         f"got {smooth!r}")
-  return _Config(weights, activations, group_size, skip, None if smooth is None else float(smooth))
+  if activation_scale not in ("dynamic", "static"):
+    raise QuantizeError(f"quantize: activation_scale must be \"dynamic\" (per token, in the program) or "
+                        f"\"static\" (calibrated once), got {activation_scale!r}")
+  if activation_scale == "static" and activations is None:
+    raise QuantizeError("quantize: activation_scale=\"static\" calibrates the scales of quantized activations: "
+                        "pass activations=\"int8\" (or \"int4\", \"fp8\") too")
+  return _Config(weights, activations, group_size, skip, None if smooth is None else float(smooth),
+                 activation_scale == "static")
 
 
 @register
@@ -434,12 +470,14 @@ class QuantizedApply(Step):
     if any(callable(s) for s in c.skip):
       raise QuantizeError("a quantized result with a callable skip= cannot be saved: pass parameter names")
     info = {"name": self.kind, "weights": c.weights, "activations": c.activations, "group_size": c.group_size,
-            "skip": list(c.skip), "smooth": c.smooth, "key_sha256": digest(self._base.key)}
+            "skip": list(c.skip), "smooth": c.smooth, "activation_scale": "static" if c.static else "dynamic",
+            "key_sha256": digest(self._base.key)}
     return StepRecord(info, {})
 
   @classmethod
   def parse(cls, info: dict, decode: Callable[[Any], Any]) -> _QuantRecord:
-    cfg = _config(info["weights"], info["activations"], info["group_size"], tuple(info["skip"]), info.get("smooth"))
+    cfg = _config(info["weights"], info["activations"], info["group_size"], tuple(info["skip"]), info.get("smooth"),
+                  info.get("activation_scale", "dynamic"))
     return _QuantRecord(cfg, str(info["key_sha256"]))
 
   @classmethod
@@ -450,7 +488,7 @@ class QuantizedApply(Step):
     if ctx.verify and digest(an.key) != parsed.key_sha256:
       raise ctx.refuse("quantize (other contractions would be quantized now than when saved)")
     report = QuantReport(an.sites, parsed.cfg.weights, parsed.cfg.activations, parsed.cfg.group_size, 0, 0,
-                         parsed.cfg.smooth)
+                         parsed.cfg.smooth, "static" if parsed.cfg.static else "dynamic")
     tree = jax.tree_util.tree_structure(QuantParams(_placeholders(params, an), _abstract_weights(an)))
     return Restored(cls(inner, params, an, parsed.cfg, args, ctx.kwargs), report, tree)
 
@@ -515,7 +553,7 @@ def _site_errors(runs: list, leaves: list, weights: dict) -> dict:
 
 def quantize(model: Any, *example_args: Any, weights: str = "int8", activations: Optional[str] = None,
              group_size: Optional[int] = None, calibration: Optional[list] = None, skip: Any = (),
-             smooth: Optional[float] = None) -> Quantized:
+             smooth: Optional[float] = None, activation_scale: str = "dynamic") -> Quantized:
   """Runs every contraction that reads a parameter as a quantized GEMM (qwix).
 
   ``model`` is any jaxfold result (``fold``, ``fuse_affine``, ``rotate``,
@@ -534,6 +572,10 @@ def quantize(model: Any, *example_args: Any, weights: str = "int8", activations:
   divides ``x`` by ``s`` before quantizing it — ``(x/s)·(s·W) = x·W`` exactly
   before quantization; the remedy where fusing γ into the readers widened
   their weights' range, or where a channel of ``x`` is an outlier.
+  ``activation_scale="static"`` quantizes each contraction's activations with one
+  scale calibrated on ``calibration`` (its largest magnitude there) instead of
+  per token: no reduction over each row in the program, and values beyond the
+  calibrated range saturate.
   Needs qwix (``pip install "jaxfold[quantize]"``).
 
   Example:
@@ -546,7 +588,7 @@ def quantize(model: Any, *example_args: Any, weights: str = "int8", activations:
     >>> bool(jnp.allclose(q.apply_fn(q.params, x), m.apply(p, x), atol=0.1))
     True
   """
-  cfg = _config(weights, activations, group_size, skip, smooth)
+  cfg = _config(weights, activations, group_size, skip, smooth, activation_scale)
   _qwix()
   if isinstance(model, tuple) and len(model) == 2 and callable(model[1]) and not isinstance(model, Result):
     params, fn = model
@@ -574,10 +616,11 @@ def quantize(model: Any, *example_args: Any, weights: str = "int8", activations:
       raise QuantizeError(f"calibration inputs of shapes {pipeline.shapes_text(c.args)} quantize other "
                           "contractions than the example's; calibrate at shapes like the example's")
     runs.append((other, flat))
-  if cfg.smooth is not None and not runs:
-    raise QuantizeError("quantize(..., smooth=α) measures the activations' ranges: pass calibration=[example "
+  if (cfg.smooth is not None or cfg.static) and not runs:
+    what = "smooth=α" if cfg.smooth is not None else "activation_scale=\"static\""
+    raise QuantizeError(f"quantize(..., {what}) measures the activations' ranges: pass calibration=[example "
                         "args, ...] with values")
-  amax = _activation_ranges(runs, leaves) if cfg.smooth is not None else {}
+  amax = _activation_ranges(runs, leaves) if cfg.smooth is not None or cfg.static else {}
   stored = {}
   before = after = 0
   for e, (leaf, _, _) in zip(an.plan.quantized, an.key):
@@ -585,12 +628,16 @@ def quantize(model: Any, *example_args: Any, weights: str = "int8", activations:
     s = None
     if e.smooth is not None:
       s = stored[e.smooth] = jnp.asarray(_smoothing(e, w, amax[e.path], cfg.smooth))
+    if e.static is not None:   # (the range x has where it is quantized: after smoothing)
+      top = float(np.max(amax[e.path] / np.asarray(s, np.float64))) if s is not None else float(np.max(amax[e.path]))
+      stored[e.static] = jnp.asarray(max(top, 1e-30) / _QMAX[e.atype], jnp.float32)
     stored[e.name] = _quantize_weight(w, e, s)
     before += leaves[leaf].size * leaves[leaf].dtype.itemsize
     after += sum(a.size * a.dtype.itemsize for a in stored[e.name])
   errors = _site_errors(runs, leaves, stored) if runs else {}
   measured = iter([errors.get(e.name, -1.0) for e in an.plan.quantized])   # (quantized sites, in plan order)
   sites = tuple(dataclasses.replace(s, error=next(measured)) if s.quantized else s for s in an.sites)
-  report = QuantReport(sites, cfg.weights, cfg.activations, cfg.group_size, before, after, cfg.smooth)
+  report = QuantReport(sites, cfg.weights, cfg.activations, cfg.group_size, before, after, cfg.smooth,
+                       "static" if cfg.static else "dynamic")
   apply = QuantizedApply(fn, abstract, an, cfg, example_args, kwargs)
   return Quantized(QuantParams(_placeholders(params, an), stored), apply, report)

@@ -233,3 +233,60 @@ def test_smooth_lowers_the_error_of_a_reader_gamma_widened(tmp_path):
   assert plain.report.widened[0].ratio == pytest.approx(1.0) and "γ widens" not in str(plain.report)
   with pytest.raises(jaxfold.QuantizeError, match="smooth must be"):
     jaxfold.quantize(fu, weights="int8", smooth=2.0)
+
+
+def test_static_activation_scales_match_an_independent_numpy_reference(x64, tmp_path):
+  """activation_scale="static": one scale per contraction, absmax over the
+  calibration inputs / 127.5; x rounded to int8 with it (saturating), W per channel."""
+  m = _MLP()
+  cal = [(_x(4, 6, 16, seed=s),) for s in (5, 6)]
+  p = _init(m, cal[0][0])
+  fu = jaxfold.fuse_affine(jaxfold.fold(p, m.apply, cal[0][0]))
+  q = jaxfold.quantize(fu, weights="int8", activations="int8", calibration=cal, activation_scale="static")
+  assert q.report.activation_scale == "static" and "activations int8 static" in str(q.report)
+  assert all("A int8 static" in s.formats for s in q.report.sites)
+  scales = {k: float(v) for k, v in q.params.weights.items() if k.endswith(".a")}
+  assert len(scales) == 2
+  # The up projection reads the normalized input: its calibrated scale is the largest |y| there.
+  ln = lambda x: (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-6)   # noqa: E731
+  y_cal = [ln(np.asarray(c[0], np.float64)) for c in cal]
+  assert min(scales.values()) > 0
+  want = max(np.abs(y).max() for y in y_cal) / 127.5
+  assert min(abs(v / want - 1) for v in scales.values()) < 1e-6, (scales, want)
+  jaxfold.save_fold(q, tmp_path / "q")
+  back = jaxfold.load_fold(tmp_path / "q", m.apply)
+  for shape in ((2, 5, 16), (1, 1, 16)):
+    x = _x(*shape, seed=9)
+    out = q.apply_fn(q.params, x)
+    np.testing.assert_array_equal(back.apply_fn(back.params, x), out)
+    assert float(jnp.linalg.norm(out - m.apply(p, x)) / jnp.linalg.norm(m.apply(p, x))) < 0.05
+  with pytest.raises(jaxfold.QuantizeError, match="pass calibration"):
+    jaxfold.quantize(fu, weights="int8", activations="int8", activation_scale="static")
+  with pytest.raises(jaxfold.QuantizeError, match="pass activations="):
+    jaxfold.quantize(fu, weights="int8", activation_scale="static", calibration=cal)
+
+
+def test_static_w8a8_matches_numpy_end_to_end(x64):
+  """The original MLP quantized W8A8 with static scales, recomputed in NumPy from
+  the stored int8 weights and scales: LN -> int8(x / a1)·a1 @ W1 -> GELU -> int8(h / a2)·a2 @ W2."""
+  m = _MLP()
+  cal = [(_x(4, 6, 16, seed=s),) for s in (5, 6)]
+  p = _init(m, cal[0][0])
+  q = jaxfold.quantize((p, m.apply), cal[0][0], weights="int8", activations="int8", calibration=cal,
+                       activation_scale="static")
+  P = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), p)["params"]
+  stored = {k: v for k, v in q.params.weights.items()}
+  by_shape = {tuple(v.data.shape): (np.asarray(v.data, np.float64) * np.asarray(v.scale, np.float64),
+                                    float(stored[k + ".a"])) for k, v in stored.items() if not k.endswith(".a")}
+  (w1, a1), (w2, a2) = by_shape[(16, 32)], by_shape[(32, 8)]
+  q8 = lambda v, a: np.clip(np.round(v / a), -128, 127) * a   # noqa: E731
+
+  def ref(x):
+    x = np.asarray(x, np.float64)
+    y = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-6)
+    y = y * P["LayerNorm_0"]["scale"] + P["LayerNorm_0"]["bias"]
+    h = np.asarray(jax.nn.gelu(q8(y, a1) @ w1 + P["up"]["bias"]), np.float64)
+    return q8(h, a2) @ w2 + P["down"]["bias"]
+  for shape in ((2, 5, 16), (1, 1, 16), (3, 4, 16)):
+    x = _x(*shape, seed=11) * 1.5     # (beyond the calibrated range in places: saturates)
+    np.testing.assert_allclose(q.apply_fn(q.params, x), ref(x), rtol=1e-6, atol=1e-6)
