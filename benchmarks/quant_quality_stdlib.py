@@ -105,6 +105,8 @@ def main(argv=None) -> int:
     bases["fold+fuse+rotate(hadamard)+online"] = jaxfold.online_hadamard(bases["fold+fuse+rotate(hadamard)"])
   bases["naive+smooth(0.5)"] = bases["naive"]      # SmoothQuant's migration instead of a rotation
   bases["fold+fuse+smooth(0.5)"] = fused
+  if "fold+fuse+rotate(hadamard)+online" in bases:  # both remedies
+    bases["fold+fuse+rotate(hadamard)+online+smooth(0.5)"] = bases["fold+fuse+rotate(hadamard)+online"]
   for fmt, kw in FORMATS.items():
     kw = dict(kw, group_size=group_for(cfg.n_embd)) if kw["weights"] == "int4" else kw
     for label, base in bases.items():

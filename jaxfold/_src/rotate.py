@@ -707,6 +707,7 @@ class RotatedApply(Step):
     super().__init__(fn, params_abstract, args, kwargs)
     self._key, self._n, self._insert = base.key, n, insert
     self._q = q   # the rotation, kept so that save_fold records it and inserted rotations compute it
+    self._q_device = None
     self._tree = jax.tree_util.tree_structure(params_abstract)
     if base.inserted and q is None:
       raise RotateError("this rotation computes x @ Q in the program, and Q was not kept; rotate again")
@@ -763,7 +764,10 @@ class RotatedApply(Step):
     except (ValueError, TypeError) as err:
       raise RotateError("params do not have the structure of the rotate result's params") from err
     flat = jax.tree_util.tree_leaves(leaves) + jax.tree_util.tree_leaves(call.args)
-    outs = compiled.run(sol, flat, {_Q: np.asarray(self._q)})
+    if self._q_device is None:   # (on the device once, not copied there at every eager call)
+      with jax.ensure_compile_time_eval():   # (a concrete array even when first called under a trace)
+        self._q_device = jnp.asarray(self._q)
+    outs = compiled.run(sol, flat, {_Q: self._q_device})
     return jax.tree_util.tree_unflatten(sol.out_tree, outs)
 
 
