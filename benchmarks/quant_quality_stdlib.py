@@ -94,6 +94,12 @@ def main(argv=None) -> int:
   rows = [{"format": "float", "model": "original", **metrics(ref, targets, ref)}]
   notes = {}
   fused = jaxfold.fuse_affine(jaxfold.fold(params, fn, ids[:1], tied_weights="copy"))  # rotate needs an untied head
+  wide = sorted(fused.report.widened, key=lambda w: -w.ratio)
+  if wide:   # fuse_affine's own measure of how γ widened each reader's weight range
+    notes["γ widening (fuse report)"] = (
+        f"median max|w|/rms(w) per output channel grew in {sum(w.ratio > 1 for w in wide)} of {len(wide)} readers, "
+        f"{sum(w.ratio >= 1.5 for w in wide)} by 1.5x or more; largest {wide[0].ratio:.2f}x "
+        f"({wide[0].before:.2f} -> {wide[0].after:.2f}, {wide[0].weight})")
   bases = {"naive": (params, fn)}
   for name in ROTATIONS:
     try:

@@ -27,7 +27,7 @@ def test_eager_call_is_one_program_per_shape_and_exact(x64):
                                   m.init(jax.random.PRNGKey(0), x))
   folded = jaxfold.fold(params, m.apply, x)
   assert folded.report.num_folded == 2
-  before = {id(e[1]) for e in compiled._CACHE.values()}
+  before = {id(e[1]): e[1] for e in compiled._CACHE.values()}   # (held: no new function reuses their ids)
   shapes = [(3, 5, 12), (1, 1, 12), (1, 4, 12)]
   for s in shapes:
     xs = jnp.asarray(rng.standard_normal(s))
@@ -50,7 +50,7 @@ def test_a_fused_apply_fn_runs_compiled_too(x64):
   params = jax.tree_util.tree_map(lambda a: jnp.asarray(rng.standard_normal(a.shape)) * 0.7 + 0.2,
                                   m.init(jax.random.PRNGKey(0), x))
   fused = jaxfold.fuse_affine(jaxfold.fold(params, m.apply, x))
-  before = {id(e[1]) for e in compiled._CACHE.values()}
+  before = {id(e[1]): e[1] for e in compiled._CACHE.values()}   # (held: no new function reuses their ids)
   for s in [(2, 3, 12), (1, 1, 12)]:
     xs = jnp.asarray(rng.standard_normal(s))
     np.testing.assert_allclose(fused.apply_fn(fused.params, xs), jax.jit(m.apply)(params, xs), rtol=1e-12, atol=1e-12)

@@ -139,8 +139,10 @@ def test_rotate_says_fuse_first_and_tied_weights_copy(gpt2):
   aux = jaxfold.fold(p, spec.apply_fn(), *ids)
   assert aux.report.num_auxiliary == 1
   with pytest.raises(jaxfold.FuseError, match=r'tied_weights="copy"') as e:
-    jaxfold.rotate(jaxfold.fuse_affine(aux), q)
+    jaxfold.rotate(jaxfold.fuse_affine(aux), q, insert=False)
   assert "fuse_affine(folded) first" not in str(e.value)
+  # (by default the program computes x @ Q on the aux-centered embedding instead)
+  assert len(jaxfold.rotate(jaxfold.fuse_affine(aux), q).report.inserted) == 1
 
 
 def test_tree_summary():
