@@ -66,9 +66,11 @@ def group_for(d: int) -> int:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--params", default=os.path.join(T.CACHE, "stdlib-gpt2-256x4-long.msgpack"),
-                  help="made by: python benchmarks/train_stdlib_gpt2.py --name stdlib-gpt2-256x4-long "
-                       "--steps 1400 --minutes 45 --lr 2e-3")
+  ap.add_argument("--params", default=os.path.join(T.CACHE, "stdlib-gpt2-256x4-4k.msgpack"),
+                  help="made by: python benchmarks/train_stdlib_gpt2.py --name stdlib-gpt2-256x4-4k "
+                       "--steps 4000 --minutes 50 --lr 2e-3 (the minutes stop it first on 2 CPU cores: the "
+                       "steps it took are in the .json beside it); the shorter run: --name "
+                       "stdlib-gpt2-256x4-long --steps 1400 --minutes 45 --lr 2e-3")
   ap.add_argument("--windows", type=int, default=32)
   ap.add_argument("--ctx", type=int, default=None, help="default: the model's context")
   ap.add_argument("--out", default=os.path.join(C.RESULTS, "quant_quality_stdlib"))
