@@ -99,3 +99,24 @@ def test_fold_real_minilm(params, reference, aux):
   ours = _ours(folded.params, folded.apply_fn, reference)
   keep = reference["mask"]
   assert rel_err(reference["tokens"][keep], ours[keep]) < 1e-5
+
+
+def test_rotate_real_minilm_with_inserted_rotations(params, reference, x64):
+  """The real post-LN checkpoint: its unfolded LayerNorms keep γ and their mean, so
+  rotate proves only a segment, with x @ Q and y @ Qᵀ computed around it. Parameters
+  in float64; the model casts to float32 in places (the attention), so the programs
+  agree to float32's rounding, at the reference's shapes and at batch 1."""
+  import jaxfold
+
+  spec = models.get("minilm-l6")
+  p64 = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+  fn = spec.apply_fn()
+  fused = jaxfold.fuse_affine(jaxfold.fold(p64, fn, *reference["args"]))
+  r = jaxfold.rotate(fused, "hadamard")
+  assert r.report.norms >= 1 and r.report.inserted, r.report
+  assert {t[:6] for t in r.report.inserted} == {"x @ Q ", "y @ Qᵀ"}, r.report
+  one = tuple(a[:1, :5] for a in reference["args"])
+  for args in (reference["args"], one):
+    ref = np.asarray(fn(p64, *args))
+    assert rel_err(ref, np.asarray(fused.apply_fn(fused.params, *args))) < 1e-6   # (the fold's own float32 share)
+    assert rel_err(ref, np.asarray(r.apply_fn(r.params, *args))) < 1e-6
