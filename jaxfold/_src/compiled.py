@@ -23,7 +23,7 @@ import jax
 
 from jaxfold._src.rewrite import evaluate
 
-__all__ = ["run"]
+__all__ = ["run", "run_on"]
 
 _SIZE = 32
 _CACHE: collections.OrderedDict = collections.OrderedDict()   # id(analysis) -> (weakref, jitted)
@@ -66,3 +66,16 @@ def run(analysis: Any, flat: Sequence[Any], extras: dict) -> list:
   if _traced((flat, extras)):
     return evaluate(analysis.jaxpr, analysis.consts, list(flat), analysis.plan, dict(extras))
   return _jitted(analysis)(list(analysis.consts), list(flat), dict(extras))
+
+
+def run_on(analysis: Any, tree: Any, params: Any, args: Any, extras: dict, error: type, what: str,
+           fill: Callable[[list], list] | None = None) -> Any:
+  """A step's apply: ``params`` flattened to the step's parameter ``tree`` (else
+  ``error(what)``), optionally ``fill``-ed (leaves the plan no longer reads), then
+  ``args``' leaves, run by :func:`run`; the outputs in ``analysis.out_tree``."""
+  try:
+    leaves = jax.tree_util.tree_leaves(tree.flatten_up_to(params))
+  except (ValueError, TypeError) as err:
+    raise error(what) from err
+  flat = (fill(leaves) if fill is not None else leaves) + jax.tree_util.tree_leaves(args)
+  return jax.tree_util.tree_unflatten(analysis.out_tree, run(analysis, flat, extras))

@@ -507,14 +507,8 @@ class OnlineApply(Step):
 
   def __call__(self, params, *args, **kwargs):
     call = self.bind(args, kwargs)
-    an = self._cached(call)
-    try:
-      leaves = self._tree.flatten_up_to(params)
-    except (ValueError, TypeError) as err:
-      raise RotateError("params do not have the structure of the online_hadamard result's params") from err
-    flat = [x for x in jax.tree_util.tree_leaves(leaves)] + jax.tree_util.tree_leaves(call.args)
-    outs = compiled.run(an, flat, {})
-    return jax.tree_util.tree_unflatten(an.out_tree, outs)
+    return compiled.run_on(self._cached(call), self._tree, params, call.args, {}, RotateError,
+                           "params do not have the structure of the online_hadamard result's params")
 
 
 def online_hadamard(model: Any, *example_args: Any, where: Any = WHERE) -> Online:

@@ -505,17 +505,13 @@ class QuantizedApply(Step):
                           f"{type(params).__name__}")
     call = self.bind(args, kwargs)
     an = self._cached(call)
-    try:
-      leaves = self._tree.flatten_up_to(params.base)
-    except (ValueError, TypeError) as err:
-      raise QuantizeError("params.base does not have the structure of the quantized result's") from err
     quantized = {leaf for leaf, _, _ in an.key}
-    # (a quantized leaf's float values are gone; the program's only read of it is replaced)
-    flat = [jnp.zeros(s.shape, s.dtype) if i in quantized else x
-            for i, (x, s) in enumerate(zip(jax.tree_util.tree_leaves(leaves), self._shapes))]
-    flat += jax.tree_util.tree_leaves(call.args)
-    outs = compiled.run(an, flat, dict(params.weights))
-    return jax.tree_util.tree_unflatten(an.out_tree, outs)
+
+    def fill(leaves):   # (a quantized leaf's float values are gone; the program's only read of it is replaced)
+      return [jnp.zeros(s.shape, s.dtype) if i in quantized else x
+              for i, (x, s) in enumerate(zip(leaves, self._shapes))]
+    return compiled.run_on(an, self._tree, params.base, call.args, dict(params.weights), QuantizeError,
+                           "params.base does not have the structure of the quantized result's", fill)
 
 
 def _placeholders(params: Any, an: QuantAnalysis) -> Any:

@@ -367,23 +367,32 @@ def _leaving(node: Any, ins: list, ends: Optional[dict], n: int, rounded: set = 
   for k, s in enumerate(ins):
     if s is None:
       continue
-    if (not isinstance(s, Lin) or len(s.dims) != 1 or node.ins[k].shape[next(iter(s.dims))] != n
-            or node.ins[k] in rounded):
+    d = _undoable(node.ins[k], s, n)
+    if d is None or node.ins[k] in rounded:
       return None
-    cut[(node.path, "operand", k)] = next(iter(s.dims))
+    cut[(node.path, "operand", k)] = d
   return cut
+
+
+def _undoable(v: Any, s: Any, n: int) -> Optional[int]:
+  """The dim along which ``y @ Qᵀ`` undoes ``v``'s rotation ``s`` (``Lin`` along one dim of size n), else None."""
+  if not isinstance(s, Lin) or len(s.dims) != 1:
+    return None
+  (d,) = s.dims
+  return d if v.shape[d] == n else None
 
 
 def _end(prog: Any, v: Any, s: Any, ends: Optional[dict], n: int, what: str,
          rounded: set = frozenset()) -> Optional[str]:
   """Records program output ``v`` rotated by ``s`` in ``ends``; the reason when it cannot be un-rotated."""
-  if ends is None or not isinstance(s, Lin) or len(s.dims) != 1 or v.shape[next(iter(s.dims))] != n:
+  d = None if ends is None else _undoable(v, s, n)
+  if d is None:
     return f"{what} reaches program output #{prog.output_positions[v][0]}"
   if v in rounded:
     return (f"{what} reaches program output #{prog.output_positions[v][0]} after a rounding to a narrower "
             "precision, which y @ Qᵀ there would not undo")
   for i in prog.output_positions[v]:
-    ends[("output", i)] = next(iter(s.dims))
+    ends[("output", i)] = d
   return None
 
 
@@ -403,14 +412,6 @@ def advance(prog: Any, node: Any, outs: list, states: dict, ends: Optional[dict]
   return None
 
 
-class Insertion(NamedTuple):
-  """A rotation the program computes: value ``key`` times Q along ``axis``
-  (``key = ("output", i)``: program output i times Qᵀ); ``why`` for the report."""
-  key: tuple
-  axis: int
-  why: str
-
-
 class Solution(NamedTuple):
   """One signature's proven rotation: the leaves rotated (``key``), the norms
   it passes, the rotations inserted into the program and, where there are
@@ -418,12 +419,16 @@ class Solution(NamedTuple):
   key: tuple            # ((leaf, dims), ...)
   norms: int
   names: tuple
-  inserted: tuple       # Insertion, ...
   lines: tuple          # the report's line per inserted rotation (un-rotations of one value together)
   jaxpr: Any
   consts: list
   out_tree: Any
-  plan: Any             # rewrite.Plan
+  plan: Any             # rewrite.Plan of the inserted rotations; None: only parameters rotated
+
+  @property
+  def inserted(self) -> tuple:
+    """The rotations the program computes (``rewrite.RotationAt``, in report order)."""
+    return () if self.plan is None else self.plan.rotations
 
 
 def _where_made(a: Any, num_params: int = 0) -> str:
@@ -506,34 +511,26 @@ def _solve(fn: Callable, params: Any, args: tuple, n: int, insert: bool = True) 
     if not norms:
       raise RotateError(f"the rotation is not provably exact: {first}" if first else
                         "no norm reads the rotated stream")
-    made = tuple(Insertion(a.key, next(iter(s.dims)),
-                           f"x @ Q computed for {_where_made(a, len(names))}: `{asked_at[a].prim.name}` [at "
-                           f"{asked_at[a].where()}] meets it with the rotated stream, and no parameter "
-                           "rotation reaches it")
-                 for a, s in sorted(inserted.items(), key=lambda kv: _order_key(kv[0].key)))
-    lines = tuple(m.why for m in made)
-    exits = sorted((ends or {}).items(), key=_end_order)
-    made += tuple(Insertion(k, ax, "") for k, ax in exits)
-    lines += _exit_lines(level, [k for k, _ in exits])
+    starts = sorted(inserted.items(), key=lambda kv: _key_order(kv[0].key))
+    exits = sorted((ends or {}).items(), key=lambda kv: _key_order(kv[0]))
+    lines = tuple(f"x @ Q computed for {_where_made(a, len(names))}: `{asked_at[a].prim.name}` [at "
+                  f"{asked_at[a].where()}] meets it with the rotated stream, and no parameter rotation reaches it"
+                  for a, _ in starts) + _exit_lines(level, [k for k, _ in exits])
+    made = [(a.key, next(iter(st.dims))) for a, st in starts] + exits
     plan = None
     if made:
       norm_impl = next(iter(asked)) if len(asked) == 1 else "xla"
       epilogues = ()
       if kernels.may_use_kernel(norm_impl):   # (the program runs at the XLA level: choose the kernels again)
         epilogues = tuple(ep for ep, _ in kernels.prove_epilogues(level, {}))
-      plan = Plan(rotations=tuple(RotationAt(m.key, m.axis, _Q) for m in made), epilogues=epilogues,
+      plan = Plan(rotations=tuple(RotationAt(k, ax, _Q) for k, ax in made), epilogues=epilogues,
                   norm_impl=norm_impl)
   key = tuple(sorted((i, tuple(sorted(d))) for i, d in seeds.items()))
-  return Solution(key, norms, names, made, lines, traced.jaxpr if made else None,
+  return Solution(key, norms, names, lines, traced.jaxpr if made else None,
                   traced.consts if made else [], traced.out_tree, plan)
 
 
 _Q = "rotation"   # the extras' name of Q in a plan with inserted rotations
-
-
-def _end_order(item: tuple) -> tuple:
-  key = item[0]
-  return (1, key[1], ()) if key[0] == "output" else (0, tuple(key[0]), key[2])
 
 
 def _exit_lines(level: Level, keys: list) -> tuple:
@@ -567,9 +564,12 @@ def _proposal(level: Level, sites: list, n: int) -> dict:
   return seeds
 
 
-def _order_key(key: tuple) -> tuple:
+def _key_order(key: tuple) -> tuple:
+  """A sort key for value, operand and output keys alike (outputs last): the report's order."""
+  if key[0] == "output":
+    return (1, (), key[0], key[1])
   path, kind, i = key
-  return (tuple(path), kind, i)
+  return (0, tuple(path), kind, i)
 
 
 def _stream_widths(fn: Callable, params: Any, args: tuple) -> list:
@@ -759,16 +759,11 @@ class RotatedApply(Step):
     sol = self._cached(call)
     if not sol.inserted:
       return self._inner(params, *args, **kwargs)
-    try:
-      leaves = self._tree.flatten_up_to(params)
-    except (ValueError, TypeError) as err:
-      raise RotateError("params do not have the structure of the rotate result's params") from err
-    flat = jax.tree_util.tree_leaves(leaves) + jax.tree_util.tree_leaves(call.args)
     if self._q_device is None:   # (on the device once, not copied there at every eager call)
       with jax.ensure_compile_time_eval():   # (a concrete array even when first called under a trace)
         self._q_device = jnp.asarray(self._q)
-    outs = compiled.run(sol, flat, {_Q: self._q_device})
-    return jax.tree_util.tree_unflatten(sol.out_tree, outs)
+    return compiled.run_on(sol, self._tree, params, call.args, {_Q: self._q_device}, RotateError,
+                           "params do not have the structure of the rotate result's params")
 
 
 def _inserted_key(sol: Solution) -> tuple:
