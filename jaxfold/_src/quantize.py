@@ -101,19 +101,29 @@ class QuantizedAt(NamedTuple):
   smooth: Optional[str] = None   # the stored per-channel scale s: x/s meets the weight quantized as s·W
   static: Optional[str] = None   # the stored calibrated scale of x (one per contraction); None: per token
 
+  @property
+  def x_contracted(self) -> tuple:
+    """The other operand's contracted dims."""
+    (lc, rc), _ = self.numbers
+    return tuple(lc if self.operand == 1 else rc)
+
+  @property
+  def w_contracted(self) -> tuple:
+    """The weight's contracted dims."""
+    (lc, rc), _ = self.numbers
+    return tuple(rc if self.operand == 1 else lc)
+
   def contract(self, eqn: Any, invals: list, extras: dict) -> list:
     """The equation's output computed from the stored weight (rewrite.evaluate calls this)."""
     qwix = _qwix()
     w = _unpacked(self, extras[self.name])
     x = invals[1 - self.operand]
-    (lc, rc), _ = self.numbers
     if self.smooth is not None:   # (x / s)·(s W) = x W: SmoothQuant's migration, before x is quantized
-      x = x / _along_dim(extras[self.smooth], x.ndim, (lc if self.operand == 1 else rc)[0]).astype(x.dtype)
+      x = x / _along_dim(extras[self.smooth], x.ndim, self.x_contracted[0]).astype(x.dtype)
     if self.atype is not None and self.static is not None:
       x = _static_quantized(x, extras[self.static], self.atype)
     elif self.atype is not None:
-      contracted = lc if self.operand == 1 else rc
-      rows = tuple(d for d in range(x.ndim) if d not in contracted)
+      rows = tuple(d for d in range(x.ndim) if d not in self.x_contracted)
       x = qwix.quantize(x, _QTYPE[self.atype], channelwise_axes=rows)
     ops = (x, w) if self.operand == 1 else (w, x)
     out = qwix.dot_general(*ops, self.numbers)
@@ -313,7 +323,7 @@ def _quantize_weight(w: Any, e: QuantizedAt, s: Any = None) -> QWeight:
   w = jnp.asarray(w)
   wide = w.astype(jnp.promote_types(w.dtype, jnp.float32))   # (scales of a bf16 weight in float32)
   if s is not None:
-    wide = wide * _along_dim(jnp.asarray(s, wide.dtype), wide.ndim, _w_contracted(e))
+    wide = wide * _along_dim(jnp.asarray(s, wide.dtype), wide.ndim, e.w_contracted[0])
   q = qwix.quantize(wide, _QTYPE[e.wtype], channelwise_axes=e.channel, tiled_axes=tiled)
   data = q.qvalue
   if e.wtype == "int4":
@@ -323,15 +333,10 @@ def _quantize_weight(w: Any, e: QuantizedAt, s: Any = None) -> QWeight:
   return QWeight(data, q.scale.astype(wide.dtype))
 
 
-def _w_contracted(e: QuantizedAt) -> int:
-  (lc, rc), _ = e.numbers
-  return (rc if e.operand == 1 else lc)[0]
-
-
 def _smoothing(e: QuantizedAt, w: Any, amax: Any, alpha: float) -> np.ndarray:
   """SmoothQuant's per-channel scale ``s = max|x|^α / max|W|^(1-α)`` over the
   contracted channel (1 where either is zero; in the weight's float type)."""
-  d = _w_contracted(e)
+  d = e.w_contracted[0]
   w = np.abs(np.asarray(w, np.float64))
   wmax = w.max(axis=tuple(i for i in range(w.ndim) if i != d))
   amax = np.asarray(amax, np.float64)
@@ -356,8 +361,7 @@ def _activation_ranges(runs: list, leaves: list) -> dict:
     def hook(path, eqn, invals, at=at):
       e = at.get(path)
       if e is not None:   # (per channel along the one contracted dim when smoothing; else one value)
-        (lc, rc), _ = e.numbers
-        c = (lc if e.operand == 1 else rc)[0] if e.smooth is not None else None
+        c = e.x_contracted[0] if e.smooth is not None else None
         x = np.abs(np.asarray(invals[1 - e.operand], np.float64))
         m = x.max(axis=tuple(i for i in range(x.ndim) if i != c)) if c is not None else x.max(keepdims=False)
         amax[path] = m if path not in amax else np.maximum(amax[path], m)
@@ -408,7 +412,7 @@ def _abstract_weights(an: QuantAnalysis) -> dict:
     w = jax.ShapeDtypeStruct(e.shape, e.dtype)
     out[e.name] = jax.eval_shape(functools.partial(_quantize_weight, e=e), w)
     if e.smooth is not None:
-      out[e.smooth] = jax.ShapeDtypeStruct((e.shape[_w_contracted(e)],), _scale_dtype(e))
+      out[e.smooth] = jax.ShapeDtypeStruct((e.shape[e.w_contracted[0]],), _scale_dtype(e))
     if e.static is not None:
       out[e.static] = jax.ShapeDtypeStruct((), np.float32)
   return out
