@@ -101,13 +101,14 @@ def main(argv=None) -> int:
                        "between them and a folded norm can be rotated)")
   except jaxfold.RotateError as e:
     notes["rotate"] = f"rotate(fused, 'hadamard') refused: {str(e).splitlines()[0][:220]}"
-  bases["naive+smooth(0.5)"] = bases["naive"]   # SmoothQuant's scale migration (quantize(..., smooth=0.5))
+  smoothed = {"naive+smooth(0.5)"}   # SmoothQuant's scale migration (quantize(..., smooth=0.5))
+  bases["naive+smooth(0.5)"] = bases["naive"]
   rows = [{"format": "float", "model": "original", **score(fn, params)}]
   for fmt, kw in FORMATS.items():
     for label, base in bases.items():
       model = base
       args_ = (ids, mask, types) if isinstance(base, tuple) else ()
-      smooth = 0.5 if "smooth" in label else None
+      smooth = 0.5 if label in smoothed else None
       q = jaxfold.quantize(model, *args_, **kw, calibration=[calib], smooth=smooth)
       rows.append({"format": fmt, "model": label, "quantized": f"{q.report.num_quantized}/{len(q.report.sites)}",
                    **score(q.apply_fn, q.params)})

@@ -111,10 +111,11 @@ def main(argv=None) -> int:
       notes[f"rotate({name})"] = f"not available: {str(e).splitlines()[0][:200]}"
   if hasattr(jaxfold, "online_hadamard") and "fold+fuse+rotate(hadamard)" in bases:
     bases["fold+fuse+rotate(hadamard)+online"] = jaxfold.online_hadamard(bases["fold+fuse+rotate(hadamard)"])
-  bases["naive+smooth(0.5)"] = bases["naive"]      # SmoothQuant's migration instead of a rotation
-  bases["fold+fuse+smooth(0.5)"] = fused
-  if "fold+fuse+rotate(hadamard)+online" in bases:  # both remedies
-    bases["fold+fuse+rotate(hadamard)+online+smooth(0.5)"] = bases["fold+fuse+rotate(hadamard)+online"]
+  # quantized with smooth=0.5: SmoothQuant's migration instead of a rotation, and with both
+  smoothed = {"naive+smooth(0.5)": bases["naive"], "fold+fuse+smooth(0.5)": fused}
+  if "fold+fuse+rotate(hadamard)+online" in bases:
+    smoothed["fold+fuse+rotate(hadamard)+online+smooth(0.5)"] = bases["fold+fuse+rotate(hadamard)+online"]
+  bases.update(smoothed)
   for fmt, kw in FORMATS.items():
     kw = dict(kw, group_size=group_for(cfg.n_embd)) if kw["weights"] == "int4" else kw
     for label, base in bases.items():
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
       # Like for like: naive cannot quantize the tied head (wte.attend), so the
       # rotated models keep their untied head copy in float too.
       skip = () if isinstance(base, tuple) else ("wte",)
-      smooth = 0.5 if "smooth" in label else None
+      smooth = 0.5 if label in smoothed else None
       q = jaxfold.quantize(base, *extra, **kw, calibration=[(calib,)], skip=skip, smooth=smooth)
       rows.append({"format": fmt, "model": label, "quantized": f"{q.report.num_quantized}/{len(q.report.sites)}",
                    **metrics(jax.jit(q.apply_fn)(q.params, ids), targets, ref)})
