@@ -19,12 +19,18 @@ class Block(nn.Module):
     return nn.LayerNorm()(nn.Dense(8)(h))
 
 
-def test_eager_call_is_one_program_per_shape_and_exact(x64):
-  rng = np.random.default_rng(0)
+def _block(seed: int, shape: tuple):
+  """(rng, model, example input, random non-trivial params: γ, β, biases included)."""
+  rng = np.random.default_rng(seed)
   m = Block()
-  x = jnp.asarray(rng.standard_normal((3, 5, 12)))
+  x = jnp.asarray(rng.standard_normal(shape))
   params = jax.tree_util.tree_map(lambda a: jnp.asarray(rng.standard_normal(a.shape)) * 0.7 + 0.2,
                                   m.init(jax.random.PRNGKey(0), x))
+  return rng, m, x, params
+
+
+def test_eager_call_is_one_program_per_shape_and_exact(x64):
+  rng, m, x, params = _block(0, (3, 5, 12))
   folded = jaxfold.fold(params, m.apply, x)
   assert folded.report.num_folded == 2
   before = {id(e[1]): e[1] for e in compiled._CACHE.values()}   # (held: no new function reuses their ids)
@@ -44,11 +50,7 @@ def test_eager_call_is_one_program_per_shape_and_exact(x64):
 
 
 def test_a_fused_apply_fn_runs_compiled_too(x64):
-  rng = np.random.default_rng(1)
-  m = Block()
-  x = jnp.asarray(rng.standard_normal((2, 3, 12)))
-  params = jax.tree_util.tree_map(lambda a: jnp.asarray(rng.standard_normal(a.shape)) * 0.7 + 0.2,
-                                  m.init(jax.random.PRNGKey(0), x))
+  rng, m, x, params = _block(1, (2, 3, 12))
   fused = jaxfold.fuse_affine(jaxfold.fold(params, m.apply, x))
   before = {id(e[1]): e[1] for e in compiled._CACHE.values()}   # (held: no new function reuses their ids)
   for s in [(2, 3, 12), (1, 1, 12)]:

@@ -312,15 +312,20 @@ def _pre_ln(d):
   return Pre()
 
 
-@pytest.mark.parametrize("d", [24, 32])
-@pytest.mark.parametrize("name", ["hadamard", "random"])
-def test_named_rotations_are_exact(d, name, x64, tmp_path):
+def _fused_pre_ln(d: int, seed: int):
+  """(rng, model, example input, random params with non-trivial γ, β, biases, the fused fold)."""
   m = _pre_ln(d)
-  rng = np.random.default_rng(0)
+  rng = np.random.default_rng(seed)
   x = jnp.asarray(rng.normal(size=(2, 3, 6)))
   p = jax.tree_util.tree_map(lambda a: jnp.asarray(rng.normal(size=a.shape) * 0.5 + (a.ndim == 1)),
                              m.init(jax.random.PRNGKey(0), x))
-  fused = jaxfold.fuse_affine(jaxfold.fold(p, m.apply, x))
+  return rng, m, x, p, jaxfold.fuse_affine(jaxfold.fold(p, m.apply, x))
+
+
+@pytest.mark.parametrize("d", [24, 32])
+@pytest.mark.parametrize("name", ["hadamard", "random"])
+def test_named_rotations_are_exact(d, name, x64, tmp_path):
+  rng, m, x, p, fused = _fused_pre_ln(d, seed=0)
   r = jaxfold.rotate(fused, name)
   assert r.report.size == d and r.report.norms == 3
   q = r.apply_fn.q
@@ -351,12 +356,7 @@ def test_named_rotation_refusals(x64):
 
 def test_pca_rotation_is_exact_and_orders_the_stream(x64, tmp_path):
   d = 16
-  m = _pre_ln(d)
-  rng = np.random.default_rng(3)
-  x = jnp.asarray(rng.normal(size=(2, 3, 6)))
-  p = jax.tree_util.tree_map(lambda a: jnp.asarray(rng.normal(size=a.shape) * 0.5 + (a.ndim == 1)),
-                             m.init(jax.random.PRNGKey(0), x))
-  fused = jaxfold.fuse_affine(jaxfold.fold(p, m.apply, x))
+  rng, m, x, p, fused = _fused_pre_ln(d, seed=3)
   with pytest.raises(jaxfold.RotateError, match="calibration="):
     jaxfold.rotate(fused, "pca")
   calib = [(jnp.asarray(rng.normal(size=(4, 5, 6))),), (jnp.asarray(rng.normal(size=(1, 7, 6))),)]
